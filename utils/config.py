@@ -1,0 +1,143 @@
+"""Profiles: every size a notebook uses, in ONE table.
+
+A notebook never asks "am I in CI?"; it asks the profile::
+
+    cfg = utils.config.profile()        # LAB_PROFILE, else gpu when CUDA is available, else cpu
+    cfg.dataset, cfg.n_train, cfg.epochs, cfg.batch_size
+
+``smoke`` is for CI (2 CPU cores, seconds per notebook), ``cpu`` for a laptop (minutes),
+``gpu`` for a GPU server (the real experiment).
+"""
+from __future__ import annotations
+
+import os
+from types import MappingProxyType
+
+PROFILE_NAMES = ("smoke", "cpu", "gpu")
+
+# Each row: key -> (smoke, cpu, gpu). Units in the comments. Stages own the rows under their
+# heading; add a row rather than a literal in a notebook.
+TABLE: dict[str, tuple] = {
+    # --- common (00_environment, the training loop) ---
+    "dataset": ("digits", "fashion_mnist", "cifar10"),   # default dataset of the stage notebooks
+    "n_train": (1400, 10_000, 50_000),                    # training images (None = all)
+    "n_val": (397, 2_000, 10_000),                        # held-out images
+    "epochs": (6, 3, 10),                                 # passes over n_train
+    "batch_size": (64, 64, 256),                          # images per optimizer step
+    "lr": (2e-3, 1e-3, 1e-3),                             # Adam learning rate for the default runs
+    "hidden_num_chans": (32, 64, 128),                    # width of the lecture CNN
+    "num_workers": (0, 2, 4),                             # DataLoader workers
+    "loader": ("device", "device", "device"),             # "device" (resident) or "dataloader"
+    # --- stage 1: gradient descent vs SGD, batch size ---
+    "gd_n_points": (256, 1024, 4096),                     # synthetic linear-regression points
+    "gd_steps": (60, 200, 400),                           # optimizer steps on the loss surface
+    "sgd_dataset": ("digits", "fashion_mnist", "fashion_mnist"),
+    "sgd_batch_sizes": ((8, 32, 128, 512), (16, 64, 256, 1024), (16, 64, 256, 1024, 4096)),
+    "sgd_epochs": (3, 3, 10),                             # fixed epoch budget of the sweep
+    "sgd_target_acc": (0.85, 0.85, 0.88),                 # validation accuracy that ends a run
+    "sgd_max_steps": (300, 1500, 20_000),                 # cap on steps-to-target
+    # --- stage 2: CPU vs GPU throughput ---
+    "bench_batch_sizes": ((2, 16, 64), (2, 4, 16, 64, 256), (2, 4, 16, 64, 256, 1024)),
+    "bench_widths": ((16, 64), (32, 128), (32, 128, 512)),   # Net hidden channels swept
+    "bench_repeats": (3, 5, 20),                          # timed repeats (median reported)
+    "bench_warmup": (1, 3, 10),                           # untimed warm-up steps
+    "bench_steps": (3, 10, 30),                           # steps per timed repeat
+    # --- stage 3: data parallelism ---
+    "ddp_nprocs": (2, 2, 0),                              # processes (0 = one per GPU)
+    "ddp_epochs": (2, 2, 5),
+    "ddp_batch_size": (32, 64, 256),                      # per process
+    "ddp_message_sizes": ((1 << 10, 1 << 14, 1 << 18), (1 << 10, 1 << 14, 1 << 18, 1 << 21),
+                          (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 26)),  # float32 elements
+    # --- stage 4: large-batch training ---
+    "lb_dataset": ("digits", "fashion_mnist", "cifar10"),
+    "lb_batch_sizes": ((16, 64, 256), (32, 128, 512, 2048), (64, 256, 1024, 4096, 8192)),
+    "lb_base_batch": (16, 32, 64),                        # batch the base rate was tuned for
+    "lb_base_lr": (0.05, 0.05, 0.05),                     # SGD rate at lb_base_batch
+    "lb_epochs": (4, 4, 16),
+    "lb_warmup_epochs": (1, 1, 3),
+    # --- stage 5: assessment ---
+    "assess_epochs": (8, 8, 20),
+}
+
+class UnknownProfileError(ValueError):
+    pass
+
+
+class Profile:
+    """Read-only view of one column of TABLE: ``cfg.epochs`` or ``cfg["epochs"]``."""
+
+    def __init__(self, name: str, values: dict):
+        self.name = name
+        self._values = MappingProxyType(dict(values))
+
+    def __getattr__(self, key):
+        if key.startswith("_"):
+            raise AttributeError(key)
+        return self[key]
+
+    def __getitem__(self, key):
+        try:
+            return self._values[key]
+        except KeyError:
+            raise KeyError(
+                f"profile {self.name!r} has no size {key!r}; add a row to utils/config.py TABLE "
+                f"(known: {', '.join(sorted(self._values))})") from None
+
+    def __contains__(self, key):
+        return key in self._values
+
+    def keys(self):
+        return self._values.keys()
+
+    def as_dict(self) -> dict:
+        return dict(self._values)
+
+    def summary(self, keys=None) -> str:
+        keys = list(keys) if keys is not None else list(self._values)
+        width = max(len(k) for k in keys)
+        lines = [f"profile: {self.name}  (set LAB_PROFILE to one of {', '.join(PROFILE_NAMES)})"]
+        lines += [f"  {k:<{width}}  {self._values[k]}" for k in keys]
+        return "\n".join(lines)
+
+    def __repr__(self):
+        return f"Profile({self.name!r})"
+
+
+def default_profile_name() -> str:
+    """LAB_PROFILE if set, else gpu when CUDA is available, else cpu."""
+    name = os.environ.get("LAB_PROFILE", "").strip().lower()
+    if name:
+        return name
+    try:
+        import torch
+        return "gpu" if torch.cuda.is_available() else "cpu"
+    except ImportError:  # pragma: no cover - torch is a dependency
+        return "cpu"
+
+
+def profile(name: str | None = None, **overrides) -> Profile:
+    """The sizes for a profile (default: :func:`default_profile_name`).
+
+    ``overrides`` replace single entries (``profile(epochs=1)``); unknown keys are errors.
+    """
+    name = (name or default_profile_name()).strip().lower()
+    if name not in PROFILE_NAMES:
+        raise UnknownProfileError(
+            f"unknown profile {name!r}: valid profiles are {', '.join(PROFILE_NAMES)} "
+            f"(set LAB_PROFILE=smoke|cpu|gpu)")
+    col = PROFILE_NAMES.index(name)
+    values = {k: v[col] for k, v in TABLE.items()}
+    for k, v in overrides.items():
+        if k not in values:
+            raise KeyError(f"unknown size {k!r}; known: {', '.join(sorted(values))}")
+        values[k] = v
+    return Profile(name, values)
+
+
+def _check_table():
+    for k, v in TABLE.items():
+        if not isinstance(v, tuple) or len(v) != len(PROFILE_NAMES):
+            raise ValueError(f"TABLE[{k!r}] must be a tuple of {len(PROFILE_NAMES)} values")
+
+
+_check_table()

@@ -1,0 +1,100 @@
+"""Choosing a device, and describing the hardware a result was measured on."""
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def get_device(prefer: str | None = None) -> torch.device:
+    """The device to train on: ``prefer`` if given ("cpu", "cuda", "cuda:1", "mps"), else the
+    first CUDA GPU, else Apple's MPS, else the CPU."""
+    if prefer:
+        dev = torch.device(prefer)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise RuntimeError(f"device {prefer!r} was asked for but CUDA is not available here; "
+                               "use get_device() to fall back to the CPU")
+        return dev
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    mps = getattr(torch.backends, "mps", None)
+    if mps is not None and mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def synchronize(device: torch.device | str | None = None) -> None:
+    """Wait for queued work on ``device`` (a no-op on the CPU). Every caller is a sync point."""
+    device = torch.device(device) if device is not None else None
+    if device is None or device.type == "cuda":
+        if torch.cuda.is_available():
+            torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _driver_version() -> str | None:
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+        try:
+            v = pynvml.nvmlSystemGetDriverVersion()
+            return v.decode() if isinstance(v, bytes) else v
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return None
+
+
+def describe_hardware() -> dict:
+    """Everything a measurement depends on: CPU, GPUs, torch and CUDA versions."""
+    info = {
+        "cpu": cpu_model(),
+        "cpu_cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+        "gpus": [],
+        "driver": None,
+    }
+    if torch.cuda.is_available():
+        info["driver"] = _driver_version()
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            info["gpus"].append({
+                "index": i,
+                "name": p.name,
+                "memory_gib": round(p.total_memory / 2**30, 1),
+                "capability": f"{p.major}.{p.minor}",
+                "multiprocessors": p.multi_processor_count,
+            })
+    return info
+
+
+def hardware_summary(info: dict | None = None) -> str:
+    """A few printable lines for a notebook's setup cell."""
+    info = info or describe_hardware()
+    lines = [f"CPU    {info['cpu']} ({info['cpu_cores']} cores, torch uses {info['torch_threads']} threads)",
+             f"torch  {info['torch']}  python {info['python']}  CUDA {info['cuda'] or '-'}"
+             f"  cuDNN {info['cudnn'] or '-'}"]
+    if info["gpus"]:
+        for g in info["gpus"]:
+            lines.append(f"GPU {g['index']}  {g['name']}, {g['memory_gib']} GiB, compute {g['capability']},"
+                         f" {g['multiprocessors']} SMs, driver {info['driver'] or 'unknown'}")
+    else:
+        lines.append("GPU    none (CUDA not available): runs use the CPU")
+    return "\n".join(lines)

@@ -1,0 +1,314 @@
+"""THE training loop of the series, and evaluation.
+
+Every notebook, DDP worker, lab and the assessment solution call :func:`fit`; nothing else in
+the series writes a training loop. It takes epochs or steps, a scheduler stepped per
+optimizer step, mixed precision, channels_last, gradient accumulation (with DDP's ``no_sync``),
+periodic evaluation and small callbacks, and returns a :class:`History`.
+
+Timing: the clock is read only after the device has been synchronised, once at each epoch's
+start and end; evaluation is left out of it. The hot loop has no host synchronisation: losses
+and correct counts stay on the device and are read once per epoch.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from .device import synchronize
+
+
+@dataclass
+class History:
+    """What a run produced. Per optimizer step: ``step_loss``, ``step_lr``. Per epoch: a dict in
+    ``epochs`` (train_loss, train_acc, val_loss, val_acc, time_s, images, images_per_s).
+    ``evals``: evaluations every ``eval_every`` steps (step, val_loss, val_acc)."""
+    step_loss: list = field(default_factory=list)
+    step_lr: list = field(default_factory=list)
+    epochs: list = field(default_factory=list)
+    evals: list = field(default_factory=list)
+    steps: int = 0
+    images: int = 0
+    train_time: float = 0.0      # seconds spent training (evaluation excluded)
+    wall_time: float = 0.0       # seconds from start to end of fit, everything included
+
+    @property
+    def images_per_s(self) -> float:
+        return self.images / self.train_time if self.train_time > 0 else float("nan")
+
+    def last(self, key: str, default=None):
+        """The latest per-epoch value of ``key`` (e.g. ``"val_acc"``)."""
+        for e in reversed(self.epochs):
+            if e.get(key) is not None:
+                return e[key]
+        return default
+
+    @property
+    def val_acc(self):
+        return self.last("val_acc")
+
+    def steps_to(self, target_acc: float):
+        """The first step at which a recorded evaluation reached ``target_acc`` (None if never)."""
+        for e in self.evals:
+            if e["val_acc"] is not None and e["val_acc"] >= target_acc:
+                return e["step"]
+        return None
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["images_per_s"] = self.images_per_s
+        return d
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f)
+
+    def __repr__(self):
+        acc = self.val_acc
+        acc_s = f", val_acc {acc:.3f}" if acc is not None else ""
+        return (f"History({len(self.epochs)} epochs, {self.steps} steps{acc_s}, "
+                f"{self.images_per_s:,.0f} images/s)")
+
+
+class Callback:
+    """Override any of these; ``state`` has model, optimizer, epoch, step, history, loss (a
+    device tensor: reading it is a sync point) and ``stop`` (set True to end the run)."""
+
+    def on_step_end(self, state):
+        pass
+
+    def on_epoch_end(self, state):
+        pass
+
+
+class StopAtAccuracy(Callback):
+    """End the run once a recorded evaluation reaches ``target`` validation accuracy."""
+
+    def __init__(self, target: float):
+        self.target = target
+
+    def on_step_end(self, state):
+        ev = state.history.evals
+        if ev and ev[-1]["step"] == state.step and (ev[-1]["val_acc"] or 0) >= self.target:
+            state.stop = True
+
+    on_epoch_end = on_step_end
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)     # DDP / DataParallel / torch.compile wrappers
+
+
+def _param_device(model: nn.Module) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except StopIteration:
+        return torch.device("cpu")
+
+
+def _set_epoch(loader, epoch: int) -> None:
+    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        if obj is not None and hasattr(obj, "set_epoch"):
+            obj.set_epoch(epoch)
+            return
+
+
+def _to(x, device, channels_last):
+    x = x.to(device, non_blocking=True)
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x
+
+
+def _autocast(device: torch.device, amp_dtype):
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=amp_dtype)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, *, loss_fn=None, device=None, amp_dtype=None,
+             channels_last: bool = False) -> dict:
+    """Mean loss and accuracy of ``model`` over ``loader``: ``{"loss", "acc", "n"}``.
+
+    Runs the unwrapped module (no DDP collectives), in eval mode, restoring the mode after.
+    ``acc`` is None when the targets are not class labels (regression)."""
+    net = _unwrap(model)
+    device = torch.device(device) if device is not None else _param_device(net)
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    was_training = net.training
+    net.eval()
+    loss_sum = torch.zeros((), device=device)
+    correct = torch.zeros((), device=device, dtype=torch.long)
+    n, classify = 0, True
+    try:
+        for x, y in loader:
+            x, y = _to(x, device, channels_last), y.to(device, non_blocking=True)
+            with _autocast(device, amp_dtype):
+                out = net(x)
+                loss = loss_fn(out.float(), y)
+            loss_sum += loss.detach() * y.shape[0]
+            classify = classify and out.dim() == 2 and not y.is_floating_point()
+            if classify:
+                correct += (out.argmax(1) == y).sum()
+            n += y.shape[0]
+    finally:
+        net.train(was_training)
+    if n == 0:
+        raise ValueError("evaluate() got an empty loader")
+    return {"loss": loss_sum.item() / n, "acc": correct.item() / n if classify else None, "n": n}
+
+
+def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epochs: int | None = None,
+        steps: int | None = None, scheduler=None, loss_fn=None, device=None, amp_dtype=None,
+        channels_last: bool = False, grad_accum: int = 1, clip_grad_norm: float | None = None,
+        val_loader=None, eval_every: int | None = None, callbacks=(), progress: bool = True,
+        desc: str = "train") -> History:
+    """Train ``model`` and return its :class:`History`.
+
+    epochs / steps: stop after this many passes or optimizer steps (give one or both; the
+        first reached ends the run).
+    scheduler: anything with ``.step()``; stepped after every optimizer step (per iteration).
+    amp_dtype: ``torch.bfloat16`` or ``torch.float16`` for autocast (fp16 uses a GradScaler).
+    grad_accum: micro-batches per optimizer step; the loss is divided by it. Under DDP the
+        gradients are all-reduced only on the last micro-batch (``no_sync`` on the others).
+        A window left open at an epoch's end carries on into the next epoch.
+    val_loader: evaluated at the end of every epoch and every ``eval_every`` steps.
+    """
+    if epochs is None and steps is None:
+        raise ValueError("fit() needs epochs=... or steps=... (or both)")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    if device is not None:
+        device = torch.device(device)
+        model.to(device)
+    else:
+        device = _param_device(model)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    scaler = None
+    if amp_dtype == torch.float16 and device.type == "cuda":
+        scaler = torch.amp.GradScaler("cuda")
+    callbacks = list(callbacks)
+    has_no_sync = hasattr(model, "no_sync")
+
+    hist = History()
+    state = SimpleNamespace(model=model, optimizer=optimizer, epoch=0, step=0, history=hist,
+                            loss=None, stop=False)
+    try:
+        per_epoch = len(train_loader) // grad_accum
+    except TypeError:
+        per_epoch = None
+    total = steps if steps is not None else (per_epoch * epochs if per_epoch else None)
+    if steps is not None and epochs is not None and per_epoch:
+        total = min(steps, per_epoch * epochs)
+    bar = tqdm(total=total, desc=desc, disable=not progress, leave=True, unit="step")
+
+    def run_eval():
+        return evaluate(model, val_loader, loss_fn=loss_fn, device=device, amp_dtype=amp_dtype,
+                        channels_last=channels_last)
+
+    t_start = time.perf_counter()
+    micro = 0
+    step_loss = torch.zeros((), device=device)
+    optimizer.zero_grad(set_to_none=True)
+    epoch = 0
+    while not state.stop and (epochs is None or epoch < epochs) and (steps is None or state.step < steps):
+        state.epoch = epoch
+        _set_epoch(train_loader, epoch)
+        model.train()
+        losses = []                                           # device tensors: no sync per step
+        loss_sum = torch.zeros((), device=device)
+        correct = torch.zeros((), device=device, dtype=torch.long)
+        seen, paused = 0, 0.0
+        synchronize(device)                                   # sync point: start the clock
+        t0 = time.perf_counter()
+        for x, y in train_loader:
+            x, y = _to(x, device, channels_last), y.to(device, non_blocking=True)
+            micro += 1
+            last_micro = micro == grad_accum
+            sync_ctx = model.no_sync() if (has_no_sync and not last_micro) else contextlib.nullcontext()
+            with sync_ctx:
+                with _autocast(device, amp_dtype):
+                    out = model(x)
+                    loss = loss_fn(out, y)
+                scaled = loss / grad_accum
+                (scaler.scale(scaled) if scaler else scaled).backward()
+            loss = loss.detach()
+            step_loss += loss / grad_accum
+            loss_sum += loss.float() * y.shape[0]
+            if out.dim() == 2 and not y.is_floating_point():
+                correct += (out.detach().argmax(1) == y).sum()
+            seen += y.shape[0]
+            if not last_micro:
+                continue
+            micro = 0
+            if scaler:
+                scaler.unscale_(optimizer)
+            if clip_grad_norm is not None:
+                nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+            hist.step_lr.append(optimizer.param_groups[0]["lr"])   # the rate this step used
+            if scaler:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if scheduler is not None:
+                scheduler.step()
+            losses.append(step_loss)
+            step_loss = torch.zeros((), device=device)
+            state.step += 1
+            state.loss = loss
+            bar.update(1)
+            if val_loader is not None and eval_every and state.step % eval_every == 0:
+                synchronize(device)                           # sync point: pause the clock
+                tp = time.perf_counter()
+                r = run_eval()
+                hist.evals.append({"step": state.step, "epoch": epoch, "val_loss": r["loss"],
+                                   "val_acc": r["acc"]})
+                paused += time.perf_counter() - tp
+            for cb in callbacks:
+                cb.on_step_end(state)
+            if state.stop or (steps is not None and state.step >= steps):
+                break
+        synchronize(device)                                   # sync point: stop the clock
+        elapsed = time.perf_counter() - t0 - paused
+        if seen == 0:
+            raise ValueError("the training loader yielded no batches")
+        hist.step_loss.extend(torch.stack(losses).tolist() if losses else [])   # one sync per epoch
+        rec = {"epoch": epoch, "step": state.step, "train_loss": loss_sum.item() / seen,
+               "train_acc": correct.item() / seen if out.dim() == 2 and not y.is_floating_point() else None,
+               "time_s": elapsed, "images": seen, "images_per_s": seen / elapsed if elapsed > 0 else float("nan"),
+               "val_loss": None, "val_acc": None}
+        hist.images += seen
+        hist.train_time += elapsed
+        if val_loader is not None:
+            if hist.evals and hist.evals[-1]["step"] == state.step:
+                r = {"loss": hist.evals[-1]["val_loss"], "acc": hist.evals[-1]["val_acc"]}
+            else:
+                r = run_eval()
+                if eval_every:
+                    hist.evals.append({"step": state.step, "epoch": epoch, "val_loss": r["loss"],
+                                       "val_acc": r["acc"]})
+            rec["val_loss"], rec["val_acc"] = r["loss"], r["acc"]
+        hist.epochs.append(rec)
+        hist.steps = state.step
+        post = {"loss": f"{rec['train_loss']:.3f}"}
+        if rec["val_acc"] is not None:
+            post["val_acc"] = f"{rec['val_acc']:.3f}"
+        bar.set_postfix(post)
+        for cb in callbacks:
+            cb.on_epoch_end(state)
+        epoch += 1
+    bar.close()
+    hist.steps = state.step
+    hist.wall_time = time.perf_counter() - t_start
+    return hist
