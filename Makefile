@@ -4,7 +4,7 @@ VENV        ?= .venv
 CONSTRAINTS ?= constraints.txt
 PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS)
-NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --sanitize-with tests/sanitize.cfg
+NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --nbval-sanitize-with tests/sanitize.cfg
 
 .PHONY: lab test unit notebooks labs check-labs bench clean help
 

@@ -150,7 +150,7 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     expected = offset + int(np.prod(shape)) * dtype.itemsize
     if len(raw) != expected:
         raise ValueError(f"{path}: header says {shape} ({expected} bytes) but the file has {len(raw)}")
-    return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(shape)
+    return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(shape).copy()   # writable
 
 
 def read_cifar10(archive: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

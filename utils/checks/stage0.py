@@ -10,7 +10,8 @@ def check_accuracy(accuracy) -> None:
     """``accuracy(logits, labels)``: the fraction (a float in [0, 1]) of rows whose arg-max
     logit equals the label."""
     name = "accuracy"
-    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 1.0], [0.5, 0.2, 0.9], [1.0, 0.0, 4.0]])
+    logits = torch.tensor([[2.0, 1.0, 0.0, 0.0], [0.0, 3.0, 1.0, 0.0], [0.5, 0.2, 0.9, 0.3],
+                           [1.0, 3.5, 4.0, 0.1]])
     labels = torch.tensor([0, 1, 0, 1])
     got = _call(name, accuracy, logits, labels)
     if isinstance(got, torch.Tensor):
@@ -27,6 +28,6 @@ def check_accuracy(accuracy) -> None:
         _fail(name, "returned 0.25: the arg-max seems to be taken over the batch dimension",
               "the class scores are along dim=1: logits.argmax(dim=1)")
     if not _close(got, 0.5):
-        _fail(name, f"returned {got}, expected 0.5 for the 4-example case in the docstring",
+        _fail(name, f"returned {got}, expected 0.5 on a 4-example, 4-class case",
               "compare logits.argmax(dim=1) with labels, then average")
     _passed(name)
