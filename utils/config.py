@@ -37,11 +37,17 @@ TABLE: dict[str, tuple] = {
     "sgd_target_acc": (0.85, 0.85, 0.88),                 # validation accuracy that ends a run
     "sgd_max_steps": (300, 1500, 20_000),                 # cap on steps-to-target
     # --- stage 2: CPU vs GPU throughput ---
-    "bench_batch_sizes": ((2, 16, 64), (2, 4, 16, 64, 256), (2, 4, 16, 64, 256, 1024)),
+    "bench_batch_sizes": ((2, 4, 64), (2, 4, 16, 64, 256), (2, 4, 16, 64, 256, 1024)),
     "bench_widths": ((16, 64), (32, 128), (32, 128, 512)),   # Net hidden channels swept
     "bench_repeats": (3, 5, 20),                          # timed repeats (median reported)
     "bench_warmup": (1, 3, 10),                           # untimed warm-up steps
     "bench_steps": (3, 10, 30),                           # steps per timed repeat
+    "bench_min_repeat_s": (0.02, 0.1, 0.2),               # seconds a timed repeat lasts at least
+    "bench_compile": (False, False, True),                # try torch.compile (slow to compile on a CPU)
+    "mem_batch_sizes": ((16, 64, 256), (16, 64, 256, 1024), (64, 256, 1024, 4096)),  # memory predicted
+    "pipeline_workers": ((0, 2, 4), (0, 2, 4), (0, 2, 4)),  # DataLoader workers compared
+    "pipeline_epochs": (1, 2, 2),                         # epochs per input-pipeline run
+    "monitor_interval": (0.05, 0.1, 0.1),                 # seconds between GPU samples
     # --- stage 3: data parallelism ---
     "ddp_nprocs": (2, 2, 0),                              # processes (0 = one per GPU)
     "ddp_epochs": (2, 2, 5),

@@ -1,0 +1,194 @@
+"""Training throughput of the lecture CNN on CPU and GPU, measured right (utils.bench).
+
+    python benchmarks/throughput.py            # sizes from the profile (gpu on a GPU server)
+    python benchmarks/throughput.py --quick    # a minute or less on a laptop CPU
+
+Prints a table (device, model, mode, batch size, dtype, layout, images/s median and IQR),
+writes it as JSON with the hardware and versions (atomically) to --out, and ends with one line:
+``speedup <GPU/CPU training images/s at batch 64>`` or ``speedup n/a (no GPU)``.
+
+The model is the lecture's ``Net(hidden_num_chans=128)`` (120,078 parameters) on random
+3x32x32 images, SGD with momentum, one device-resident batch (no input pipeline). The lecture
+measured 5,369 images/s on an RTX 3080 Ti against 1,474 on its CPU at batch 64.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:                      # run as a script from a checkout
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from utils import bench, config, device as devices, models  # noqa: E402
+
+LECTURE = {"gpu": "RTX 3080 Ti", "rows": [          # REFERENCES.md: (device, batch, images/s)
+    ("cpu", 64, 1474), ("cuda", 64, 5369), ("cpu", 4, 1350), ("cuda", 4, 1633), ("cpu", 2, 860), ("cuda", 2, 937)]}
+
+COLUMNS = [("device", "device", "{}"), ("model", "model", "{}"), ("mode", "mode", "{}"),
+           ("batch_size", "batch", "{}"), ("dtype", "dtype", "{}"), ("layout", "layout", "{}"),
+           ("images_per_s_median", "images/s (median)", "{:,.0f}"), ("images_per_s_iqr", "IQR", "{:,.0f}"),
+           ("step_ms", "step ms", "{:.2f}"), ("steps", "steps x repeats", "{}")]
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers, got {text!r}")
+    return vals
+
+
+def parse_args(argv=None):
+    host = socket.gethostname().split(".")[0] or "host"
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="few batch sizes and repeats (under a minute on a CPU)")
+    ap.add_argument("--profile", default=None, help="sizes from this profile (smoke|cpu|gpu); default: LAB_PROFILE, "
+                    "else gpu when CUDA is available, else cpu")
+    ap.add_argument("--batch-sizes", type=_ints, default=None, help="e.g. 2,4,64 (64 is always added)")
+    ap.add_argument("--width", type=int, default=128, help="Net's hidden channels (128: the lecture's 120,078 parameters)")
+    ap.add_argument("--repeats", type=int, default=None, help="timed repeats per row (median reported)")
+    ap.add_argument("--min-repeat-s", type=float, default=None,
+                    help="seconds each timed repeat should last at least (steps are chosen to fit)")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--no-cpu", action="store_true", help="skip the CPU rows (then no speedup line)")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / f"throughput-{host}.json",
+                    help="where to write the JSON (default benchmarks/results/throughput-<host>.json)")
+    return ap.parse_args(argv)
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def versions() -> dict:
+    import numpy
+    v = {"python": platform.python_version(), "torch": torch.__version__, "numpy": numpy.__version__,
+         "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
+         "commit": _git_commit()}
+    try:
+        import pynvml
+        v["nvidia_ml_py"] = getattr(pynvml, "__version__", None)
+    except ImportError:
+        pass
+    return v
+
+
+def atomic_write_json(path: Path, obj) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def plan(args, cfg, has_cuda: bool) -> list[dict]:
+    """The configurations to measure, as keyword dicts for bench.measure_throughput."""
+    if args.batch_sizes:
+        batches = args.batch_sizes
+    elif args.quick:
+        batches = (2, 16, 64)
+    else:
+        batches = cfg.bench_batch_sizes
+    batches = tuple(sorted(set(batches) | {64}))
+    runs = []
+    for dev in (["cpu"] if not args.no_cpu else []) + (["cuda"] if has_cuda else []):
+        for b in batches:
+            runs.append(dict(device=dev, batch_size=b, mode="train"))
+        runs.append(dict(device=dev, batch_size=64, mode="inference"))
+        if dev == "cuda":                  # the one-GPU speed-ups, each alone and together
+            big = max(batches)
+            for b in sorted({64, big}):
+                runs.append(dict(device=dev, batch_size=b, mode="train", amp_dtype="bf16"))
+                runs.append(dict(device=dev, batch_size=b, mode="train", channels_last=True))
+                runs.append(dict(device=dev, batch_size=b, mode="train", amp_dtype="bf16", channels_last=True))
+    return runs
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    cfg = config.profile(args.profile)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    has_cuda = torch.cuda.is_available()
+    repeats = args.repeats or (3 if args.quick else cfg.bench_repeats)
+    warmup = 1 if args.quick else cfg.bench_warmup
+    min_repeat_s = args.min_repeat_s if args.min_repeat_s is not None else 0.05 if args.quick else 0.2
+    model = models.Net(args.width)
+    n_params = models.count_parameters(model)
+    print(devices.hardware_summary())
+    print(f"model Net(hidden_num_chans={args.width}), {n_params:,} parameters; profile {cfg.name}; "
+          f"{'quick; ' if args.quick else ''}{repeats} repeats, {warmup} warm-up")
+
+    rows = []
+    for run in plan(args, cfg, has_cuda):
+        t = bench.measure_throughput(model, run.pop("batch_size"), warmup=warmup, repeats=repeats,
+                                     min_repeat_s=min_repeat_s, name=f"Net{args.width}", **run)
+        row = t.row()
+        row.update(layout="channels_last" if t.channels_last else "contiguous", step_ms=t.step_s * 1e3,
+                   steps=f"{t.steps} x {len(t.images_per_s)}", device=t.device.split(":")[0])
+        rows.append(row)
+        print(f"  {row['device']:>4} {row['mode']:<9} batch {row['batch_size']:>5} {row['dtype']} "
+              f"{row['layout']:<13} {row['images_per_s_median']:>10,.0f} images/s", flush=True)
+
+    print()
+    print(bench.format_table(rows, COLUMNS))
+
+    def at64(dev):
+        for r in rows:
+            if (r["device"], r["mode"], r["batch_size"], r["dtype"], r["channels_last"]) == (dev, "train", 64, "fp32", False):
+                return r["images_per_s_median"]
+        return None
+
+    cpu64, gpu64 = at64("cpu"), at64("cuda")
+    speedup = gpu64 / cpu64 if cpu64 and gpu64 else None
+    result = {
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
+        "profile": cfg.name, "quick": args.quick, "repeats": repeats, "warmup": warmup,
+        "hardware": devices.describe_hardware(), "versions": versions(),
+        "model": {"name": "Net", "hidden_num_chans": args.width, "parameters": n_params, "input": [3, 32, 32],
+                  "optimizer": "SGD momentum 0.9", "loss": "cross-entropy"},
+        "rows": rows,
+        "speedup_batch64": speedup,
+        "lecture_reference": LECTURE,
+    }
+    atomic_write_json(args.out, result)
+    print(f"\nwrote {args.out}")
+    if cpu64:
+        print(f"CPU batch 64: {cpu64:,.0f} images/s (lecture's CPU: 1,474)")
+    if gpu64:
+        print(f"GPU batch 64: {gpu64:,.0f} images/s (lecture's RTX 3080 Ti: 5,369)")
+        best = max((r for r in rows if r["device"] == "cuda" and r["mode"] == "train"),
+                   key=lambda r: r["images_per_s_median"])
+        print(f"best GPU training row: {best['images_per_s_median']:,.0f} images/s at batch {best['batch_size']}, "
+              f"{best['dtype']}, {best['layout']}")
+    print(f"speedup {speedup:.2f}" if speedup else "speedup n/a (no GPU)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,432 @@
+"""utils.bench: the timer against known durations, the memory predictor against a real
+optimizer's state, throughput and loaders; the stage-2 self-checks; the throughput benchmark."""
+import json
+import statistics
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import utils.checks as checks
+from utils import bench, data, models, train
+
+
+# ----------------------------------------------------------------------------------------
+# time_fn
+# ----------------------------------------------------------------------------------------
+
+def test_time_fn_matches_a_sleep_within_10_percent():
+    t = bench.time_fn(lambda: time.sleep(0.05), warmup=1, repeats=5)
+    assert t.method == "perf_counter" and len(t.seconds) == 5 and len(t.warmup_seconds) == 1
+    assert t.median == pytest.approx(0.05, rel=0.10), f"time_fn measured {t.median:.4f} s for a 0.05 s sleep"
+
+
+def test_time_fn_divides_by_number():
+    t = bench.time_fn(lambda: time.sleep(0.05), warmup=0, repeats=3, number=3)
+    assert t.median == pytest.approx(0.05, rel=0.10), "seconds must be per call, not per repeat of `number` calls"
+
+
+def test_time_fn_leaves_the_warm_up_out():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.2 if len(calls) <= 2 else 0.05)     # two cold calls, then warm ones
+
+    t = bench.time_fn(fn, warmup=2, repeats=5)
+    assert len(calls) == 7
+    assert t.median == pytest.approx(0.05, rel=0.10), "the warm-up calls must not be timed"
+    assert min(t.warmup_seconds) > 0.18
+
+
+def test_time_fn_reports_the_median_not_the_mean():
+    calls = []
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.3 if len(calls) == 3 else 0.05)     # one outlier among five
+
+    t = bench.time_fn(fn, warmup=0, repeats=5)
+    assert t.median == pytest.approx(0.05, rel=0.10) and t.mean > 0.09
+    assert t.median == statistics.median(t.seconds)
+
+
+def test_time_fn_synchronises_an_asynchronous_device():
+    """The work is queued on another thread (as CUDA does); without sync the host timer reads ~0."""
+    with bench.SimulatedGPU() as gpu:
+        t = bench.time_fn(lambda: gpu.launch(0.05), warmup=1, repeats=5, sync=gpu.synchronize)
+        assert t.median == pytest.approx(0.05, rel=0.10), f"measured {t.median:.4f} s for 0.05 s of queued work"
+        assert gpu.syncs >= 5, "time_fn must synchronise before reading the clock after each repeat"
+        t0 = time.perf_counter()
+        gpu.launch(0.03)
+        naive = time.perf_counter() - t0
+        gpu.synchronize()
+    assert naive < 0.01, "the simulated launch should return at once"
+    assert not [th for th in threading.enumerate() if th.name == "SimulatedGPU"], "SimulatedGPU leaked its thread"
+
+
+def test_time_fn_uses_cuda_events_on_cuda(monkeypatch):
+    """The CUDA branch, driven by a fake torch.cuda.Event (no GPU needed)."""
+    made = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing, "CUDA events need enable_timing=True to be timed"
+            self.t, self.synced = None, False
+            made.append(self)
+
+        def record(self, stream=None):
+            self.t = time.perf_counter()
+
+        def synchronize(self):
+            self.synced = True
+
+        def elapsed_time(self, other):
+            assert other.synced, "read an event's time only after synchronising on it"
+            return (other.t - self.t) * 1e3                      # milliseconds, as CUDA does
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(bench, "synchronize", lambda device=None: None)
+    t = bench.time_fn(lambda: time.sleep(0.05), warmup=1, repeats=4, device="cuda")
+    assert t.method == "cuda events" and len(made) == 2
+    assert t.median == pytest.approx(0.05, rel=0.10), "elapsed_time is in ms: divide by 1000"
+
+
+def test_time_fn_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="repeats"):
+        bench.time_fn(lambda: None, repeats=0)
+    with pytest.raises(TypeError, match="callable"):
+        bench.time_fn(42)
+
+
+# ----------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------
+
+def _step(model, opt, shape=(3, 32, 32)):
+    torch.manual_seed(0)
+    x = torch.randn(4, *shape)
+    nn.functional.cross_entropy(model(x), torch.randint(0, 10, (4,))).backward()
+    opt.step()
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.1),
+    "sgd-momentum": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-3),
+    "adamw-amsgrad": lambda p: torch.optim.AdamW(p, lr=1e-3, amsgrad=True),
+    "rmsprop-centered-momentum": lambda p: torch.optim.RMSprop(p, lr=1e-3, momentum=0.9, centered=True),
+    "adagrad": lambda p: torch.optim.Adagrad(p, lr=1e-3),
+}
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("model_name", ["net", "resnet9"])
+def test_state_bytes_match_the_real_optimizer(name, model_name):
+    torch.manual_seed(0)
+    model = models.Net(16) if model_name == "net" else models.ResNet9(width=4)
+    opt = OPTIMIZERS[name](model.parameters())
+    _step(model, opt, (3, 32, 32) if model_name == "net" else (3, 16, 16))
+    counted_params = sum(p.numel() * p.element_size() for p in model.parameters())
+    counted_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
+    assert bench.parameter_bytes(model) == counted_params
+    assert bench.grad_bytes(model) == counted_grads
+    counted = bench.counted_state_bytes(opt)
+    assert bench.optimizer_state_bytes(model, opt) == counted, f"{name}: predicted state != optimizer.state"
+    by_name = {"sgd": ("sgd", 0.0), "sgd-momentum": ("sgd", 0.9), "adam": ("adam", 0.0)}
+    if name in by_name:
+        kind, mom = by_name[name]
+        assert bench.optimizer_state_bytes(model, kind, momentum=mom) == counted
+    if name == "adam":
+        assert counted == 2 * counted_params, "Adam keeps exactly 2x the parameters"
+    if name == "sgd":
+        assert counted == 0, "SGD without momentum keeps no state"
+
+
+def test_state_bytes_of_frozen_and_low_precision_parameters():
+    model = models.Net(16).to(torch.bfloat16)
+    model.conv1.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-3)
+    x = torch.randn(2, 3, 32, 32, dtype=torch.bfloat16)
+    model(x).float().sum().backward()
+    opt.step()
+    counted_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
+    assert bench.grad_bytes(model) == counted_grads, "frozen parameters get no gradient"
+    assert bench.optimizer_state_bytes(model, "adam") == bench.counted_state_bytes(opt)
+    assert bench.optimizer_state_bytes(model, opt) == bench.counted_state_bytes(opt)
+
+
+def test_counted_state_leaves_out_adams_step_counters():
+    model = nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    assert bench.counted_state_bytes(opt) == 2 * (6 + 2) * 4
+
+
+def test_unknown_optimizer_is_a_clear_error():
+    with pytest.raises(ValueError, match="known"):
+        bench.optimizer_state_bytes(nn.Linear(2, 2), "lion")
+
+
+def test_activation_estimate_is_linear_in_batch_and_leaves_the_model_alone():
+    torch.manual_seed(0)
+    model = models.ResNet9(width=4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    a8 = bench.activation_bytes(model, 8)
+    a16 = bench.activation_bytes(model, 16)
+    a32 = bench.activation_bytes(model, 32)
+    assert 0 < a8 < a16 < a32
+    assert (a32 - a16) == pytest.approx(2 * (a16 - a8), rel=1e-6), "activations grow linearly with the batch"
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), f"activation_bytes changed {k} (restore batch-norm buffers)"
+    assert all(p.grad is None for p in model.parameters())
+    # Net on 32x32: at least the first convolution's output (hidden x 28 x 28 floats per image)
+    net = models.Net(16)
+    assert bench.activation_bytes(net, 10) >= 10 * 16 * 28 * 28 * 4
+
+
+def test_predict_memory_adds_up():
+    p = bench.predict_memory(models.Net(16), 64, optimizer="sgd", momentum=0.9)
+    assert p.total == p.params + p.buffers + p.grads + p.optimizer_state + p.activations
+    assert p.optimizer_state == p.params == p.grads
+    assert "activations" in p.table() and p.as_dict()["total"] == p.total
+
+
+def test_measure_memory_needs_cuda():
+    assert bench.measure_memory(models.Net(8), 4, device="cpu") is None
+
+
+def test_format_bytes():
+    assert bench.format_bytes(512) == "512 B"
+    assert bench.format_bytes(3 * 2**20) == "3.00 MiB"
+
+
+# ----------------------------------------------------------------------------------------
+# Throughput and loaders
+# ----------------------------------------------------------------------------------------
+
+def test_throughput_rows_and_the_model_is_not_changed():
+    model = models.Net(8, in_channels=1, image_size=8)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for kw in ({}, {"amp_dtype": "bf16"}, {"channels_last": True}):
+        t = bench.train_throughput(model, 8, input_shape=(1, 8, 8), warmup=1, repeats=2, steps=1, **kw)
+        assert len(t.images_per_s) == 2 and t.median > 0 and t.steps == 1
+        row = t.row()
+        assert row["images_per_s_median"] == t.median and row["batch_size"] == 8
+    assert t.channels_last and t.dtype == "fp32"
+    i = bench.inference_throughput(model, 8, input_shape=(1, 8, 8), warmup=1, repeats=2, min_repeat_s=0)
+    assert i.mode == "inference" and i.steps >= 1
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), "measuring throughput must not train the caller's model"
+    assert next(model.parameters()).is_contiguous()
+    with pytest.raises(ValueError, match="dtype"):
+        bench.train_throughput(model, 8, amp_dtype="int8")
+
+
+def test_timed_loader_counts_the_wait_and_works_with_fit():
+    class Slow:
+        def __init__(self):
+            self.epochs = []
+
+        def __len__(self):
+            return 4
+
+        def set_epoch(self, e):
+            self.epochs.append(e)
+
+        def __iter__(self):
+            for _ in range(4):
+                time.sleep(0.05)
+                yield torch.randn(3, 1, 8, 8), torch.randint(0, 10, (3,))
+
+    slow = Slow()
+    loader = bench.TimedLoader(slow)
+    model = models.Net(4, in_channels=1, image_size=8)
+    h = train.fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.01), epochs=2, progress=False)
+    assert slow.epochs == [0, 1], "TimedLoader must pass set_epoch through"
+    assert loader.batches == 8 and h.steps == 8
+    assert 8 * 0.05 <= loader.wait_s < 8 * 0.05 * 1.5, f"waited {loader.wait_s:.3f} s for 8 batches of 0.05 s"
+    assert loader.wait_s < h.train_time
+
+
+def test_timed_loader_passes_set_epoch_to_a_dataloaders_sampler():
+    ds = data.synthetic(16, (1, 8, 8))
+    dl = data.make_loader(ds, 4, kind="dataloader")
+    tl = bench.TimedLoader(dl)
+    tl.set_epoch(3)
+    assert dl.sampler.epoch == 3 and len(tl) == 4
+
+
+def test_slow_dataset_costs_its_time():
+    ds = bench.SlowDataset(data.synthetic(4, (1, 2, 2)), cost_s=0.01)
+    t0 = time.perf_counter()
+    x, y = ds[0]
+    assert time.perf_counter() - t0 >= 0.01 and x.shape == (1, 2, 2) and len(ds) == 4
+
+
+def test_simulated_gpu_refuses_work_after_close():
+    gpu = bench.SimulatedGPU()
+    gpu.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        gpu.launch(0.01)
+
+
+# ----------------------------------------------------------------------------------------
+# Self-checks: pass on a right answer, fail on the placeholder and typical mistakes
+# ----------------------------------------------------------------------------------------
+
+def _placeholder(*a, **k):
+    raise NotImplementedError("Exercise: write this part (see the hint above)")
+
+
+def state_bytes_right(model, optimizer, momentum=0.0):
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    mult = {"adam": 2, "sgd": 1 if momentum else 0}[optimizer]
+    return {"params": params, "grads": grads, "optimizer_state": mult * grads}
+
+
+def state_bytes_counts_elements(model, optimizer, momentum=0.0):
+    d = state_bytes_right(model, optimizer, momentum)
+    return {k: v // next(model.parameters()).element_size() for k, v in d.items()}
+
+
+def state_bytes_adam_once(model, optimizer, momentum=0.0):
+    d = state_bytes_right(model, optimizer, momentum)
+    if optimizer == "adam":
+        d["optimizer_state"] //= 2
+    return d
+
+
+def state_bytes_ignores_frozen(model, optimizer, momentum=0.0):
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    mult = {"adam": 2, "sgd": 1 if momentum else 0}[optimizer]
+    return {"params": params, "grads": params, "optimizer_state": mult * params}
+
+
+def test_check_state_bytes():
+    checks.check_state_bytes(state_bytes_right)
+    for wrong, says in [(_placeholder, "not implemented"), (state_bytes_counts_elements, "element"),
+                        (state_bytes_adam_once, "TWO"), (state_bytes_ignores_frozen, "requires_grad")]:
+        with pytest.raises(checks.CheckFailed, match=says):
+            checks.check_state_bytes(wrong)
+
+
+def time_step_right(step, sync, warmup=3, repeats=5):
+    for _ in range(warmup):
+        step()
+    sync()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        step()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def time_step_no_sync(step, sync, warmup=3, repeats=5):
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    sync()
+    return statistics.median(times)
+
+
+def time_step_mean(step, sync, warmup=3, repeats=5):
+    for _ in range(warmup):
+        step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        step()
+    sync()
+    return (time.perf_counter() - t0) / repeats
+
+
+def time_step_no_warmup(step, sync, warmup=3, repeats=5):
+    return time_step_right(step, sync, 0, repeats)
+
+
+def test_check_time_step():
+    checks.check_time_step(time_step_right)
+    for wrong, says in [(_placeholder, "not implemented"), (time_step_no_sync, "sync"),
+                        (time_step_mean, "MEDIAN"), (time_step_no_warmup, "warmup")]:
+        with pytest.raises(checks.CheckFailed, match=says):
+            checks.check_time_step(wrong)
+    assert not [th for th in threading.enumerate() if th.name == "SimulatedGPU"]
+
+
+def wait_fraction_right(loader, step):
+    waited, t_start = 0.0, time.perf_counter()
+    it = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        waited += time.perf_counter() - t0
+        step(batch)
+    return waited / (time.perf_counter() - t_start)
+
+
+def wait_fraction_ratio(loader, step):
+    waited = stepped = 0.0
+    it = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        t1 = time.perf_counter()
+        step(batch)
+        waited, stepped = waited + t1 - t0, stepped + time.perf_counter() - t1
+    return waited / stepped
+
+
+def wait_fraction_step_share(loader, step):
+    return 1 - wait_fraction_right(loader, step)
+
+
+def test_check_wait_fraction():
+    checks.check_wait_fraction(wait_fraction_right)
+    for wrong, says in [(_placeholder, "not implemented"), (wait_fraction_ratio, "TOTAL"),
+                        (wait_fraction_step_share, "share spent in step")]:
+        with pytest.raises(checks.CheckFailed, match=says):
+            checks.check_wait_fraction(wrong)
+
+
+# ----------------------------------------------------------------------------------------
+# The benchmark script
+# ----------------------------------------------------------------------------------------
+
+def test_throughput_benchmark_writes_json_and_ends_with_speedup(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput.py"
+    spec = importlib.util.spec_from_file_location("throughput_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    out = tmp_path / "r" / "t.json"
+    assert mod.main(["--quick", "--batch-sizes", "2", "--width", "4", "--repeats", "2", "--min-repeat-s", "0",
+                     "--out", str(out)]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    has_gpu = torch.cuda.is_available()
+    assert lines[-1].startswith("speedup ") and (has_gpu or lines[-1] == "speedup n/a (no GPU)"), lines[-1]
+    res = json.loads(out.read_text())
+    assert {"hardware", "versions", "rows", "speedup_batch64", "model"} <= set(res)
+    assert res["hardware"]["torch"] == torch.__version__
+    batches = sorted({r["batch_size"] for r in res["rows"] if r["device"] == "cpu" and r["mode"] == "train"})
+    assert batches == [2, 64], "batch 64 is always measured (the speedup line needs it)"
+    assert all(r["images_per_s_median"] > 0 for r in res["rows"])
+    assert not list(out.parent.glob("*.tmp")), "the atomic write left a temporary file"

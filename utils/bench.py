@@ -1,0 +1,632 @@
+"""Throughput and memory, measured right, once for everyone.
+
+Timing (:func:`time_fn`): untimed warm-up calls first (allocator, cuDNN autotuning, compilation
+happen there), then ``repeats`` timed repeats of ``number`` calls each. On a CUDA device the
+repeats are timed with CUDA events recorded on the stream; elsewhere with ``time.perf_counter``
+read only after the device has been synchronised. We report the median of the repeats and
+their spread (the interquartile range), never a single run and never the mean (one slow
+repeat, a garbage collection or another process, would drag it).
+
+Throughput (:func:`train_throughput`, :func:`inference_throughput`): images/s of one model on
+one fixed, device-resident batch of random images, for a given batch size, device, dtype
+(bf16 autocast), memory format (channels_last) and, optionally, ``torch.compile``. This times
+the step alone, with no input pipeline; the whole loop with data is ``utils.train.fit``'s
+``History.images_per_s``, and :class:`TimedLoader` measures how long ``fit`` waits for data.
+
+Memory (:func:`predict_memory`): the bytes training keeps on the device: parameters and
+buffers, gradients, optimizer state (exactly: SGD with momentum 1x the parameters, without 0x;
+Adam and AdamW 2x, 3x with amsgrad), and an estimate of the activations saved for backward.
+:func:`measure_memory` measures the peak with ``torch.cuda.max_memory_allocated`` on a GPU.
+
+:class:`SimulatedGPU` is a stand-in for an asynchronous accelerator (work queued to a thread)
+that shows on any machine why a host timer without synchronisation lies.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import queue
+import statistics
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import nn
+
+from .device import synchronize
+
+__all__ = ["Timing", "time_fn", "Throughput", "train_throughput", "inference_throughput",
+           "measure_throughput", "MemoryPrediction", "parameter_bytes", "buffer_bytes", "grad_bytes",
+           "optimizer_state_bytes", "counted_state_bytes", "activation_bytes", "predict_memory",
+           "measure_memory", "TimedLoader", "SimulatedGPU", "format_bytes", "format_table"]
+
+
+# ----------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------
+
+def _quantiles(xs):
+    """(q25, median, q75) of ``xs`` (linear interpolation; a single value gives itself three times)."""
+    xs = sorted(xs)
+    if len(xs) == 1:
+        return xs[0], xs[0], xs[0]
+    q25, q50, q75 = statistics.quantiles(xs, n=4, method="inclusive")
+    return q25, q50, q75
+
+
+@dataclass
+class Timing:
+    """Seconds per call, one entry per timed repeat, and how they were taken."""
+    seconds: list
+    warmup: int
+    number: int
+    method: str                   # "cuda events" or "perf_counter"
+    warmup_seconds: list = field(default_factory=list)   # each warm-up call, for showing its cost
+
+    @property
+    def median(self) -> float:
+        return _quantiles(self.seconds)[1]
+
+    @property
+    def iqr(self) -> float:
+        q25, _, q75 = _quantiles(self.seconds)
+        return q75 - q25
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.seconds)
+
+    @property
+    def min(self) -> float:
+        return min(self.seconds)
+
+    @property
+    def max(self) -> float:
+        return max(self.seconds)
+
+    def __repr__(self):
+        return (f"Timing(median {self.median * 1e3:.3f} ms, IQR {self.iqr * 1e3:.3f} ms, "
+                f"{len(self.seconds)} repeats x {self.number} calls, {self.method})")
+
+
+def time_fn(fn, *, warmup: int = 3, repeats: int = 10, number: int = 1, device=None, sync=None) -> Timing:
+    """Time ``fn()`` (no arguments): seconds per call, per repeat, as a :class:`Timing`.
+
+    device: where ``fn`` queues its work. On ``cuda`` the repeats are timed with CUDA events on
+        the current stream; otherwise with ``perf_counter`` between two synchronisations.
+    sync: a callable that waits for all queued work (default: ``utils.device.synchronize(device)``,
+        a no-op on the CPU). Pass your own for other asynchronous back-ends.
+    """
+    if warmup < 0 or repeats < 1 or number < 1:
+        raise ValueError(f"need warmup >= 0, repeats >= 1 and number >= 1; got {warmup}, {repeats}, {number}")
+    if not callable(fn):
+        raise TypeError(f"time_fn needs a callable with no arguments, got {type(fn).__name__}")
+    device = torch.device(device) if device is not None else None
+    use_events = sync is None and device is not None and device.type == "cuda"
+    if sync is None:
+        def sync():
+            synchronize(device) if device is not None else None
+
+    warm = []
+    for _ in range(warmup):
+        sync()                                       # sync point: the warm-up call's own time
+        t0 = time.perf_counter()
+        fn()
+        sync()                                       # sync point
+        warm.append(time.perf_counter() - t0)
+    sync()                                           # sync point: nothing left queued before timing
+
+    seconds = []
+    if use_events:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(repeats):
+            start.record()
+            for _ in range(number):
+                fn()
+            end.record()
+            end.synchronize()                        # sync point: wait for this repeat's work
+            seconds.append(start.elapsed_time(end) / 1e3 / number)   # elapsed_time is in ms
+    else:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(number):
+                fn()
+            sync()                                   # sync point: the work, not just its launch
+            seconds.append((time.perf_counter() - t0) / number)
+    return Timing(seconds, warmup, number, "cuda events" if use_events else "perf_counter", warm)
+
+
+# ----------------------------------------------------------------------------------------
+# Throughput
+# ----------------------------------------------------------------------------------------
+
+_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16}
+
+
+def _amp(amp_dtype):
+    """(autocast dtype or None, its short name) from None, a torch dtype or a name."""
+    if isinstance(amp_dtype, str):
+        if amp_dtype.lower() not in _DTYPES:
+            raise ValueError(f"unknown dtype {amp_dtype!r}; use one of fp32, bf16, fp16")
+        amp_dtype = _DTYPES[amp_dtype.lower()]
+    if amp_dtype is None or amp_dtype == torch.float32:
+        return None, "fp32"
+    if amp_dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"autocast dtype must be torch.bfloat16 or torch.float16, got {amp_dtype}")
+    return amp_dtype, "bf16" if amp_dtype == torch.bfloat16 else "fp16"
+
+
+def _autocast(device: torch.device, amp_dtype):
+    if amp_dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=amp_dtype)
+
+
+@dataclass
+class Throughput:
+    """Images/s of one configuration: one entry per timed repeat, with what was measured."""
+    mode: str                     # "train" (forward, backward, optimizer step) or "inference"
+    model: str
+    device: str
+    batch_size: int
+    dtype: str                    # fp32, or the autocast dtype
+    channels_last: bool
+    compiled: bool
+    steps: int                    # steps per timed repeat
+    images_per_s: list            # one per repeat
+    step_s: float                 # median seconds per step
+    first_step_s: float           # the first (cold) step: allocation, autotuning, compilation
+    method: str
+
+    @property
+    def median(self) -> float:
+        return _quantiles(self.images_per_s)[1]
+
+    @property
+    def iqr(self) -> float:
+        q25, _, q75 = _quantiles(self.images_per_s)
+        return q75 - q25
+
+    def row(self) -> dict:
+        d = asdict(self)
+        d.update(images_per_s_median=self.median, images_per_s_iqr=self.iqr)
+        return d
+
+    def __repr__(self):
+        return (f"Throughput({self.mode} {self.model} on {self.device}, batch {self.batch_size}, {self.dtype}"
+                f"{', channels_last' if self.channels_last else ''}{', compiled' if self.compiled else ''}: "
+                f"{self.median:,.0f} images/s, IQR {self.iqr:,.0f})")
+
+
+def _make_optimizer(optimizer, params, lr=1e-3):
+    if isinstance(optimizer, str):
+        name = optimizer.lower()
+        if name == "sgd":
+            return torch.optim.SGD(params, lr=lr, momentum=0.9)
+        if name == "adam":
+            return torch.optim.Adam(params, lr=lr)
+        if name == "adamw":
+            return torch.optim.AdamW(params, lr=lr)
+        raise ValueError(f"unknown optimizer {optimizer!r}; use 'sgd', 'adam' or 'adamw', "
+                         "or pass a function params -> optimizer")
+    return optimizer(params)
+
+
+def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train", device=None,
+                       input_shape=(3, 32, 32), num_classes: int = 10, amp_dtype=None,
+                       channels_last: bool = False, compile: bool = False, optimizer="sgd",
+                       warmup: int = 3, repeats: int = 10, steps: int | None = None,
+                       min_repeat_s: float = 0.1, max_steps: int = 50, name: str | None = None) -> Throughput:
+    """Images/s of ``model`` (a copy: yours is not moved or changed) on one random batch.
+
+    mode: "train" (forward, loss, backward, optimizer step) or "inference" (forward, no grad).
+    steps: steps per timed repeat; None chooses enough for about ``min_repeat_s`` seconds
+        (at most ``max_steps``), from the time of one warm step.
+    optimizer: "sgd" (momentum 0.9), "adam", "adamw" or a function params -> optimizer.
+    """
+    if mode not in ("train", "inference"):
+        raise ValueError(f"mode must be 'train' or 'inference', got {mode!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    amp_dtype, dtype_name = _amp(amp_dtype)
+    name = name or type(model).__name__
+    net = copy.deepcopy(model).to(device)
+    if channels_last:
+        net = net.to(memory_format=torch.channels_last)
+    x = torch.randn(batch_size, *input_shape, device=device)
+    if channels_last and x.dim() == 4:
+        x = x.contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, num_classes, (batch_size,), device=device)
+    run = torch.compile(net) if compile else net
+    loss_fn = nn.CrossEntropyLoss()
+
+    if mode == "train":
+        net.train()
+        opt = _make_optimizer(optimizer, net.parameters())
+
+        def step():
+            with _autocast(device, amp_dtype):
+                loss = loss_fn(run(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    else:
+        net.eval()
+
+        def step():
+            with torch.no_grad(), _autocast(device, amp_dtype):
+                run(x)
+
+    first = time_fn(step, warmup=0, repeats=1, device=device)   # the cold step, timed on its own
+    if steps is None:
+        one = time_fn(step, warmup=max(warmup - 1, 0), repeats=1, device=device).median
+        steps = max(1, min(max_steps, math.ceil(min_repeat_s / max(one, 1e-6))))
+        warmup = 0                                   # the warm-up calls just happened
+    else:
+        warmup = max(warmup - 1, 0)
+    t = time_fn(step, warmup=warmup, repeats=repeats, number=steps, device=device)
+    return Throughput(mode, name, str(device), batch_size, dtype_name, channels_last, compile, steps,
+                      [batch_size / s for s in t.seconds], t.median, first.seconds[0], t.method)
+
+
+def train_throughput(model, batch_size, **kw) -> Throughput:
+    """Training images/s (forward, backward, optimizer step); see :func:`measure_throughput`."""
+    return measure_throughput(model, batch_size, mode="train", **kw)
+
+
+def inference_throughput(model, batch_size, **kw) -> Throughput:
+    """Inference images/s (forward under no_grad); see :func:`measure_throughput`."""
+    return measure_throughput(model, batch_size, mode="inference", **kw)
+
+
+# ----------------------------------------------------------------------------------------
+# Memory
+# ----------------------------------------------------------------------------------------
+
+def _unique(tensors):
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of all parameters (shared ones once)."""
+    return sum(_nbytes(p) for p in _unique(model.parameters()))
+
+
+def buffer_bytes(model: nn.Module) -> int:
+    """Bytes of the buffers (batch-norm running statistics and the like)."""
+    return sum(_nbytes(b) for b in _unique(model.buffers()))
+
+
+def grad_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients backward will create: one per trainable parameter, same dtype."""
+    return sum(_nbytes(p) for p in _unique(model.parameters()) if p.requires_grad)
+
+
+def _state_multiplier(kind: str, group: dict) -> int:
+    """Per-element state tensors (each the size of its parameter) an optimizer keeps."""
+    if kind == "sgd":
+        return 1 if group.get("momentum", 0) else 0
+    if kind in ("adam", "adamw"):
+        return 3 if group.get("amsgrad", False) else 2
+    if kind == "rmsprop":
+        return 1 + (1 if group.get("momentum", 0) else 0) + (1 if group.get("centered", False) else 0)
+    if kind == "adagrad":
+        return 1
+    raise ValueError(f"no state rule for optimizer {kind!r}; known: sgd, adam, adamw, rmsprop, adagrad")
+
+
+def optimizer_state_bytes(model_or_params, optimizer="adam", *, momentum: float = 0.0,
+                          amsgrad: bool = False) -> int:
+    """Bytes of the optimizer's per-element state after its first step, exactly.
+
+    ``optimizer``: a ``torch.optim`` instance (its param groups decide), or a name ("sgd",
+    "adam", "adamw", "rmsprop", "adagrad") with ``momentum``/``amsgrad`` for the model's
+    trainable parameters. SGD keeps a momentum buffer only when momentum != 0; Adam keeps
+    exp_avg and exp_avg_sq (2x the parameters). Not counted: Adam's per-parameter ``step``
+    counters, 0-dimensional tensors that live on the CPU unless ``capturable``/``fused``.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        kind = type(optimizer).__name__.lower()
+        total = 0
+        for g in optimizer.param_groups:
+            mult = _state_multiplier(kind, g)
+            total += mult * sum(_nbytes(p) for p in g["params"] if p.requires_grad)
+        return total
+    if not isinstance(optimizer, str):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a name, got {type(optimizer).__name__}")
+    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
+    group = {"momentum": momentum, "amsgrad": amsgrad}
+    mult = _state_multiplier(optimizer.lower(), group)
+    return mult * sum(_nbytes(p) for p in _unique(params) if p.requires_grad)
+
+
+def counted_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The oracle: bytes of the per-element tensors really held in ``optimizer.state`` (call it
+    after a step; 0-dimensional counters such as Adam's ``step`` are left out)."""
+    total = 0
+    for st in optimizer.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                total += _nbytes(v)
+    return total
+
+
+def _saved_bytes(model: nn.Module, batch_size: int, input_shape, amp_dtype, num_classes: int) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves for backward in one forward."""
+    device = next(model.parameters()).device
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr not in param_ptrs:
+            seen[ptr] = max(seen.get(ptr, 0), s.nbytes())
+        return t
+
+    x = torch.randn(batch_size, *input_shape, device=device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+        with _autocast(device, amp_dtype):
+            out = model(x)
+            y = torch.zeros(batch_size, dtype=torch.long, device=device)
+            nn.functional.cross_entropy(out.float(), y)
+    return sum(seen.values())
+
+
+def activation_bytes(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, amp_dtype=None,
+                     num_classes: int = 10) -> int:
+    """Estimate of the activations saved for backward at ``batch_size``.
+
+    Runs two tiny forward passes (batch 2 and 4) on the model's device, counts the tensors
+    autograd saves (parameters excluded), and extrapolates the straight line fixed + per-image x
+    batch. The model's buffers (batch-norm statistics) are restored afterwards. An estimate: the
+    peak during backward adds temporary gradient buffers and library workspaces."""
+    amp_dtype, _ = _amp(amp_dtype)
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    try:
+        b1, b2 = 2, 4
+        s1 = _saved_bytes(model, b1, input_shape, amp_dtype, num_classes)
+        s2 = _saved_bytes(model, b2, input_shape, amp_dtype, num_classes)
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+    per_image = (s2 - s1) / (b2 - b1)
+    fixed = s1 - per_image * b1
+    return int(round(max(fixed, 0) + per_image * batch_size))
+
+
+@dataclass
+class MemoryPrediction:
+    """Bytes training keeps on the device, by kind."""
+    batch_size: int
+    params: int
+    buffers: int
+    grads: int
+    optimizer_state: int
+    activations: int                     # an estimate; the rest are exact
+
+    @property
+    def total(self) -> int:
+        return self.params + self.buffers + self.grads + self.optimizer_state + self.activations
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+    def table(self) -> str:
+        rows = [("parameters", self.params), ("buffers", self.buffers), ("gradients", self.grads),
+                ("optimizer state", self.optimizer_state),
+                (f"activations (batch {self.batch_size}, estimate)", self.activations), ("total", self.total)]
+        w = max(len(r[0]) for r in rows)
+        return "\n".join(f"{k:<{w}}  {format_bytes(v):>12}" for k, v in rows)
+
+
+def predict_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, optimizer="adam",
+                   momentum: float = 0.0, amp_dtype=None, num_classes: int = 10) -> MemoryPrediction:
+    """What training ``model`` at ``batch_size`` keeps in device memory (see :class:`MemoryPrediction`)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return MemoryPrediction(
+        batch_size=batch_size,
+        params=parameter_bytes(model),
+        buffers=buffer_bytes(model),
+        grads=grad_bytes(model),
+        optimizer_state=optimizer_state_bytes(model, optimizer, momentum=momentum),
+        activations=activation_bytes(model, batch_size, input_shape, amp_dtype=amp_dtype,
+                                     num_classes=num_classes),
+    )
+
+
+def measure_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, device=None,
+                   optimizer="adam", amp_dtype=None, num_classes: int = 10) -> dict | None:
+    """Measured bytes of two training steps of a copy of ``model`` on a CUDA ``device``:
+    ``peak`` (``torch.cuda.max_memory_allocated`` over the steps) and ``resident`` (allocated
+    after the second step, gradients still held), both above what was allocated before.
+    Returns None on a device that is not CUDA: there is no allocator to ask."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return None
+    amp_dtype, _ = _amp(amp_dtype)
+    net = copy.deepcopy(model).cpu()
+    torch.cuda.synchronize(device)                     # sync point: a clean baseline
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    net.to(device).train()
+    opt = _make_optimizer(optimizer, net.parameters())
+    x = torch.randn(batch_size, *input_shape, device=device)
+    y = torch.randint(0, num_classes, (batch_size,), device=device)
+    for i in range(2):
+        opt.zero_grad(set_to_none=True)
+        with _autocast(device, amp_dtype):
+            loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize(device)                     # sync point: read the allocator's counters
+    out = {"peak": torch.cuda.max_memory_allocated(device) - base,
+           "resident": torch.cuda.memory_allocated(device) - base,
+           "inputs": _nbytes(x) + _nbytes(y)}
+    del net, opt, x, y, loss
+    torch.cuda.empty_cache()
+    return out
+
+
+def format_bytes(n) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n} B"   # pragma: no cover
+
+
+# ----------------------------------------------------------------------------------------
+# Input pipeline
+# ----------------------------------------------------------------------------------------
+
+class TimedLoader:
+    """Wraps a loader and adds up the host time spent waiting for each batch (``wait_s``).
+
+    Give it to ``fit`` instead of the loader; ``wait_s / history.train_time`` is the fraction of
+    the step time spent waiting for data. ``len`` and ``set_epoch`` pass through. (On a GPU
+    the host can run ahead of the device, so this is the host's wait: a GPU kept busy by queued
+    work is not idle while the host waits.)"""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.wait_s = 0.0
+        self.batches = 0
+
+    def __len__(self):
+        return len(self.loader)
+
+    def set_epoch(self, epoch: int) -> None:
+        for obj in (self.loader, getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None)):
+            if obj is not None and hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+                return
+
+    def reset(self) -> None:
+        self.wait_s, self.batches = 0.0, 0
+
+    def __iter__(self):
+        it = iter(self.loader)
+        while True:
+            t0 = time.perf_counter()
+            try:
+                batch = next(it)
+            except StopIteration:
+                self.wait_s += time.perf_counter() - t0
+                return
+            self.wait_s += time.perf_counter() - t0
+            self.batches += 1
+            yield batch
+
+
+class SlowDataset(torch.utils.data.Dataset):
+    """A dataset whose ``__getitem__`` costs ``cost_s`` seconds of host work per item, like
+    decoding and augmenting a JPEG: the slow input pipeline of the exercises. Importable, so
+    DataLoader workers can use it under any start method."""
+
+    def __init__(self, dataset, cost_s: float = 1e-4):
+        self.dataset, self.cost_s = dataset, cost_s
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        t_end = time.perf_counter() + self.cost_s
+        while time.perf_counter() < t_end:             # busy work, as a decoder would do
+            pass
+        return self.dataset[i]
+
+
+# ----------------------------------------------------------------------------------------
+# An asynchronous device, simulated
+# ----------------------------------------------------------------------------------------
+
+class SimulatedGPU:
+    """A stand-in for an asynchronous accelerator, on any machine.
+
+    ``launch(seconds)`` queues that much "kernel" work for a worker thread and returns at once,
+    as a CUDA kernel launch does; ``synchronize()`` waits until everything queued has run, as
+    ``torch.cuda.synchronize()`` does. ``launches`` and ``syncs`` count the calls. Use it in a
+    ``with`` block (or call ``close()``) so its thread ends::
+
+        with SimulatedGPU() as gpu:
+            gpu.launch(0.05)          # returns immediately
+            gpu.synchronize()         # returns after about 50 ms
+    """
+
+    def __init__(self, launch_s: float = 0.0):
+        self.launch_s = launch_s                   # host cost of one launch
+        self.launches = 0
+        self.syncs = 0
+        self._q: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="SimulatedGPU", daemon=True)
+        self._thread.start()
+
+    def _run(self):
+        while True:
+            work = self._q.get()
+            try:
+                if work is None:
+                    return
+                time.sleep(work)
+            finally:
+                self._q.task_done()
+
+    def launch(self, seconds: float) -> None:
+        if not self._thread.is_alive():
+            raise RuntimeError("this SimulatedGPU is closed; make a new one")
+        self.launches += 1
+        if self.launch_s:
+            time.sleep(self.launch_s)
+        self._q.put(float(seconds))
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        self._q.join()
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._q.put(None)
+            self._thread.join()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------
+# Tables
+# ----------------------------------------------------------------------------------------
+
+def format_table(rows, columns) -> str:
+    """A plain-text table of dicts ``rows``; ``columns`` is a list of (key, header, format)."""
+    cells = [[h for _, h, _ in columns]]
+    for r in rows:
+        cells.append([("-" if r.get(k) is None else fmt.format(r[k])) for k, _, fmt in columns])
+    widths = [max(len(c[i]) for c in cells) for i in range(len(columns))]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(row, widths)) for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

@@ -1,0 +1,280 @@
+"""Watching the GPU: the ``nvidia-smi --query-gpu=... --loop`` of a notebook.
+
+:class:`GPUMonitor` samples, in a background thread and through NVML (the ``nvidia-ml-py``
+package, imported as ``pynvml``), each GPU's utilisation, memory, power, clocks and
+temperature every ``interval`` seconds::
+
+    with utils.monitor.GPUMonitor(interval=0.1) as mon:
+        fit(...)
+    result = mon.result            # MonitorResult: .samples (list of dicts), .available, .reason
+    utils.monitor.plot(result)
+
+Where there is no NVIDIA GPU (or no driver), no thread is started and the result says so:
+``result.available`` is False and ``result.reason`` explains why. Sampling itself never
+synchronises the GPU: NVML reads the driver's counters from another thread.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+
+__all__ = ["GPUMonitor", "MonitorResult", "monitor", "plot", "FIELDS"]
+
+# sample key -> (unit, what it is, the matching nvidia-smi --query-gpu field)
+FIELDS = {
+    "util_gpu": ("%", "GPU utilisation: time a kernel was running", "utilization.gpu"),
+    "util_mem": ("%", "memory-controller utilisation", "utilization.memory"),
+    "mem_used_mib": ("MiB", "memory used (all processes)", "memory.used"),
+    "mem_total_mib": ("MiB", "memory total", "memory.total"),
+    "power_w": ("W", "power draw", "power.draw"),
+    "sm_clock_mhz": ("MHz", "SM clock", "clocks.sm"),
+    "mem_clock_mhz": ("MHz", "memory clock", "clocks.mem"),
+    "temperature_c": ("C", "GPU temperature", "temperature.gpu"),
+}
+
+
+@dataclass
+class MonitorResult:
+    """What a monitor saw. ``samples``: one dict per GPU per tick with ``t`` (seconds since
+    start), ``gpu`` (NVML index), ``name`` and the keys of :data:`FIELDS` (None where the GPU
+    does not report a value)."""
+    available: bool
+    reason: str = ""
+    interval: float = 0.0
+    samples: list = field(default_factory=list)
+    gpus: list = field(default_factory=list)       # [(nvml index, name)]
+    errors: list = field(default_factory=list)     # sampling errors, at most a few
+
+    def series(self, key: str, gpu: int | None = None):
+        """(times, values) of ``key`` for one GPU (default: the first monitored)."""
+        if key not in FIELDS:
+            raise KeyError(f"unknown key {key!r}; known: {', '.join(FIELDS)}")
+        gpu = self.gpus[0][0] if gpu is None and self.gpus else gpu
+        rows = [s for s in self.samples if s["gpu"] == gpu]
+        return [s["t"] for s in rows], [s[key] for s in rows]
+
+    def summary(self) -> str:
+        if not self.available:
+            return f"no GPU samples: {self.reason}"
+        lines = []
+        for idx, name in self.gpus:
+            rows = [s for s in self.samples if s["gpu"] == idx]
+            parts = [f"GPU {idx} {name}: {len(rows)} samples every {self.interval:g} s"]
+            for key in ("util_gpu", "mem_used_mib", "power_w", "sm_clock_mhz"):
+                vals = [s[key] for s in rows if s[key] is not None]
+                if vals:
+                    parts.append(f"{key} mean {sum(vals) / len(vals):,.0f} max {max(vals):,.0f} {FIELDS[key][0]}")
+            lines.append("; ".join(parts))
+        return "\n".join(lines)
+
+    def __repr__(self):
+        if not self.available:
+            return f"MonitorResult(unavailable: {self.reason})"
+        return f"MonitorResult({len(self.samples)} samples of {len(self.gpus)} GPU(s), every {self.interval:g} s)"
+
+
+def _load_nvml():
+    try:
+        import pynvml
+    except ImportError:
+        return None, ("the nvidia-ml-py package is not installed (pip install nvidia-ml-py); "
+                      "without it there is nothing to read the GPU's counters with")
+    return pynvml, ""
+
+
+def _visible_indices(nvml, count: int):
+    """NVML handles of the GPUs this process may use: CUDA_VISIBLE_DEVICES (indices or UUIDs)
+    when it is set, else all of them."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is None or env.strip() == "":
+        return [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+    out = []
+    for item in env.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        if item.isdigit():
+            i = int(item)
+            if i < count:
+                out.append((i, nvml.nvmlDeviceGetHandleByIndex(i)))
+        else:
+            h = nvml.nvmlDeviceGetHandleByUUID(item)
+            out.append((nvml.nvmlDeviceGetIndex(h), h))
+    return out
+
+
+class GPUMonitor:
+    """Sample GPU counters every ``interval`` seconds in a background thread.
+
+    gpus: NVML indices to watch (default: those CUDA_VISIBLE_DEVICES names, else all).
+    nvml: the NVML module (default ``pynvml``); tests pass a fake one.
+    ``start()`` then ``stop()`` (returns the :class:`MonitorResult`), or use it as a context
+    manager; the thread is always joined by ``stop``. Where NVML cannot start (no NVIDIA
+    driver or GPU), ``start`` starts no thread and ``stop`` returns an unavailable result.
+    """
+
+    def __init__(self, interval: float = 0.2, gpus=None, nvml=None, max_samples: int = 100_000):
+        if interval <= 0:
+            raise ValueError(f"interval must be > 0 seconds, got {interval}")
+        self.interval, self.gpus, self.max_samples = interval, gpus, max_samples
+        self._nvml = nvml
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._handles = []
+        self._nvml_active = None
+        self._t0 = 0.0
+        self.result = MonitorResult(False, "not started", interval)
+
+    @property
+    def available(self) -> bool:
+        return self.result.available
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def start(self) -> "GPUMonitor":
+        if self.running:
+            raise RuntimeError("this monitor is already running; call stop() first")
+        nvml, reason = (self._nvml, "") if self._nvml is not None else _load_nvml()
+        self.result = MonitorResult(False, reason, self.interval)
+        if nvml is None:
+            return self
+        try:
+            nvml.nvmlInit()
+        except Exception as e:            # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+            self.result.reason = (f"no NVIDIA GPU to monitor: NVML could not start ({e}). On a machine "
+                                  "with an NVIDIA GPU and driver this samples utilisation, memory, "
+                                  "power and clocks, as nvidia-smi --query-gpu ... --loop does.")
+            return self
+        try:
+            count = nvml.nvmlDeviceGetCount()
+            if self.gpus is None:
+                handles = _visible_indices(nvml, count)
+            else:
+                bad = [i for i in self.gpus if not 0 <= i < count]
+                if bad:
+                    raise ValueError(f"GPU indices {bad} do not exist; NVML sees {count} GPU(s)")
+                handles = [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in self.gpus]
+            if not handles:
+                nvml.nvmlShutdown()
+                self.result.reason = f"NVML started but found no GPU to watch (it sees {count})"
+                return self
+        except ValueError:
+            nvml.nvmlShutdown()
+            raise
+        except Exception as e:
+            nvml.nvmlShutdown()
+            self.result.reason = f"NVML could not list the GPUs: {e}"
+            return self
+        names = []
+        for i, h in handles:
+            try:
+                n = nvml.nvmlDeviceGetName(h)
+                names.append((i, n.decode() if isinstance(n, bytes) else n))
+            except Exception:
+                names.append((i, "unknown"))
+        self._nvml_active = nvml
+        self._handles = handles
+        self.result = MonitorResult(True, "", self.interval, [], names)
+        self._stop.clear()
+        self._t0 = time.perf_counter()
+        self._thread = threading.Thread(target=self._run, name="GPUMonitor", daemon=True)
+        self._thread.start()
+        return self
+
+    def _read(self, nvml, h) -> dict:
+        def q(fn, *args, scale=1.0, attr=None):
+            try:
+                v = fn(h, *args)
+                v = getattr(v, attr) if attr else v
+                return v * scale if scale != 1.0 else v
+            except Exception:                 # e.g. power not supported on this board
+                return None
+        return {
+            "util_gpu": q(nvml.nvmlDeviceGetUtilizationRates, attr="gpu"),
+            "util_mem": q(nvml.nvmlDeviceGetUtilizationRates, attr="memory"),
+            "mem_used_mib": q(nvml.nvmlDeviceGetMemoryInfo, attr="used", scale=1 / 2**20),
+            "mem_total_mib": q(nvml.nvmlDeviceGetMemoryInfo, attr="total", scale=1 / 2**20),
+            "power_w": q(nvml.nvmlDeviceGetPowerUsage, scale=1e-3),           # NVML reports mW
+            "sm_clock_mhz": q(nvml.nvmlDeviceGetClockInfo, nvml.NVML_CLOCK_SM),
+            "mem_clock_mhz": q(nvml.nvmlDeviceGetClockInfo, nvml.NVML_CLOCK_MEM),
+            "temperature_c": q(nvml.nvmlDeviceGetTemperature, nvml.NVML_TEMPERATURE_GPU),
+        }
+
+    def _run(self):
+        nvml = self._nvml_active
+        while True:
+            t = time.perf_counter() - self._t0
+            for (i, h), (_, name) in zip(self._handles, self.result.gpus):
+                try:
+                    s = {"t": t, "gpu": i, "name": name, **self._read(nvml, h)}
+                except Exception as e:     # keep sampling; remember the first few failures
+                    if len(self.result.errors) < 5:
+                        self.result.errors.append(repr(e))
+                    continue
+                if len(self.result.samples) < self.max_samples:
+                    self.result.samples.append(s)
+            if self._stop.wait(self.interval):
+                return
+
+    def stop(self) -> MonitorResult:
+        """Stop sampling, join the thread, shut NVML down; return the :class:`MonitorResult`."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = None
+            try:
+                self._nvml_active.nvmlShutdown()
+            except Exception:
+                pass
+        return self.result
+
+    def __enter__(self) -> "GPUMonitor":
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+def monitor(fn, *args, interval: float = 0.2, **kwargs):
+    """Run ``fn(*args, **kwargs)`` under a :class:`GPUMonitor`; return (its result, MonitorResult)."""
+    with GPUMonitor(interval) as mon:
+        out = fn(*args, **kwargs)
+    return out, mon.result
+
+
+def plot(result: MonitorResult, keys=("util_gpu", "mem_used_mib", "power_w", "sm_clock_mhz"),
+         title: str = "GPU counters over the run"):
+    """One panel per counter against time, one line per GPU. Without samples, a figure that
+    says why (so a notebook cell still shows something meaningful on a CPU-only machine)."""
+    import matplotlib.pyplot as plt
+    if not result.available or not result.samples:
+        fig, ax = plt.subplots(figsize=(8, 1.6))
+        ax.axis("off")
+        msg = result.reason if not result.available else "the monitor took no samples (run too short?)"
+        ax.text(0.0, 0.5, "No GPU samples:\n" + _wrap(msg), va="center", fontsize=9)
+        ax.set_title(title)
+        return fig
+    fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.2), squeeze=False)
+    for ax, key in zip(axes[0], keys):
+        unit, what, _ = FIELDS[key]
+        for idx, name in result.gpus:
+            ts, vs = result.series(key, idx)
+            pts = [(t, v) for t, v in zip(ts, vs) if v is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], label=f"GPU {idx}")
+        ax.set(title=what, xlabel="time since start (s)", ylabel=f"{key} ({unit})")
+        ax.grid(alpha=0.3)
+        if len(result.gpus) > 1:
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{title} ({result.gpus[0][1]}, every {result.interval:g} s)")
+    fig.tight_layout()
+    return fig
+
+
+def _wrap(text: str, width: int = 100) -> str:
+    import textwrap
+    return "\n".join(textwrap.wrap(text, width))
