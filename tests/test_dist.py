@@ -1,0 +1,237 @@
+"""utils.dist on CPU with gloo: launch() and its failure modes, the ring all-reduce, DDP (by hand
+and with PyTorch) against a single process, and checkpoints that resume exactly.
+
+The workers are module-level functions of this file: spawned processes import them by name.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as tdist
+from torch import nn
+
+from utils import data, dist, ddp_train, models
+from utils.train import fit
+
+W, B, STEPS = 2, 8, 4          # world size, per-rank batch, optimizer steps of the DDP comparison
+
+
+# ---------------------------------------------------------------------------- workers
+
+def collectives_worker(sizes):
+    ctx = dist.setup()
+    out = {"rank": ctx.rank, "world": ctx.world_size, "backend": ctx.backend, "pid": os.getpid(),
+           "threads": torch.get_num_threads(), "ring": [], "ref": []}
+    for n in sizes:
+        x = torch.arange(n, dtype=torch.float32) * (ctx.rank + 1) + 10 * ctx.rank
+        ref = x.clone()
+        tdist.all_reduce(ref)
+        out["ref"].append(ref)
+        out["ring"].append(dist.ring_all_reduce(x.clone()))
+    m = torch.full((2, 3), float(ctx.rank)).t()               # not contiguous
+    out["noncontig"] = dist.ring_all_reduce(m)
+    return out
+
+
+def raising_worker():
+    ctx = dist.setup()
+    if ctx.rank == 1:
+        raise ValueError("boom from the second rank")
+    tdist.barrier()               # rank 0 waits for a peer that is gone
+
+
+def hanging_worker():
+    ctx = dist.setup()
+    if ctx.rank == 0:
+        tdist.all_reduce(torch.ones(3))    # rank 1 never joins: a hang
+    time.sleep(600)
+
+
+def rank_worker(x):
+    return {"rank": int(os.environ["RANK"]), "x": x}
+
+
+def _dataset():
+    return data.synthetic(W * B * STEPS, shape=(1, 8, 8), seed=3)
+
+
+def _model(seed):
+    torch.manual_seed(seed)
+    return models.Net(8, in_channels=1, image_size=8)
+
+
+def ddp_worker():
+    """Hand DDP and torch DDP from ranks whose models start with DIFFERENT seeds."""
+    ctx = dist.setup()
+    ds = _dataset()
+    init = {k: v.clone() for k, v in _model(100 + ctx.rank).state_dict().items()}
+
+    hand = _model(100 + ctx.rank)                  # by hand: broadcast, then average gradients
+    for p in hand.parameters():
+        tdist.broadcast(p.data, src=0)
+    opt = torch.optim.SGD(hand.parameters(), lr=0.1, momentum=0.9)
+    loader = data.make_loader(ds, B, rank=ctx.rank, world_size=ctx.world_size, seed=5)
+    loss_fn = nn.CrossEntropyLoss()
+    for x, y in loader:
+        opt.zero_grad()
+        loss_fn(hand(x), y).backward()
+        dist.average_gradients(hand)
+        opt.step()
+
+    net = dist.ddp(_model(100 + ctx.rank), ctx)     # torch DDP broadcasts rank 0's weights itself
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    fit(net, data.make_loader(ds, B, rank=ctx.rank, world_size=ctx.world_size, seed=5), opt,
+        epochs=1, progress=False)
+    return {"init": init, "hand": hand.state_dict(), "ddp": net.module.state_dict()}
+
+
+# ---------------------------------------------------------------------------- helpers
+
+def _children():
+    """PIDs of this process's live children (multiprocessing's and any other)."""
+    me, kids = os.getpid(), []
+    for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+            # the stdlib's resource tracker: one helper per interpreter, started by any spawn
+            if int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmd:
+                kids.append(int(pid))
+        except (OSError, IndexError, ValueError):
+            pass
+    return kids + [p.pid for p in mp.active_children()]
+
+
+def _no_children(what):
+    deadline = time.monotonic() + 5
+    while _children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _children(), f"{what} left child processes behind: {_children()}; launch() must stop them all"
+
+
+# ---------------------------------------------------------------------------- tests
+
+def test_launch_returns_every_rank_and_ring_equals_all_reduce():
+    sizes = [1, 7, 1000]
+    res = dist.launch(collectives_worker, 3, sizes, timeout=120)
+    assert [r["rank"] for r in res] == [0, 1, 2], "launch must return the results in rank order"
+    assert all(r["world"] == 3 and r["backend"] == "gloo" for r in res), \
+        "on a machine without 3 GPUs launch must choose gloo and a world of nprocs"
+    assert len({r["pid"] for r in res}) == 3, "each rank must be its own process"
+    assert all(r["threads"] == max(1, (os.cpu_count() or 1) // 3) for r in res)
+    for r in res:
+        for n, ring, ref in zip(sizes, r["ring"], r["ref"]):
+            assert torch.equal(ring, ref), f"ring_all_reduce != dist.all_reduce on rank {r['rank']} for {n} elements"
+        assert torch.equal(r["noncontig"], torch.full((3, 2), 3.0)), "ring_all_reduce of a non-contiguous tensor"
+    _no_children("a successful launch")
+
+
+def test_raising_rank_is_named_with_traceback_and_cleaned_up():
+    t0 = time.monotonic()
+    with pytest.raises(dist.LaunchError) as err:
+        dist.launch(raising_worker, 2, timeout=60, stream=False)
+    took = time.monotonic() - t0
+    e = err.value
+    assert not isinstance(e, dist.LaunchTimeout), "a raising rank must not be reported as a timeout"
+    assert e.rank == 1 and "rank 1" in str(e), f"the error must name rank 1, got: {e}"
+    assert "boom from the second rank" in str(e) and "raising_worker" in e.remote_traceback, \
+        "the error must carry the rank's message and traceback"
+    assert took < 45, f"the failure took {took:.0f} s to surface: stop waiting once a rank fails"
+    _no_children("a failed launch")
+
+
+def test_hang_stops_at_timeout_and_next_launch_works():
+    t0 = time.monotonic()
+    with pytest.raises(dist.LaunchTimeout) as err:
+        dist.launch(hanging_worker, 2, timeout=4, stream=False)
+    took = time.monotonic() - t0
+    assert 4 <= took < 25, f"a 4 s timeout ended after {took:.1f} s"
+    assert "timed out" in str(err.value)
+    _no_children("a timed-out launch")
+    res = dist.launch(rank_worker, 2, "again", timeout=60)
+    assert res == [{"rank": 0, "x": "again"}, {"rank": 1, "x": "again"}], "a launch after a failure must work"
+    _no_children("the launch after a timeout")
+
+
+def test_worker_from_main_or_lambda_is_refused():
+    def local():
+        pass
+
+    main_fn = lambda: None  # noqa: E731
+    for fn in (local, main_fn):
+        with pytest.raises(dist.WorkerNotImportable, match="%%writefile"):
+            dist.launch(fn, 2)
+    local.__module__ = "__main__"
+    local.__qualname__ = "local"
+    with pytest.raises(dist.WorkerNotImportable, match="__main__"):
+        dist.launch(local, 2)
+    with pytest.raises(ValueError, match="nprocs"):
+        dist.launch(rank_worker, 0)
+
+
+def test_nccl_refused_without_enough_gpus():
+    if torch.cuda.is_available() and torch.cuda.device_count() >= 64:
+        pytest.skip("this machine has 64 GPUs")
+    with pytest.raises(ValueError, match="one GPU per process"):
+        dist.launch(rank_worker, 64, 1, backend="nccl")
+    assert dist.choose_backend(64) == "gloo"
+
+
+def test_hand_ddp_and_torch_ddp_match_single_process():
+    res = dist.launch(ddp_worker, W, timeout=120)
+    assert any(not torch.equal(res[0]["init"][k], res[1]["init"][k]) for k in res[0]["init"]), \
+        "the ranks should start from different weights (different seeds) for this test to mean anything"
+    oracle = _model(100)                                            # rank 0's initial weights
+    opt = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
+    fit(oracle, data.make_loader(_dataset(), W * B, seed=5), opt, epochs=1, progress=False)
+    want = oracle.state_dict()
+    for r in res:
+        for kind in ("hand", "ddp"):
+            for k, v in want.items():
+                assert torch.allclose(r[kind][k], v, rtol=1e-4, atol=1e-5), (
+                    f"{kind} DDP on rank {r['rank']} differs from one process on the concatenated batch "
+                    f"in {k}: max diff {(r[kind][k] - v).abs().max():.2e}")
+
+
+def test_checkpoint_resume_is_exact(tmp_path, monkeypatch):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        monkeypatch.delenv(k, raising=False)
+    cfg = dict(n_train=128, n_val=64, batch_size=32, epochs=3, hidden=8, evaluate=False)
+    full = ddp_train.train(cfg)["state"]
+    ck = str(tmp_path / "run.pt")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        ddp_train.train(cfg, ckpt=ck, fail_at_step=6, fail_rank=0, fail_mode="raise")   # dies in epoch 2
+    saved = torch.load(ck, weights_only=True)
+    assert saved["epoch"] == 1 and saved["step"] == 4 and saved["sampler_epoch"] == 1, \
+        f"the checkpoint should hold the end of epoch 1 (step 4), got epoch {saved['epoch']} step {saved['step']}"
+    assert not [p for p in os.listdir(tmp_path) if ".tmp" in p], "a temporary file was left next to the checkpoint"
+    res = ddp_train.train(cfg, ckpt=ck)
+    assert res["start_epoch"] == 1
+    for k, v in full.items():
+        assert torch.equal(res["state"][k], v), f"resumed weights differ from the uninterrupted run in {k}"
+
+
+def test_rng_state_roundtrip():
+    import random
+    import numpy as np
+    s = dist.rng_state()
+    a = (torch.rand(3), np.random.rand(3), random.random())
+    dist.set_rng_state(s)
+    b = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
+
+
+def test_alpha_beta_fit_recovers_latency_and_bandwidth():
+    n = [1e3, 1e5, 1e7]
+    t = [20e-6 + x / 2e9 for x in n]
+    alpha, bw = dist.alpha_beta_fit(n, t)
+    assert abs(alpha - 20e-6) < 1e-6 and abs(bw - 2e9) / 2e9 < 1e-3
+    assert dist.ring_allreduce_bytes(100, 4) == 150 and dist.ring_allreduce_bytes(100, 1) == 0
