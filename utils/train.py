@@ -217,7 +217,7 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
 
     t_start = time.perf_counter()
     micro = 0
-    step_loss = torch.zeros((), device=device)
+    step_loss = None                                          # sum of this step's micro-batch losses
     optimizer.zero_grad(set_to_none=True)
     epoch = 0
     while not state.stop and (epochs is None or epoch < epochs) and (steps is None or state.step < steps):
@@ -239,10 +239,10 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
                 with _autocast(device, amp_dtype):
                     out = model(x)
                     loss = loss_fn(out, y)
-                scaled = loss / grad_accum
+                scaled = loss / grad_accum if grad_accum > 1 else loss
                 (scaler.scale(scaled) if scaler else scaled).backward()
             loss = loss.detach()
-            step_loss += loss / grad_accum
+            step_loss = loss if step_loss is None else step_loss + loss
             loss_sum += loss.float() * y.shape[0]
             if out.dim() == 2 and not y.is_floating_point():
                 correct += (out.detach().argmax(1) == y).sum()
@@ -263,8 +263,8 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
             optimizer.zero_grad(set_to_none=True)
             if scheduler is not None:
                 scheduler.step()
-            losses.append(step_loss)
-            step_loss = torch.zeros((), device=device)
+            losses.append(step_loss / grad_accum if grad_accum > 1 else step_loss)
+            step_loss = None
             state.step += 1
             state.loss = loss
             bar.update(1)
