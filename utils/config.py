@@ -31,11 +31,26 @@ TABLE: dict[str, tuple] = {
     # --- stage 1: gradient descent vs SGD, batch size ---
     "gd_n_points": (256, 1024, 4096),                     # synthetic linear-regression points
     "gd_steps": (60, 200, 400),                           # optimizer steps on the loss surface
+    "gd_lr": (0.1, 0.1, 0.1),                             # learning rate on the loss surface
+    "gd_batch_size": (16, 16, 32),                        # the minibatch drawn beside GD and SGD (B=1)
+    "var_batch_sizes": ((1, 2, 4, 8, 16, 32, 64, 128), (1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+                        (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)),   # gradient-variance sweep
+    "var_draws": (200, 500, 2000),                        # minibatches drawn per batch size
     "sgd_dataset": ("digits", "fashion_mnist", "fashion_mnist"),
-    "sgd_batch_sizes": ((8, 32, 128, 512), (16, 64, 256, 1024), (16, 64, 256, 1024, 4096)),
-    "sgd_epochs": (3, 3, 10),                             # fixed epoch budget of the sweep
-    "sgd_target_acc": (0.85, 0.85, 0.88),                 # validation accuracy that ends a run
-    "sgd_max_steps": (300, 1500, 20_000),                 # cap on steps-to-target
+    "sgd_batch_sizes": ((8, 32, 128, 512), (16, 64, 256, 1024), (16, 64, 256, 1024, 4096)),  # fixed epochs
+    "sgd_epochs": (2, 3, 10),                             # fixed epoch budget of the sweep
+    "sgd_target_batch_sizes": ((4, 16, 64, 256), (4, 16, 64, 256, 1024),
+                               (4, 16, 64, 256, 1024, 4096)),   # steps-to-target sweep
+    "sgd_target_acc": (0.85, 0.85, 0.87),                 # validation accuracy that ends a run
+    "sgd_max_steps": (500, 3000, 20_000),                 # cap on steps-to-target
+    "sgd_eval_images": (32, 256, 1024),                   # evaluate every ~this many images (>= every step)
+    "sgd_base_lr": (0.02, 0.01, 0.01),                    # SGD (momentum 0.9) rate at sgd_base_batch
+    "sgd_base_batch": (8, 16, 16),                        # batch the base rate was tuned for (images)
+    "sgd_max_lr": (0.05, 0.1, 0.1),                       # cap on the linearly scaled rate
+    "sgd_momentum": (0.9, 0.9, 0.9),
+    "noise_b_small": (8, 16, 32),                         # two-batch estimator: small batch (images)
+    "noise_b_big": (512, 1024, 4096),                     # two-batch estimator: big batch (images)
+    "noise_draws": (20, 30, 50),                          # (small, big) pairs averaged
     # --- stage 2: CPU vs GPU throughput ---
     "bench_batch_sizes": ((2, 4, 64), (2, 4, 16, 64, 256), (2, 4, 16, 64, 256, 1024)),
     "bench_widths": ((16, 64), (32, 128), (32, 128, 512)),   # Net hidden channels swept
@@ -47,20 +62,38 @@ TABLE: dict[str, tuple] = {
     "mem_batch_sizes": ((16, 64, 256), (16, 64, 256, 1024), (64, 256, 1024, 4096)),  # memory predicted
     "pipeline_workers": ((0, 2, 4), (0, 2, 4), (0, 2, 4)),  # DataLoader workers compared
     "pipeline_epochs": (1, 2, 2),                         # epochs per input-pipeline run
+    "pipeline_item_cost_s": (5e-4, 5e-4, 5e-4),           # host work per image (decode + augment), seconds
     "monitor_interval": (0.05, 0.1, 0.1),                 # seconds between GPU samples
     # --- stage 3: data parallelism ---
     "ddp_nprocs": (2, 2, 0),                              # processes (0 = one per GPU)
-    "ddp_epochs": (2, 2, 5),
+    "ddp_epochs": (4, 3, 5),                              # epochs of the utils.ddp_train runs
     "ddp_batch_size": (32, 64, 256),                      # per process
+    "ddp_n_train": (512, 8192, 49152),                    # images; divisible by max(nprocs) * batch
+    "ddp_n_val": (256, 2000, 10000),
+    "ddp_hidden": (16, 32, 128),                          # Net's hidden channels in the DDP runs
+    "ddp_lr": (0.1, 0.05, 0.05),                          # SGD peak rate (cosine schedule)
+    "ddp_scaling_nprocs": ((1, 2), (1, 2, 4), (1, 2, 4, 8)),   # process counts timed
     "ddp_message_sizes": ((1 << 10, 1 << 14, 1 << 18), (1 << 10, 1 << 14, 1 << 18, 1 << 21),
                           (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 26)),  # float32 elements
+    "ddp_timing_repeats": (3, 5, 10),                     # timed repeats per collective (median)
+    "ddp_mlp_width": (512, 1024, 4096),                   # MLP of the bucket / overlap demo
+    "ddp_bucket_caps_mb": ((0.5, 1, 25), (0.5, 1, 25), (1, 5, 25, 100)),   # DDP bucket_cap_mb tried
+    "ddp_collective_timeout": (3, 5, 10),                 # seconds a collective waits in the hang demo
     # --- stage 4: large-batch training ---
     "lb_dataset": ("digits", "fashion_mnist", "cifar10"),
-    "lb_batch_sizes": ((16, 64, 256), (32, 128, 512, 2048), (64, 256, 1024, 4096, 8192)),
+    "lb_batch_sizes": ((16, 128, 1024), (32, 256, 2048), (64, 512, 4096, 16384)),  # sweep (images/step)
     "lb_base_batch": (16, 32, 64),                        # batch the base rate was tuned for
-    "lb_base_lr": (0.05, 0.05, 0.05),                     # SGD rate at lb_base_batch
-    "lb_epochs": (4, 4, 16),
-    "lb_warmup_epochs": (1, 1, 3),
+    "lb_base_lr": (0.05, 0.05, 0.05),                     # SGD rate at lb_base_batch (momentum 0.9)
+    "lb_epochs": (6, 6, 16),                              # fixed epoch budget of every sweep run
+    "lb_warmup_epochs": (2, 2, 3),                        # gradual warmup length (epochs)
+    "lb_hidden": (128, 256, 1024),                        # width of the sweep's MLP (BatchNorm, 2 hidden layers)
+    "lb_weight_decay": (5e-4, 5e-4, 5e-4),                # on weights only (biases, norms excluded)
+    "lb_trust_coefficient": (0.02, 0.02, 0.02),           # LARS eta (the paper's 0.001 goes with lr ~ 10)
+    "lb_diverge_factor": (2.0, 2.0, 2.0),                 # x the linear rate in the no-warmup demo
+    "lb_ghost_batch": (16, 32, 64),                       # virtual batch of ghost batch norm (images)
+    "lb_resnet_width": (4, 16, 64),                       # ResNet9 width of the ghost-BN experiment
+    "lb_smith_batch": (32, 64, 256),                      # first batch of the grow-the-batch run
+    "lb_smith_factor": (4, 4, 5),                         # batch x this (or lr / this) at each third
     # --- stage 5: assessment ---
     "assess_epochs": (8, 8, 20),
 }

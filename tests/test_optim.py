@@ -1,0 +1,310 @@
+"""LARS against hand-computed updates; its trust ratio, LARC clipping, parameter groups,
+argument checks; gradient noise; GhostBatchNorm2d against BatchNorm2d."""
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from utils.models import GhostBatchNorm2d, Net
+from utils.optim import (LARS, add_gradient_noise, lars_param_groups, multiply_gradient_noise_,
+                         noise_sigma)
+
+
+def _norm(v):
+    return math.sqrt(sum(x * x for x in v))
+
+
+def reference_lars(w, grads, *, lr, momentum=0.0, weight_decay=0.0, eta=0.001, eps=1e-8,
+                   nesterov=False, clip=False, adapt=True):
+    """The update of the paper written out with Python floats, one step per gradient in ``grads``."""
+    w, buf = list(w), None
+    for g in grads:
+        d = [gi + weight_decay * wi for gi, wi in zip(g, w)]
+        if adapt:
+            wn, gn = _norm(w), _norm(g)
+            ratio = eta * wn / (gn + weight_decay * wn + eps) if wn > 0 and gn > 0 else 1.0
+            if clip and wn > 0 and gn > 0:
+                ratio = min(ratio / lr, 1.0)
+            d = [ratio * x for x in d]
+        if momentum:
+            buf = list(d) if buf is None else [momentum * b + x for b, x in zip(buf, d)]
+            d = [x + momentum * b for x, b in zip(d, buf)] if nesterov else buf
+        w = [wi - lr * x for wi, x in zip(w, d)]
+    return w
+
+
+W0 = [0.5, -1.0, 2.0]
+GRADS = [[0.1, 0.2, -0.3], [-0.05, 0.4, 0.1], [0.3, -0.1, 0.2], [0.0, 0.05, -0.2]]
+
+
+def run_lars(w0, grads, **kw):
+    p = nn.Parameter(torch.tensor(w0, dtype=torch.float64))
+    opt = LARS([p], **kw)
+    for g in grads:
+        p.grad = torch.tensor(g, dtype=torch.float64)
+        opt.step()
+    return p.detach().tolist(), opt
+
+
+def test_one_step_by_hand():
+    # ||w|| = sqrt(0.25 + 1 + 4) = 2.29129, ||g|| = sqrt(0.01 + 0.04 + 0.09) = 0.374166
+    # ratio = 0.02 * 2.29129 / (0.374166 + 0.1 * 2.29129) = 0.0759592
+    # d = ratio * (g + 0.1 w) = ratio * [0.15, 0.1, -0.1];  w' = w - 1.0 * d
+    got, opt = run_lars(W0, GRADS[:1], lr=1.0, momentum=0.0, weight_decay=0.1, trust_coefficient=0.02, eps=0.0)
+    ratio = 0.02 * math.sqrt(5.25) / (math.sqrt(0.14) + 0.1 * math.sqrt(5.25))
+    assert ratio == pytest.approx(0.0759592, rel=1e-5)
+    want = [0.5 - ratio * 0.15, -1.0 - ratio * 0.1, 2.0 + ratio * 0.1]
+    assert got == pytest.approx(want, rel=1e-12), "one LARS step differs from the paper's formula"
+    assert float(opt.state[next(iter(opt.state))]["trust_ratio"]) == pytest.approx(ratio, rel=1e-12)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(lr=0.5, momentum=0.0, weight_decay=0.0),
+    dict(lr=0.5, momentum=0.9, weight_decay=0.0),
+    dict(lr=0.5, momentum=0.0, weight_decay=0.01),
+    dict(lr=2.0, momentum=0.9, weight_decay=0.05),
+    dict(lr=2.0, momentum=0.9, weight_decay=0.05, nesterov=True),
+    dict(lr=0.3, momentum=0.8, weight_decay=0.01, adapt=False),
+    dict(lr=0.01, momentum=0.9, weight_decay=0.01, clip=True),
+], ids=["plain", "momentum", "wd", "momentum+wd", "nesterov", "excluded", "larc"])
+def test_several_steps_match_reference(kw):
+    eta = 0.02
+    got, _ = run_lars(W0, GRADS, trust_coefficient=eta, eps=1e-8, **kw)
+    ref_kw = {k: v for k, v in kw.items()}
+    want = reference_lars(W0, GRADS, eta=eta, eps=1e-8, **ref_kw)
+    assert got == pytest.approx(want, rel=1e-10, abs=1e-12), f"LARS with {kw} drifts from the hand-computed update"
+
+
+def test_excluded_group_is_sgd_with_momentum_and_groups_are_independent():
+    torch.manual_seed(0)
+    a = nn.Parameter(torch.randn(4, 3, dtype=torch.float64))
+    b = nn.Parameter(torch.randn(3, dtype=torch.float64))
+    a0 = a.detach().flatten().tolist()
+    b_sgd = nn.Parameter(b.detach().clone())
+    lars = LARS([{"params": [a]}, {"params": [b], "adapt": False, "weight_decay": 0.0}],
+                lr=0.1, momentum=0.9, weight_decay=0.01, trust_coefficient=0.01)
+    sgd = torch.optim.SGD([b_sgd], lr=0.1, momentum=0.9)
+    grads_a = []
+    for _ in range(3):
+        ga, gb = torch.randn(4, 3, dtype=torch.float64), torch.randn(3, dtype=torch.float64)
+        grads_a.append(ga.flatten().tolist())
+        a.grad, b.grad, b_sgd.grad = ga, gb, gb.clone()
+        lars.step()
+        sgd.step()
+    want_a = reference_lars(a0, grads_a, lr=0.1, momentum=0.9, weight_decay=0.01, eta=0.01)
+    assert a.detach().flatten().tolist() == pytest.approx(want_a, rel=1e-10), "the adapted group drifts"
+    assert torch.allclose(b, b_sgd, rtol=0, atol=1e-12), "an adapt=False group must behave as torch.optim.SGD"
+    assert "trust_ratio" not in lars.state[b] and "trust_ratio" in lars.state[a]
+
+
+def test_matches_torch_sgd_when_ratio_is_one():
+    # trust_coefficient chosen so that the ratio is exactly 1 is hard; adapt=False everywhere instead
+    torch.manual_seed(1)
+    p1 = nn.Parameter(torch.randn(5, 2))
+    p2 = nn.Parameter(p1.detach().clone())
+    o1 = LARS([p1], lr=0.1, momentum=0.9, weight_decay=1e-3, adapt=False, nesterov=True)
+    o2 = torch.optim.SGD([p2], lr=0.1, momentum=0.9, weight_decay=1e-3, nesterov=True)
+    for _ in range(4):
+        g = torch.randn(5, 2)
+        p1.grad, p2.grad = g.clone(), g.clone()
+        o1.step()
+        o2.step()
+    assert torch.allclose(p1, p2, atol=1e-6)
+
+
+@pytest.mark.parametrize("w,g", [([0.0, 0.0, 0.0], [0.1, -0.2, 0.3]), ([1.0, 2.0, -1.0], [0.0, 0.0, 0.0])],
+                         ids=["zero-weights", "zero-gradient"])
+def test_trust_ratio_is_one_when_a_norm_is_zero(w, g):
+    got, opt = run_lars(w, [g], lr=0.5, momentum=0.0, weight_decay=0.0, trust_coefficient=0.001)
+    ratio = float(next(iter(opt.state.values()))["trust_ratio"])
+    assert ratio == 1.0, f"trust ratio must be 1 when ||w|| or ||g|| is 0, got {ratio}"
+    assert got == pytest.approx([wi - 0.5 * gi for wi, gi in zip(w, g)])
+
+
+def test_larc_clips_the_local_rate_at_the_global_one():
+    # a huge trust coefficient: unclipped the step is enormous, clipped it is plain SGD (factor 1)
+    _, opt = run_lars(W0, GRADS[:1], lr=0.1, momentum=0.0, trust_coefficient=100.0, clip=True)
+    assert float(next(iter(opt.state.values()))["trust_ratio"]) == 1.0
+    got, _ = run_lars(W0, GRADS[:1], lr=0.1, momentum=0.0, trust_coefficient=100.0, clip=True)
+    assert got == pytest.approx([w - 0.1 * g for w, g in zip(W0, GRADS[0])])
+    unclipped, _ = run_lars(W0, GRADS[:1], lr=0.1, momentum=0.0, trust_coefficient=100.0)
+    assert abs(unclipped[0] - W0[0]) > 10 * abs(got[0] - W0[0])
+    # a small one: below the global rate, LARC applies trust / lr, i.e. an effective rate `trust`
+    got, opt = run_lars(W0, GRADS[:1], lr=0.1, momentum=0.0, trust_coefficient=0.001, clip=True, eps=0.0)
+    trust = 0.001 * _norm(W0) / _norm(GRADS[0])
+    assert float(next(iter(opt.state.values()))["trust_ratio"]) == pytest.approx(trust / 0.1)
+    assert got == pytest.approx([w - trust * g for w, g in zip(W0, GRADS[0])])
+
+
+def test_lazy_state_and_grad_untouched():
+    p = nn.Parameter(torch.ones(3))
+    q = nn.Parameter(torch.ones(2))       # never gets a gradient
+    opt = LARS([p, q], lr=0.1, momentum=0.9, weight_decay=0.1)
+    assert len(opt.state) == 0, "state must be created on the first step, not in __init__"
+    g = torch.tensor([1.0, 2.0, 3.0])
+    p.grad = g.clone()
+    opt.step()
+    assert torch.equal(p.grad, g), "LARS must not modify p.grad in place"
+    assert q not in opt.state and "momentum_buffer" in opt.state[p]
+    assert torch.equal(q.detach(), torch.ones(2))
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2)
+    opt = LARS(lars_param_groups(model, 1e-4), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    opt2 = LARS(lars_param_groups(model, 1e-4), lr=0.1)
+    opt2.load_state_dict(opt.state_dict())
+    assert opt2.param_groups[0]["adapt"] is True and opt2.param_groups[1]["adapt"] is False
+    assert torch.equal(opt2.state[model.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
+
+
+@pytest.mark.parametrize("kw,msg", [
+    (dict(lr=0.0), "lr"), (dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"),
+    (dict(lr=0.1, momentum=1.0), "momentum"), (dict(lr=0.1, momentum=-0.1), "momentum"),
+    (dict(lr=0.1, weight_decay=-1e-4), "weight_decay"), (dict(lr=0.1, trust_coefficient=0.0), "trust_coefficient"),
+    (dict(lr=0.1, eps=-1.0), "eps"), (dict(lr=0.1, momentum=0.0, nesterov=True), "nesterov"),
+    (dict(lr=0.1, clip="yes"), "clip"),
+])
+def test_bad_arguments_say_which(kw, msg):
+    with pytest.raises(ValueError, match=msg):
+        LARS([nn.Parameter(torch.ones(2))], **kw)
+
+
+def test_bad_group_is_rejected_before_it_is_added():
+    opt = LARS([nn.Parameter(torch.ones(2))], lr=0.1)
+    with pytest.raises(ValueError, match="momentum"):
+        opt.add_param_group({"params": [nn.Parameter(torch.ones(2))], "momentum": 2.0})
+    assert len(opt.param_groups) == 1
+
+
+def test_param_groups_exclude_biases_and_norms():
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4, 2))
+    groups = lars_param_groups(model, weight_decay=5e-4)
+    adapted, excluded = groups
+    assert adapted["adapt"] and adapted["weight_decay"] == 5e-4
+    assert not excluded["adapt"] and excluded["weight_decay"] == 0.0
+    assert {id(p) for p in adapted["params"]} == {id(model[0].weight), id(model[3].weight)}
+    assert len(excluded["params"]) == 4     # conv bias, bn weight + bias, linear bias
+    model[3].bias.requires_grad_(False)
+    assert len(lars_param_groups(model)[1]["params"]) == 3, "frozen parameters must be left out"
+    assert len(lars_param_groups(nn.Linear(2, 2, bias=False))) == 1, "empty groups are dropped"
+
+
+def test_trains_a_small_net_without_host_sync_errors():
+    torch.manual_seed(0)
+    model = Net(8, in_channels=1, image_size=8)
+    opt = LARS(lars_param_groups(model, 5e-4), lr=1.0, momentum=0.9, trust_coefficient=0.01)
+    x, y = torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))
+    losses = []
+    for _ in range(30):
+        loss = nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.5 * losses[0], "LARS should fit a fixed small batch"
+    ratios = opt.trust_ratios(model)
+    assert set(ratios) == {n for n, p in model.named_parameters() if p.ndim >= 2}
+
+
+def test_gradient_noise():
+    assert noise_sigma(64, 16, 0.1) == pytest.approx(0.2)
+    g = torch.full((20000,), 2.0)
+    p = nn.Parameter(torch.zeros(20000))
+    p.grad = g.clone()
+    multiply_gradient_noise_([p], 0.5, generator=torch.Generator().manual_seed(0))
+    z = p.grad / 2.0
+    assert abs(z.mean().item() - 1.0) < 0.02 and abs(z.std().item() - 0.5) < 0.02
+    # the hook version: zero sigma leaves gradients alone, removal restores them
+    model = nn.Linear(3, 1)
+    x = torch.randn(8, 3)
+    model(x).sum().backward()
+    clean = model.weight.grad.clone()
+    h = add_gradient_noise(model, 0.3, generator=torch.Generator().manual_seed(1))
+    model.zero_grad()
+    model(x).sum().backward()
+    assert not torch.allclose(model.weight.grad, clean)
+    h.remove()
+    model.zero_grad()
+    model(x).sum().backward()
+    assert torch.equal(model.weight.grad, clean)
+    with pytest.raises(ValueError, match="sigma"):
+        add_gradient_noise(model, -1.0)
+
+
+def test_ghost_batch_norm_equals_batch_norm_when_virtual_batch_is_the_batch():
+    torch.manual_seed(0)
+    x = torch.randn(16, 3, 5, 5) * 2 + 1
+    bn, gbn = nn.BatchNorm2d(3), GhostBatchNorm2d(3, virtual_batch_size=16)
+    gbn.load_state_dict(bn.state_dict())
+    for _ in range(3):
+        assert torch.allclose(gbn(x), bn(x), atol=1e-6), "train mode: ghost BN with one virtual batch must equal BN"
+    assert torch.allclose(gbn.running_mean, bn.running_mean) and torch.allclose(gbn.running_var, bn.running_var)
+    gbn.eval(), bn.eval()
+    assert torch.allclose(gbn(x), bn(x), atol=1e-6), "eval mode uses the running statistics, as BN"
+
+
+def test_ghost_batch_norm_normalises_each_virtual_batch():
+    torch.manual_seed(0)
+    x = torch.randn(12, 2, 3, 3)
+    x[6:] = x[6:] * 5 + 3                          # the two halves have different statistics
+    gbn = GhostBatchNorm2d(2, virtual_batch_size=6, affine=False)
+    out = gbn(x)
+    ref = torch.cat([nn.functional.batch_norm(c, None, None, training=True) for c in x.split(6)])
+    assert torch.allclose(out, ref, atol=1e-5)
+    with pytest.raises(ValueError):
+        GhostBatchNorm2d(2, virtual_batch_size=0)
+
+
+# ---- self-checks of lab4: pass on a right answer, fail with a message on the placeholder and typical mistakes
+
+def _placeholder(*args, **kwargs):
+    raise NotImplementedError("Exercise: write this part (see the hint above)")
+
+
+def _trust_ratio(w, g, weight_decay, trust_coefficient, eps):
+    wn, gn = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
+    r = trust_coefficient * wn / (gn + weight_decay * wn + eps)
+    return torch.where((wn > 0) & (gn > 0), r, torch.ones_like(r))
+
+
+def _lars_step(w, g, buf, lr, momentum, weight_decay, trust_coefficient, eps):
+    d = _trust_ratio(w, g, weight_decay, trust_coefficient, eps) * (g + weight_decay * w)
+    buf = d.clone() if buf is None else momentum * buf + d
+    return w - lr * buf, buf
+
+
+def test_check_trust_ratio():
+    from utils.checks import CheckFailed, check_trust_ratio
+    check_trust_ratio(_trust_ratio)
+    with pytest.raises(CheckFailed, match="not implemented"):
+        check_trust_ratio(_placeholder)
+    with pytest.raises(CheckFailed, match="weight decay is missing"):
+        check_trust_ratio(lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + eps))
+    with pytest.raises(CheckFailed, match="return 1"):   # no zero-norm fallback
+        check_trust_ratio(lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps))
+
+
+def test_check_lars_step():
+    from utils.checks import CheckFailed, check_lars_step
+    check_lars_step(_lars_step)
+    with pytest.raises(CheckFailed, match="not implemented"):
+        check_lars_step(_placeholder)
+
+    def decay_after_scaling(w, g, buf, lr, m, wd, tc, eps):
+        d = _trust_ratio(w, g, wd, tc, eps) * g
+        buf = d.clone() if buf is None else m * buf + d
+        return w - lr * buf, buf
+    with pytest.raises(CheckFailed, match="before scaling"):
+        check_lars_step(decay_after_scaling)
+
+    def lr_inside_only(w, g, buf, lr, m, wd, tc, eps):
+        d = _trust_ratio(w, g, wd, tc, eps) * (g + wd * w)
+        buf = d.clone() if buf is None else m * buf + d
+        return w - buf, buf
+    with pytest.raises(CheckFailed, match="global lr"):
+        check_lars_step(lr_inside_only)

@@ -1,0 +1,227 @@
+"""Large-batch optimizers: LARS (and its LARC clipping mode), parameter groups that switch
+adaptation off, and multiplicative gradient noise.
+
+LARS (You, Gitman and Ginsburg 2017, arXiv 1708.03888) gives every parameter tensor (a layer's
+weight) its own *local* rate. For a parameter ``w`` with gradient ``g`` in a group with global
+rate ``lr``, weight decay ``wd``, momentum ``m`` and trust coefficient ``eta``, one step is::
+
+    trust = eta * ||w|| / (||g|| + wd * ||w|| + eps)     # 1 where ||w|| == 0 or ||g|| == 0
+    d     = trust * (g + wd * w)                         # weight decay joins the gradient first
+    buf   = m * buf + d                                  # momentum on the scaled update
+    step  = d + m * buf   if nesterov else   buf
+    w     = w - lr * step                                # lr: the global rate (the schedule's)
+
+``lr`` stays outside the momentum buffer, as in ``torch.optim.SGD`` (which LARS reduces to when
+``trust`` is 1), so a warmup schedule changes the step at once. With ``clip=True`` (LARC, NVIDIA
+apex's ``LARC(clip=True)``) the local rate ``trust`` is clipped at the global one, i.e. the
+applied factor is ``min(trust / lr, 1)`` and the effective rate ``min(trust, lr)``.
+
+A group with ``adapt=False`` skips the trust ratio (factor 1): plain SGD with momentum. Biases
+and normalisation parameters usually go there, without weight decay
+(:func:`lars_param_groups`). The factor applied at the last step is kept, per parameter, in
+``optimizer.state[p]["trust_ratio"]`` (a 0-d tensor on the parameter's device) for plotting.
+
+No host synchronisation: norms, the zero tests and the ratio stay on the device
+(``torch.where``, never ``.item()`` or a Python ``if`` on a tensor).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+
+def _check_number(name: str, value, *, low: float = 0.0, strict: bool = False) -> float:
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python number, got a tensor; pass float({name})")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r}")
+    if value < low or (strict and value == low):
+        raise ValueError(f"{name} must be {'>' if strict else '>='} {low}, got {value}")
+    return float(value)
+
+
+class LARS(Optimizer):
+    """Layer-wise Adaptive Rate Scaling on top of SGD with momentum (see the module docstring
+    for the exact update).
+
+    Args:
+        params: parameters or parameter groups; a group may set ``adapt`` (bool) and any of the
+            keyword arguments below.
+        lr: global learning rate (> 0).
+        momentum: in [0, 1).
+        weight_decay: L2 coefficient (>= 0), added to the gradient before scaling.
+        trust_coefficient: ``eta`` of the paper (> 0; 0.001 there).
+        eps: added to the trust ratio's denominator (>= 0).
+        nesterov: Nesterov momentum (needs momentum > 0).
+        clip: LARC mode: clip the local rate at the global one.
+        adapt: use the trust ratio (default for groups that do not say).
+    """
+
+    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+                 trust_coefficient: float = 0.001, eps: float = 1e-8, nesterov: bool = False,
+                 clip: bool = False, adapt: bool = True):
+        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
+                        trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
+                        clip=clip, adapt=adapt)
+        self._validate(defaults)
+        super().__init__(params, defaults)     # calls add_param_group, which validates each group
+
+    @staticmethod
+    def _validate(group: dict) -> None:
+        _check_number("lr", group["lr"], strict=True)
+        m = _check_number("momentum", group["momentum"])
+        if m >= 1:
+            raise ValueError(f"momentum must be in [0, 1), got {m}")
+        _check_number("weight_decay", group["weight_decay"])
+        _check_number("trust_coefficient", group["trust_coefficient"], strict=True)
+        _check_number("eps", group["eps"])
+        for flag in ("nesterov", "clip", "adapt"):
+            if not isinstance(group[flag], bool):
+                raise ValueError(f"{flag} must be True or False, got {group[flag]!r}")
+        if group["nesterov"] and m == 0:
+            raise ValueError("nesterov=True needs momentum > 0")
+
+    def add_param_group(self, param_group: dict) -> None:
+        self._validate({**self.defaults, **param_group})    # before the group is added
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)
+
+    @torch.no_grad()
+    def step(self, closure: Callable | None = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
+            eta, eps, adapt, clip = group["trust_coefficient"], group["eps"], group["adapt"], group["clip"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if g.is_sparse:
+                    raise RuntimeError("LARS does not support sparse gradients")
+                state = self.state[p]                        # created lazily, on first use
+                d = g.add(p, alpha=wd) if wd != 0 else g     # never modifies p.grad
+                if adapt:
+                    w_norm = torch.linalg.vector_norm(p)
+                    g_norm = torch.linalg.vector_norm(g)
+                    ratio = eta * w_norm / (g_norm + wd * w_norm + eps)
+                    if clip:
+                        ratio = torch.clamp(ratio / lr, max=1.0)
+                    # 1 where either norm is 0 (fresh zero-initialised layer, or no gradient):
+                    # on the device, no .item() and no Python branch on a tensor.
+                    ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
+                    d = d * ratio
+                    state["trust_ratio"] = ratio
+                if m != 0:
+                    buf = state.get("momentum_buffer")
+                    if buf is None:
+                        buf = state["momentum_buffer"] = d.detach().clone()   # m * 0 + d
+                    else:
+                        buf.mul_(m).add_(d)
+                    d = d.add(buf, alpha=m) if group["nesterov"] else buf
+                p.add_(d, alpha=-lr)
+        return loss
+
+    def trust_ratios(self, model: nn.Module | None = None) -> dict:
+        """{name: last applied factor (0-d device tensor)} for every adapted parameter that has
+        stepped; names come from ``model.named_parameters()`` when a model is given, else they
+        are ``"group{i}.param{j}"``. Reading the values (``float(t)``) is a sync point."""
+        names = {p: n for n, p in model.named_parameters()} if model is not None else {}
+        out = {}
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                r = self.state.get(p, {}).get("trust_ratio")
+                if r is not None:
+                    out[names.get(p, f"group{i}.param{j}")] = r
+        return out
+
+
+def is_excluded(name: str, param: torch.Tensor) -> bool:
+    """The usual exclusion: biases and normalisation parameters (anything with fewer than two
+    dimensions) get neither the trust ratio nor weight decay."""
+    return param.ndim < 2
+
+
+def lars_param_groups(model: nn.Module, weight_decay: float = 0.0,
+                      exclude: Callable[[str, torch.Tensor], bool] = is_excluded) -> list[dict]:
+    """Two parameter groups for :class:`LARS` (or SGD): ``{"params": [...], "weight_decay": wd,
+    "adapt": True}`` for the weights and ``{"params": [...], "weight_decay": 0.0, "adapt":
+    False}`` for what ``exclude(name, param)`` picks (default: ``param.ndim < 2``). Frozen
+    parameters are left out; an empty group is dropped."""
+    _check_number("weight_decay", weight_decay)
+    adapted, excluded = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (excluded if exclude(name, p) else adapted).append(p)
+    groups = [{"params": adapted, "weight_decay": float(weight_decay), "adapt": True},
+              {"params": excluded, "weight_decay": 0.0, "adapt": False}]
+    groups = [g for g in groups if g["params"]]
+    if not groups:
+        raise ValueError("the model has no trainable parameters")
+    return groups
+
+
+# ----------------------------------------------------------------------------------------
+# Multiplicative gradient noise
+# ----------------------------------------------------------------------------------------
+
+def noise_sigma(batch_size: int, base_batch: int, base_sigma: float) -> float:
+    """sigma for a batch size when sigma^2 grows in proportion to the batch:
+    ``base_sigma * sqrt(batch_size / base_batch)``."""
+    if batch_size < 1 or base_batch < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {batch_size} and {base_batch}")
+    _check_number("base_sigma", base_sigma)
+    return base_sigma * math.sqrt(batch_size / base_batch)
+
+
+def multiply_gradient_noise_(params: Iterable[torch.Tensor], sigma: float,
+                             generator: torch.Generator | None = None) -> None:
+    """Multiply every gradient element by its own ``z ~ N(1, sigma^2)``, in place. Call it
+    between ``backward()`` and ``optimizer.step()``; :func:`add_gradient_noise` does that for
+    you inside :func:`utils.train.fit`."""
+    _check_number("sigma", sigma)
+    for p in params:
+        if p.grad is not None and sigma > 0:
+            z = torch.randn(p.grad.shape, generator=generator, device=p.grad.device, dtype=p.grad.dtype)
+            p.grad.mul_(z.mul_(sigma).add_(1.0))
+
+
+class GradientNoise:
+    """Handles of the hooks :func:`add_gradient_noise` installed; ``remove()`` takes them off."""
+
+    def __init__(self, handles):
+        self.handles = handles
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+def add_gradient_noise(model: nn.Module, sigma: float, generator: torch.Generator | None = None) -> GradientNoise:
+    """Make every gradient of ``model`` come out of ``backward()`` multiplied, element by
+    element, by ``z ~ N(1, sigma^2)`` (a tensor hook per parameter), so the training loop needs
+    no change. Returns a handle with ``remove()``. Under gradient accumulation each micro-batch
+    gets its own noise."""
+    sigma = _check_number("sigma", sigma)
+
+    def hook(g):
+        z = torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype)
+        return g * z.mul_(sigma).add_(1.0)
+
+    return GradientNoise([p.register_hook(hook) for p in model.parameters() if p.requires_grad])
+
+
+__all__ = ["LARS", "lars_param_groups", "is_excluded", "noise_sigma", "multiply_gradient_noise_",
+           "add_gradient_noise", "GradientNoise"]
