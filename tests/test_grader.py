@@ -1,0 +1,330 @@
+"""The assessment grader (utils.grader) with the CI spec: digits, CPU, gloo, 2 processes.
+
+Oracles: the reference solution must pass and the unchanged serial script must fail; every bad
+input of the issue is graded with its reason, the grader exits normally, and no process of a
+submission is left. One graded run of the reference and of the serial script is shared (module
+fixture, graded concurrently); the bad inputs are graded in ONE `batch` command.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import zipfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+
+from utils.grader import checkpoint, sandbox
+from utils.grader.batch import gradescope_batch, gradescope_result
+from utils.grader.core import grade, write_json
+from utils.grader.spec import REFERENCE_SOLUTION, ROOT, SERIAL_SCRIPT, SpecError, load_spec
+from utils.grader.static import check_source
+import utils.models
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the grader watches /proc")
+
+CI_SPEC = ROOT / "labs" / "assessment" / "spec_ci.toml"
+
+
+def grader_processes(marker: str = "") -> list[str]:
+    """Live processes started by any grading job (they carry the job token), optionally only
+    those whose command line mentions ``marker``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == os.getpid():
+            continue
+        env = sandbox._environ(int(name))
+        st = sandbox._stat(int(name))
+        if sandbox.TOKEN_VAR in env and st and st[1] not in ("Z", "X"):
+            cmd = sandbox._cmdline(int(name))
+            if marker in cmd or marker in env.get("PWD", "") or not marker:
+                found.append(f"{name}: {cmd}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return load_spec(CI_SPEC)
+
+
+@pytest.fixture(scope="module")
+def graded(spec):
+    """The reference solution and the unchanged serial script, graded once, side by side."""
+    with ThreadPoolExecutor(2) as pool:
+        ref = pool.submit(grade, REFERENCE_SOLUTION, spec, student="reference")
+        serial = pool.submit(grade, SERIAL_SCRIPT, spec, student="serial")
+        return {"reference": ref.result(), "serial": serial.result()}
+
+
+def codes(report) -> set[str]:
+    return {r["code"] for r in report["reasons"]}
+
+
+# ----------------------------------------------------------------------------------------
+# The two oracles
+# ----------------------------------------------------------------------------------------
+
+def test_reference_solution_passes(graded, spec):
+    r = graded["reference"]
+    assert r["status"] == "passed", (
+        f"the reference solution must pass the CI spec; reasons: {r['reason']}\n"
+        f"rank 0 stderr:\n{r['logs'].get('0', {}).get('stderr', '')[-1500:]}")
+    assert r["accuracy"] >= spec.target_val_acc
+    assert r["ranks_measured"] == spec.nprocs == r["workers_seen"], r["rank_evidence"]
+    assert r["data_parallel"] is True, f"DDP training steps were not seen: {r['rank_evidence']}"
+    assert r["rank_evidence"]["backend"] == "gloo"
+    assert r["time_s"] <= spec.time_budget_s
+    assert r["leftover_processes"] == [] and r["static_warnings"] == [], r
+    assert "saved" in r["logs"]["0"]["stdout"], "the tail of rank 0's log should be in the report"
+    assert r["isolation"]["in_force"] and r["isolation"]["not_in_force"], "isolation must be stated"
+    assert not grader_processes("reference")
+
+
+def test_unchanged_serial_script_fails_on_accuracy_and_ranks(graded, spec):
+    r = graded["serial"]
+    assert r["status"] == "failed", r["reason"]
+    assert {"accuracy", "not_distributed"} <= codes(r), (
+        f"the serial script must fail on accuracy and on the measured ranks, got {r['reasons']}")
+    assert r["accuracy"] < spec.target_val_acc and r["ranks_measured"] == 0
+    assert "init_process_group" in r["reason"]
+    warnings = " ".join(r["static_warnings"])
+    assert "init_process_group" in warnings and "every rank" in warnings, r["static_warnings"]
+
+
+def test_reports_json_and_gradescope_format(graded, spec, tmp_path):
+    write_json(graded["reference"], tmp_path / "r.json")
+    back = json.loads((tmp_path / "r.json").read_text())
+    assert back["status"] == "passed" and back["ranks_measured"] == 2
+    one = gradescope_result(graded["serial"], spec)
+    _assert_gradescope(one)
+    assert one["score"] == 0 and any(t["status"] == "failed" for t in one["tests"])
+    assert gradescope_result(graded["reference"], spec)["score"] == spec.points
+    many = gradescope_batch([graded["reference"], graded["serial"]], spec)
+    _assert_gradescope(many)
+    assert [t["name"] for t in many["tests"]] == ["reference", "serial"]
+
+
+def _assert_gradescope(doc):
+    """Gradescope's autograder results.json: tests with name/status/output, numeric scores."""
+    assert set(doc) <= {"score", "execution_time", "output", "output_format", "test_output_format",
+                        "test_name_format", "visibility", "stdout_visibility", "extra_data", "tests",
+                        "leaderboard"}, sorted(doc)
+    assert isinstance(doc["tests"], list) and doc["tests"]
+    for t in doc["tests"]:
+        assert set(t) <= {"score", "max_score", "status", "name", "name_format", "number", "output",
+                          "output_format", "tags", "visibility", "extra_data"}, sorted(t)
+        assert t["status"] in ("passed", "failed") and isinstance(t["name"], str)
+        for k in ("score", "max_score"):
+            assert k not in t or isinstance(t[k], (int, float))
+    assert doc.get("visibility", "visible") in ("hidden", "after_due_date", "after_published", "visible")
+    json.dumps(doc)
+
+
+# ----------------------------------------------------------------------------------------
+# Spec and static checks (no process started)
+# ----------------------------------------------------------------------------------------
+
+def test_spec_validation(tmp_path):
+    s = load_spec(CI_SPEC, time_budget_s=5)
+    assert s.time_budget_s == 5 and s.nprocs == 2 and s.dataset == "digits"
+    assert load_spec(ROOT / "labs" / "assessment" / "spec_gpu.toml").dataset == "cifar10"
+    bad = tmp_path / "bad.toml"
+    for text, needle in [("[assessment]\nname='x'\n", "missing"),
+                         (CI_SPEC.read_text() + "colour = 'red'\n", "unknown field"),
+                         (CI_SPEC.read_text().replace("nprocs = 2", "nprocs = 0"), "nprocs"),
+                         (CI_SPEC.read_text().replace('dataset = "digits"', 'dataset = "mnist"'), "dataset"),
+                         ("not toml [", "not valid TOML"), ("x = 1\n", "[assessment]")]:
+        bad.write_text(text)
+        with pytest.raises(SpecError, match=needle.replace("[", r"\[")):
+            load_spec(bad)
+    with pytest.raises(SpecError, match="not found"):
+        load_spec(tmp_path / "missing.toml")
+
+
+def test_static_checks_flag_typical_mistakes():
+    assert "line 1" in check_source("def main(:\n")["syntax_error"]
+    bad = check_source(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from torch.utils.data import DistributedSampler
+        def main():
+            dist.init_process_group("gloo")
+            sampler = DistributedSampler(ds)
+            model = torch.nn.parallel.DistributedDataParallel(net)
+            for epoch in range(3):
+                pass
+            torch.save(model.module.state_dict(), "model.pt")
+        """))["warnings"]
+    text = " ".join(bad)
+    assert "set_epoch" in text and "every rank" in text and "seed" in text, bad
+    assert "init_process_group" not in text and "DistributedDataParallel wrapper" not in text, bad
+    good = check_source((ROOT / "solutions" / "assessment" / "assessment.py").read_text())
+    assert good == {"syntax_error": None, "warnings": []}, good
+    early_return = check_source(textwrap.dedent("""
+        import torch
+        def main(rank):
+            torch.manual_seed(0)
+            sampler.set_epoch(0)
+            if rank != 0:
+                return
+            torch.save(sd, "model.pt")
+        """))["warnings"]
+    assert not any("every rank" in w for w in early_return), early_return
+
+
+# ----------------------------------------------------------------------------------------
+# The model file, checked without running anything
+# ----------------------------------------------------------------------------------------
+
+class _RunsCodeWhenUnpickled:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _good_state(spec):
+    from utils.data import load
+    shape = load("digits").shape
+    return utils.models.build(spec.model, shape, **spec.model_kwargs).state_dict(), shape
+
+
+def _payloads(spec, tmp_path) -> dict[str, Path]:
+    """Model files for each bad case, written with torch.save as a student would."""
+    sd, shape = _good_state(spec)
+    marker = tmp_path / "CODE_WAS_RUN"
+    cases = {
+        "pickle_exploit": {**sd, "conv1.weight": _RunsCodeWhenUnpickled(marker)},
+        "wrong_keys": utils.models.LinearModel(64, 10).state_dict(),
+        "wrong_shapes": utils.models.build(spec.model, shape, hidden_num_chans=8).state_dict(),
+        "nan_weights": {k: v.clone().fill_(float("nan")) if k == "fc1.weight" else v for k, v in sd.items()},
+        "ddp_prefix": {f"module.{k}": v for k, v in sd.items()},
+        "whole_model": utils.models.build(spec.model, shape, **spec.model_kwargs),
+    }
+    paths = {}
+    for name, obj in cases.items():
+        paths[name] = tmp_path / f"{name}.pt"
+        torch.save(obj, paths[name])
+    (tmp_path / "not_a_zip.pt").write_bytes(b"\x80\x04K\x01." * 10)
+    paths["not_a_zip"] = tmp_path / "not_a_zip.pt"
+    with zipfile.ZipFile(tmp_path / "zipbomb.pt", "w", compression=zipfile.ZIP_DEFLATED) as z:
+        z.writestr("archive/data.pkl", b"\0" * (4 << 20))
+    paths["zipbomb"] = tmp_path / "zipbomb.pt"
+    return paths
+
+
+@pytest.mark.parametrize("case, code, words", [
+    ("pickle_exploit", "unsafe_checkpoint", "NOT executed"),
+    ("whole_model", "unsafe_checkpoint", "state_dict()"),
+    ("wrong_keys", "wrong_keys", "missing"),
+    ("ddp_prefix", "wrong_keys", "model.module.state_dict()"),
+    ("wrong_shapes", "wrong_shapes", "conv1.weight"),
+    ("nan_weights", "nan_weights", "fc1.weight"),
+    ("not_a_zip", "bad_checkpoint", "torch.save"),
+    ("zipbomb", "bad_checkpoint", "compressed"),
+])
+def test_checkpoint_rejections(spec, tmp_path, case, code, words):
+    path = _payloads(spec, tmp_path)[case]
+    heldout = load_heldout()
+    with pytest.raises(checkpoint.CheckpointRejected) as e:
+        sd = checkpoint.load_state_dict(path, 64 << 20)
+        checkpoint.evaluate(spec, sd, heldout)
+    assert e.value.code == code and words in str(e.value), f"{case}: {e.value.code}: {e.value}"
+    assert not (tmp_path / "CODE_WAS_RUN").exists(), "loading the checkpoint ran the attacker's code"
+    with pytest.raises(checkpoint.CheckpointRejected, match="over the"):
+        checkpoint.load_state_dict(path, 16)
+
+
+def load_heldout():
+    from utils.data import load
+    return load("digits").val
+
+
+# ----------------------------------------------------------------------------------------
+# Every bad input of the issue, graded in one `batch` command
+# ----------------------------------------------------------------------------------------
+
+COPY_PAYLOAD = """
+import os, shutil, sys
+out = sys.argv[sys.argv.index("--out") + 1]
+if os.environ.get("RANK", "0") == "0":
+    shutil.copy(os.path.join(os.path.dirname(os.path.abspath(__file__)), "payload.pt"), out)
+"""
+
+BAD_SCRIPTS = {
+    "syntax_error": "def main(:\n    pass\n",
+    "import_error": "import no_such_module_for_the_grader_test\n",
+    "one_rank_crash": "import os, time\nif os.environ.get('RANK') == '1':\n"
+                      "    raise RuntimeError('rank 1 lost its shard')\ntime.sleep(600)\n",
+    "hang": "import time\ntime.sleep(600)\n",
+    "print_forever": "while True:\n    print('accuracy 1.0 ' * 100)\n",
+    "huge_file": "import sys\nout = sys.argv[sys.argv.index('--out') + 1]\nwith open(out, 'wb') as f:\n"
+                 "    for _ in range(4096):\n        f.write(bytes(1 << 20))    # 4 GiB\n",
+    "no_output": "print('final validation accuracy: 0.999')\n",
+    "background_child": "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', "
+                        "'import time; time.sleep(600)'], start_new_session=True)\n",
+}
+
+# student -> (status, reason code that must be among the reasons, words in the reason)
+EXPECTED = {
+    "syntax_error": ("error", "syntax_error", "line 1"),
+    "import_error": ("error", "crashed", "no_such_module_for_the_grader_test"),
+    "one_rank_crash": ("error", "crashed", "rank 1: RuntimeError: rank 1 lost its shard"),
+    "hang": ("error", "timeout", "budget"),
+    "print_forever": ("error", "output_limit", "MiB limit"),
+    "huge_file": ("error", "output_limit", "MiB limit"),
+    "no_output": ("error", "no_output", "without writing model.pt"),
+    "background_child": ("error", "background_processes", "still running"),
+    "pickle_exploit": ("error", "unsafe_checkpoint", "NOT executed"),
+    "wrong_keys": ("error", "wrong_keys", "missing"),
+    "nan_weights": ("error", "nan_weights", "NaN"),
+}
+
+
+def test_batch_grades_every_bad_input_with_its_reason(spec, tmp_path):
+    subs = tmp_path / "class"
+    subs.mkdir()
+    for name, code in BAD_SCRIPTS.items():
+        (subs / f"{name}.py").write_text(code)
+    payloads = _payloads(spec, tmp_path)
+    for name in ("pickle_exploit", "wrong_keys", "nan_weights"):
+        (subs / name).mkdir()
+        (subs / name / "assessment.py").write_text(COPY_PAYLOAD)
+        (subs / name / "payload.pt").write_bytes(payloads[name].read_bytes())
+    test_spec = tmp_path / "spec.toml"
+    test_spec.write_text(CI_SPEC.read_text().replace("time_budget_s = 90", "time_budget_s = 15")
+                         .replace("max_output_mb = 64", "max_output_mb = 2"))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "utils.grader", "batch", str(subs), "--spec", str(test_spec),
+           "--csv", str(out / "gradebook.csv"), "--gradescope", str(out / "results.json"),
+           "--reports", str(out / "reports"), "--jobs", "3"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"the grader itself must exit normally:\n{proc.stdout}\n{proc.stderr}"
+    assert not grader_processes(), "a process of a graded submission outlived its grading"
+    assert not (tmp_path / "CODE_WAS_RUN").exists(), "the pickled payload was executed"
+
+    rows = {row["student"]: row for row in csv.DictReader((out / "gradebook.csv").open())}
+    assert sorted(rows) == sorted(EXPECTED), f"one gradebook row per student, got {sorted(rows)}"
+    for student, (status, code, words) in EXPECTED.items():
+        report = json.loads((out / "reports" / f"{student}.json").read_text())
+        assert rows[student]["status"] == status == report["status"], (student, report["reason"])
+        assert code in codes(report), f"{student}: expected reason {code}, got {report['reasons']}"
+        assert words in report["reason"], f"{student}: {words!r} not in {report['reason']!r}"
+        assert rows[student]["reason"] == report["reason"] and rows[student]["score"] == "0"
+        assert report["leftover_processes"] == [] or student == "background_child", (student, report)
+    one_rank = json.loads((out / "reports" / "one_rank_crash.json").read_text())
+    assert "lost its shard" in one_rank["logs"]["1"]["stderr"], "the tail of each rank's log is reported"
+    printed = json.loads((out / "reports" / "print_forever.json").read_text())
+    assert len(printed["logs"]["0"]["stdout"]) < 4000, "log tails must be capped"
+    hang = json.loads((out / "reports" / "hang.json").read_text())
+    assert 15 <= hang["time_s"] < 25 and hang["timed_out"] and hang["accuracy"] is None
+    doc = json.loads((out / "results.json").read_text())
+    _assert_gradescope(doc)
+    assert sorted(t["name"] for t in doc["tests"]) == sorted(EXPECTED)
+    assert all(t["status"] == "failed" and t["score"] == 0 for t in doc["tests"])

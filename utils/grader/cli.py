@@ -1,0 +1,135 @@
+"""``python -m utils.grader run|batch|calibrate``: the command line of the grader."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .spec import REFERENCE_SOLUTION, SpecError, default_spec_path, load_spec
+
+
+def _spec(args):
+    overrides = {}
+    if getattr(args, "budget", None) is not None:
+        overrides["time_budget_s"] = args.budget
+    return load_spec(args.spec, **overrides)
+
+
+def cmd_run(args) -> int:
+    from .batch import gradescope_result, score, write_gradescope
+    from .core import grade, write_json
+    spec = _spec(args)
+    r = grade(args.submission, spec, keep=args.keep)
+    r["score"] = score(r, spec)
+    if args.json:
+        write_json(r, args.json)
+    if args.gradescope:
+        write_gradescope(gradescope_result(r, spec), args.gradescope)
+    print(summary(r, verbose=args.verbose))
+    return 0
+
+
+def summary(r: dict, verbose: bool = False) -> str:
+    acc = f"{r['accuracy']:.4f}" if r["accuracy"] is not None else "-"
+    t = f"{r['time_s']:.1f} s" if r["time_s"] is not None else "-"
+    lines = [f"{r['student']}: {r['status'].upper()}",
+             f"  accuracy {acc} (target {r['target_val_acc']}), time {t} (budget {r['time_budget_s']:g} s), "
+             f"ranks measured {r['ranks_measured']} of {r['nprocs_required']}",
+             f"  {r['reason']}"]
+    lines += [f"  note: {w}" for w in r.get("static_warnings", [])]
+    iso = r.get("isolation") or {}
+    if iso:
+        lines.append("  isolation in force: " + "; ".join(iso.get("in_force", [])))
+        lines.append("  NOT in force: " + "; ".join(iso.get("not_in_force", [])))
+    if verbose:
+        for rank, logs in sorted((r.get("logs") or {}).items()):
+            if isinstance(logs, dict):
+                for kind in ("stdout", "stderr"):
+                    if logs.get(kind, "").strip():
+                        lines.append(f"  --- rank {rank} {kind} (tail) ---\n{logs[kind].rstrip()}")
+    return "\n".join(lines)
+
+
+def cmd_batch(args) -> int:
+    from .batch import (find_submissions, gradescope_batch, grade_many, write_gradebook,
+                        write_gradescope)
+    spec = _spec(args)
+    subs = find_submissions(args.folder)
+    if not subs:
+        print(f"no submissions in {args.folder} (expected one .py file or one folder per student)",
+              file=sys.stderr)
+        return 2
+    print(f"grading {len(subs)} submission(s) with {spec.name}, {args.jobs} at a time", flush=True)
+    reports = grade_many(subs, spec, jobs=args.jobs, report_dir=args.reports,
+                         progress=lambda s: print(s, flush=True))
+    write_gradebook(reports, args.csv)
+    print(f"gradebook: {args.csv}")
+    if args.gradescope:
+        write_gradescope(gradescope_batch(reports, spec), args.gradescope)
+        print(f"Gradescope results: {args.gradescope}")
+    passed = sum(r["status"] == "passed" for r in reports)
+    print(f"{passed} of {len(reports)} passed")
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from .batch import calibrate
+    spec = _spec(args)
+    out = calibrate(spec, runs=args.runs, solution=args.solution, margin=args.margin,
+                    progress=lambda s: print(s, flush=True))
+    if args.json:
+        from .core import write_json
+        write_json(out, args.json)
+    if "proposed_budget_s" in out:
+        print(f"reference: min {out['min_s']:.1f} s, median {out['median_s']:.1f} s, max {out['max_s']:.1f} s, "
+              f"lowest accuracy {out['min_accuracy']:.4f}")
+        print(f"proposed time_budget_s = {out['proposed_budget_s']}  ({args.margin} x the slowest run, "
+              f"rounded up to 5 s); set it in {spec.path} and record these figures in its comments")
+        return 0
+    print(out["problem"], file=sys.stderr)
+    return 1
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m utils.grader",
+                                description="Grade the assessment: convert a serial script to DDP.")
+    sub = p.add_subparsers(dest="command", required=True)
+    spec_help = f"assessment spec (TOML; default {default_spec_path().name} for this profile)"
+
+    r = sub.add_parser("run", help="grade one submission")
+    r.add_argument("submission", help="the student's .py file, or a folder with assessment.py")
+    r.add_argument("--spec", help=spec_help)
+    r.add_argument("--json", help="write the full report here")
+    r.add_argument("--gradescope", help="write Gradescope's results.json here")
+    r.add_argument("--budget", type=float, help="override the spec's time budget (seconds)")
+    r.add_argument("--keep", action="store_true", help="keep the working directory")
+    r.add_argument("-v", "--verbose", action="store_true", help="print the tail of each rank's log")
+    r.set_defaults(fn=cmd_run)
+
+    b = sub.add_parser("batch", help="grade a folder of submissions (one .py or folder per student)")
+    b.add_argument("folder")
+    b.add_argument("--spec", help=spec_help)
+    b.add_argument("--csv", required=True, help="the gradebook to write")
+    b.add_argument("--gradescope", help="write a Gradescope-format results.json for the class")
+    b.add_argument("--reports", help="folder for one JSON report per student")
+    b.add_argument("--jobs", type=int, default=1, help="submissions graded at once (GPUs are divided)")
+    b.add_argument("--budget", type=float, help="override the spec's time budget (seconds)")
+    b.set_defaults(fn=cmd_batch)
+
+    c = sub.add_parser("calibrate", help="time the reference solution and propose a budget")
+    c.add_argument("--spec", help=spec_help)
+    c.add_argument("--runs", type=int, default=3)
+    c.add_argument("--margin", type=float, default=1.5, help="budget = margin x slowest run")
+    c.add_argument("--solution", default=str(REFERENCE_SOLUTION))
+    c.add_argument("--json", help="write the measurements here")
+    c.set_defaults(fn=cmd_calibrate)
+
+    args = p.parse_args(argv)
+    if getattr(args, "jobs", 1) < 1:
+        p.error("--jobs must be >= 1")
+    try:
+        return args.fn(args)
+    except (SpecError, NotADirectoryError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
