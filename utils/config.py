@@ -53,7 +53,7 @@ TABLE: dict[str, tuple] = {
     "noise_draws": (20, 30, 50),                          # (small, big) pairs averaged
     # --- stage 2: CPU vs GPU throughput ---
     "bench_batch_sizes": ((2, 4, 64), (2, 4, 16, 64, 256), (2, 4, 16, 64, 256, 1024)),
-    "bench_widths": ((16, 64), (32, 128), (32, 128, 512)),   # Net hidden channels swept
+    "bench_widths": ((16, 128), (16, 128), (32, 128, 512)),  # Net hidden channels swept
     "bench_repeats": (3, 5, 20),                          # timed repeats (median reported)
     "bench_warmup": (1, 3, 10),                           # untimed warm-up steps
     "bench_steps": (3, 10, 30),                           # steps per timed repeat
@@ -61,7 +61,8 @@ TABLE: dict[str, tuple] = {
     "bench_compile": (False, False, True),                # try torch.compile (slow to compile on a CPU)
     "mem_batch_sizes": ((16, 64, 256), (16, 64, 256, 1024), (64, 256, 1024, 4096)),  # memory predicted
     "pipeline_workers": ((0, 2, 4), (0, 2, 4), (0, 2, 4)),  # DataLoader workers compared
-    "pipeline_epochs": (1, 2, 2),                         # epochs per input-pipeline run
+    "pipeline_epochs": (1, 1, 2),                         # epochs per input-pipeline run
+    "pipeline_n_train": (640, 5_000, 10_000),             # training images per input-pipeline run
     "pipeline_item_cost_s": (5e-4, 5e-4, 5e-4),           # host work per image (decode + augment), seconds
     "monitor_interval": (0.05, 0.1, 0.1),                 # seconds between GPU samples
     # --- stage 3: data parallelism ---
