@@ -269,6 +269,14 @@ BAD_SCRIPTS = {
     "no_output": "print('final validation accuracy: 0.999')\n",
     "background_child": "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', "
                         "'import time; time.sleep(600)'], start_new_session=True)\n",
+    # A serial script that forges the probe's records (it can: it runs as the grader's user).
+    "forged_probe": "import json, os, time\nraw = open('/proc/self/stat').read()\n"
+                    "pid, start = int(raw.split()[0]), int(raw[raw.rindex(')') + 2:].split()[19])\n"
+                    "rank = int(os.environ['RANK'])\nd = os.environ['SCALING_LABS_GRADER_PROBE']\n"
+                    "json.dump(dict(rank=rank, world_size=2, all_reduce_sum=2, backend='gloo', pid=pid, "
+                    "start_ticks=start), open(f'{d}/rank{rank}.{pid}.json', 'w'))\n"
+                    "json.dump(dict(rank=rank, pid=pid, start_ticks=start, collectives=9, ddp_iterations=9), "
+                    "open(f'{d}/exit{rank}.{pid}.json', 'w'))\ntime.sleep(1)\n",
 }
 
 # student -> (status, reason code that must be among the reasons, words in the reason)
@@ -284,6 +292,7 @@ EXPECTED = {
     "pickle_exploit": ("error", "unsafe_checkpoint", "NOT executed"),
     "wrong_keys": ("error", "wrong_keys", "missing"),
     "nan_weights": ("error", "nan_weights", "NaN"),
+    "forged_probe": ("error", "not_distributed", "held no TCP connection to another rank"),
 }
 
 
@@ -328,3 +337,50 @@ def test_batch_grades_every_bad_input_with_its_reason(spec, tmp_path):
     _assert_gradescope(doc)
     assert sorted(t["name"] for t in doc["tests"]) == sorted(EXPECTED)
     assert all(t["status"] == "failed" and t["score"] == 0 for t in doc["tests"])
+
+
+# ----------------------------------------------------------------------------------------
+# The command line and calibration, on the shared graded run (no new process)
+# ----------------------------------------------------------------------------------------
+
+def test_cli_run_and_calibrate(graded, spec, monkeypatch, tmp_path, capsys):
+    import math
+
+    import utils.grader.batch as batch
+    import utils.grader.cli as cli
+    import utils.grader.core as core
+    ref = graded["reference"]
+    monkeypatch.setattr(core, "grade", lambda *a, **k: dict(ref))
+    monkeypatch.setattr(batch, "grade", lambda *a, **k: dict(ref))
+    assert cli.main(["run", "student.py", "--spec", str(CI_SPEC), "--json", str(tmp_path / "r.json"),
+                     "--gradescope", str(tmp_path / "gs.json"), "-v"]) == 0
+    shown = capsys.readouterr().out
+    assert "PASSED" in shown and "ranks measured 2 of 2" in shown and "isolation in force" in shown
+    assert json.loads((tmp_path / "r.json").read_text())["score"] == spec.points
+    _assert_gradescope(json.loads((tmp_path / "gs.json").read_text()))
+
+    assert cli.main(["calibrate", "--spec", str(CI_SPEC), "--runs", "2", "--json", str(tmp_path / "c.json")]) == 0
+    cal = json.loads((tmp_path / "c.json").read_text())
+    assert cal["passed"] == 2 and cal["proposed_budget_s"] == 5 * math.ceil(1.5 * ref["time_s"] / 5)
+    assert "proposed time_budget_s" in capsys.readouterr().out
+
+    assert cli.main(["run", "x.py", "--spec", str(tmp_path / "nope.toml")]) == 2, "a bad spec is a clear error"
+    assert "not found" in capsys.readouterr().err
+
+
+def test_gpus_are_divided_among_jobs(spec, monkeypatch):
+    from utils.grader.batch import _gpu_slots
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    gpu_spec = spec.replace(device="cuda")
+    assert _gpu_slots(gpu_spec, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert _gpu_slots(gpu_spec, 3) == [[0, 1], [2, 3], [4, 5]]
+    assert _gpu_slots(spec, 2) == [None, None], "CPU specs get no GPUs"
+
+
+def test_model_file_must_be_a_regular_file(tmp_path):
+    (tmp_path / "model.pt").symlink_to("/etc/hostname")
+    with pytest.raises(checkpoint.CheckpointRejected, match="regular file"):
+        checkpoint.load_state_dict(tmp_path / "model.pt", 1 << 20)
+    os.mkfifo(tmp_path / "fifo.pt")
+    with pytest.raises(checkpoint.CheckpointRejected, match="regular file"):
+        checkpoint.load_state_dict(tmp_path / "fifo.pt", 1 << 20)

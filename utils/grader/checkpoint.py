@@ -26,6 +26,9 @@ class CheckpointRejected(Exception):
 
 
 def inspect_archive(path: Path, max_bytes: int) -> None:
+    if path.is_symlink() or not path.is_file():
+        raise CheckpointRejected("bad_checkpoint", f"{path.name} must be a regular file written by "
+                                 "torch.save (not a link, a pipe or a folder)")
     size = path.stat().st_size
     if size > max_bytes:
         raise CheckpointRejected("too_large", f"{path.name} is {size / 2**20:.0f} MiB, over the "

@@ -1,4 +1,4 @@
-"""``python -m utils.grader run|batch|calibrate``: the command line of the grader."""
+"""``python -m utils.grader run|batch|calibrate|data``: the command line of the grader."""
 from __future__ import annotations
 
 import argparse
@@ -91,6 +91,21 @@ def cmd_calibrate(args) -> int:
     return 1
 
 
+def cmd_data(args) -> int:
+    import shutil
+    from .core import prepare_data
+    spec = _spec(args)
+    out = Path(args.folder)
+    out.mkdir(parents=True, exist_ok=True)
+    train_npz, _ = prepare_data(spec)
+    shutil.copy(train_npz, out / "train.npz")
+    (out / "assessment.json").write_text(json.dumps(spec.public(), indent=1))
+    print(f"wrote {out / 'train.npz'} and {out / 'assessment.json'} (the training split only, as the "
+          f"grader gives it); now: torchrun --standalone --nproc-per-node {spec.nprocs} "
+          f"assessment.py --data-dir {out} --out model.pt")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m utils.grader",
                                 description="Grade the assessment: convert a serial script to DDP.")
@@ -124,6 +139,11 @@ def main(argv=None) -> int:
     c.add_argument("--solution", default=str(REFERENCE_SOLUTION))
     c.add_argument("--json", help="write the measurements here")
     c.set_defaults(fn=cmd_calibrate)
+
+    d = sub.add_parser("data", help="write the training split the grader gives, to run your script yourself")
+    d.add_argument("folder")
+    d.add_argument("--spec", help=spec_help)
+    d.set_defaults(fn=cmd_data)
 
     args = p.parse_args(argv)
     if getattr(args, "jobs", 1) < 1:

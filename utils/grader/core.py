@@ -245,6 +245,10 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
         f"passed: accuracy {report['accuracy']:.4f} >= {spec.target_val_acc} in {report['time_s']:.1f} s " \
         f"<= {spec.time_budget_s} s with {report['ranks_measured']} ranks"
     report["grading_s"] = round(time.perf_counter() - t_start, 2)
+    try:
+        report["grader"] = grader_info()
+    except Exception:                                    # provenance is best effort
+        pass
     return report
 
 
@@ -309,6 +313,15 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
 
     # What ran, measured here.
     evidence = read_probe(probe_dir, spec, res.workers)
+    evidence["tcp_links"] = res.links
+    linked = {r for r in evidence["ranks_joined"] if res.links.get(str(r))}
+    evidence["ranks_linked"] = sorted(linked)
+    if evidence["backend"] == "gloo" and spec.nprocs > 1:
+        # gloo connects every pair of ranks over TCP: a rank that claims to have joined but held
+        # no connection to another worker the grader saw did not really join.
+        for r in sorted(set(evidence["ranks_joined"]) - linked):
+            evidence["problems"].append(f"rank {r} reported joining but held no TCP connection to another rank")
+        evidence["ranks_joined"] = sorted(linked)
     report["rank_evidence"] = evidence
     report["ranks_measured"] = len(evidence["ranks_joined"])
     report["data_parallel"] = len(evidence["ranks_with_gradient_sync"]) == spec.nprocs
@@ -335,7 +348,7 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
                                "the grader killed them: wait for (join) every process you start"))
 
     from . import checkpoint
-    if not out.exists():
+    if not out.exists() and not out.is_symlink():
         if not res.timed_out and res.returncode == 0:
             reasons.append(_reason("no_output", "the script exited without writing model.pt: save "
                                    "model.state_dict() to the path given by --out (from rank 0)"))
@@ -356,7 +369,8 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
         return                                   # the crash is the thing to fix first
     if report["ranks_measured"] < spec.nprocs:
         why = " (the script never called torch.distributed.init_process_group)" \
-            if report["ranks_measured"] == 0 and not evidence["problems"] else ""
+            if report["ranks_measured"] == 0 and not evidence["problems"] else \
+            f" ({'; '.join(evidence['problems'][:2])})" if evidence["problems"] else ""
         reasons.append(_reason("not_distributed", f"{report['ranks_measured']} of {spec.nprocs} ranks joined "
                                f"the process group, measured by the grader{why}: run as one data-parallel "
                                f"job over {spec.nprocs} processes"))

@@ -93,13 +93,56 @@ class Seen:
     worker: bool            # started by torchrun as a rank (TORCHELASTIC_RUN_ID and RANK set)
 
 
+def _tcp_links(pid: int) -> list[tuple[str, str]]:
+    """(local, remote) endpoints of the ESTABLISHED TCP connections that ``pid`` holds, read from
+    its own network namespace's tables and matched to its file descriptors by socket inode."""
+    inodes = set()
+    try:
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+    except OSError:
+        return []
+    links = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}") as f:
+                next(f)
+                for line in f:
+                    parts = line.split()
+                    if len(parts) > 9 and parts[3] == "01" and parts[9] in inodes:
+                        links.append((parts[1], parts[2]))
+        except (OSError, StopIteration):
+            continue
+    return links
+
+
 class Watch:
-    """Records every process below ``root`` or carrying ``token``, one /proc scan per tick."""
+    """Records every process below ``root`` or carrying ``token``, one /proc scan per tick, and
+    which torchrun workers hold TCP connections to each other (the process group's links)."""
 
     def __init__(self, root: int, token: str):
         self.root, self.token = root, token
         self.seen: dict[tuple[int, int], Seen] = {}
         self._checked: set[tuple[int, int]] = set()
+        self.links: dict[str, set[str]] = {}     # worker RANK -> RANKs of workers it is connected to
+
+    def _links_tick(self) -> None:
+        workers = [s for s in self.seen.values() if s.worker and s.env_rank is not None
+                   and alive(s.pid, s.start_ticks)]
+        if len(workers) < 2:
+            return
+        ends = {w.env_rank: _tcp_links(w.pid) for w in workers}
+        owner = {local: rank for rank, pairs in ends.items() for local, _ in pairs}
+        for rank, pairs in ends.items():
+            for _, remote in pairs:
+                peer = owner.get(remote)
+                if peer is not None and peer != rank:
+                    self.links.setdefault(rank, set()).add(peer)
 
     def tick(self) -> None:
         table = {}
@@ -130,6 +173,7 @@ class Watch:
             env = env if env is not None else _environ(pid)
             self.seen[key] = Seen(pid, start, _cmdline(pid), env.get("RANK"),
                                   "TORCHELASTIC_RUN_ID" in env and "RANK" in env)
+        self._links_tick()
 
     def workers(self) -> list[Seen]:
         return [s for s in self.seen.values() if s.worker]
@@ -179,7 +223,8 @@ def isolation_summary(iso: dict, spec_device: str) -> dict:
                "RLIMIT_FSIZE on every file the submission writes (logs included)",
                "wall-clock deadline measured by the grader, SIGKILL past it"]
     not_inforce = ["the submission runs as the grader's user: it can read any file that user can "
-                   "(public datasets in DATA_DIR or scikit-learn included) and write the probe's records",
+                   "(public datasets in DATA_DIR or scikit-learn included, and the working directories of "
+                   "submissions graded at the same time) and write the probe's records",
                    "no CPU, memory or GPU-memory limits beyond the deadline",
                    "no filesystem isolation (no chroot or mount namespace)"]
     if iso["pidns"]:
@@ -207,6 +252,7 @@ class RunResult:
     timed_out: bool
     init_status: dict
     workers: list[Seen]
+    links: dict                    # worker RANK -> RANKs it held TCP connections to
     stragglers: list[str]          # processes left running after torchrun exited (killed)
     leftovers: list[str]           # processes the grader itself had to kill at the end
     remaining: list[str] = field(default_factory=list)   # still alive after all that (never expected)
@@ -281,4 +327,5 @@ def run(cmd: list[str], *, cwd: Path, env: dict, log_path: Path, budget_s: float
     if not timed_out and init_status.get("rc") is not None:
         rc = init_status["rc"]
     return RunResult(None if timed_out else rc, wall, timed_out, init_status, watch.workers(),
+                     {k: sorted(v) for k, v in watch.links.items()},
                      list(init_status.get("stragglers") or []), sorted(set(leftovers)), remaining)
