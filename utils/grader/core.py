@@ -219,6 +219,7 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
             datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     token = uuid.uuid4().hex
+    report["job_token"] = token                          # in the environment of its every process
     job = None
     try:
         _grade(submission, spec, report, token, workroot, gpus, lambda j: None)

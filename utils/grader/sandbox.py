@@ -268,9 +268,10 @@ def _kill(seen: list[Seen]) -> None:
 
 
 def run(cmd: list[str], *, cwd: Path, env: dict, log_path: Path, budget_s: float, max_bytes: int,
-        token: str, status_path: Path, tick_s: float = 0.1) -> RunResult:
-    """Run ``cmd`` in the sandbox until it exits or ``budget_s`` passes; leave nothing behind."""
-    iso = probe_isolation()
+        token: str, status_path: Path, tick_s: float = 0.1, isolation: dict | None = None) -> RunResult:
+    """Run ``cmd`` in the sandbox until it exits or ``budget_s`` passes; leave nothing behind.
+    ``isolation``: the unshare layers to use (default: :func:`probe_isolation`)."""
+    iso = isolation if isolation is not None else probe_isolation()
     init = [sys.executable, str(INIT), "--status", str(status_path), "--fsize", str(int(max_bytes))]
     init += (["--pidns"] if iso["pidns"] else []) + (["--lo-up"] if iso["netns"] else []) + ["--"]
     full = iso["prefix"] + init + cmd
@@ -298,6 +299,7 @@ def run(cmd: list[str], *, cwd: Path, env: dict, log_path: Path, budget_s: float
             os.killpg(proc.pid, signal.SIGKILL)     # the session's group: unshare, init, torchrun, ranks
         except (ProcessLookupError, PermissionError):
             pass
+        _kill(watch.still_alive())                 # and those that left the group (setsid)
         proc.wait()
     # Processes just killed (the PID namespace's teardown, the group's SIGKILL) take a moment
     # to disappear from /proc; whatever is still alive after that escaped: kill it.
