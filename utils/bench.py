@@ -40,7 +40,7 @@ from .device import synchronize
 __all__ = ["Timing", "time_fn", "Throughput", "train_throughput", "inference_throughput",
            "measure_throughput", "MemoryPrediction", "parameter_bytes", "buffer_bytes", "grad_bytes",
            "optimizer_state_bytes", "counted_state_bytes", "activation_bytes", "predict_memory",
-           "measure_memory", "TimedLoader", "SimulatedGPU", "format_bytes", "format_table"]
+           "measure_memory", "TimedLoader", "SlowDataset", "SimulatedGPU", "format_bytes", "format_table"]
 
 
 # ----------------------------------------------------------------------------------------
