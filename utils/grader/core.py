@@ -6,6 +6,7 @@ model, but missed a requirement) or ``error`` (nothing gradable came out); ``rea
 """
 from __future__ import annotations
 
+import atexit
 import datetime
 import json
 import os
@@ -56,6 +57,7 @@ def prepare_data(spec: Spec):
                                  seed=spec.seed, **kw)
         x, y = splits.train.tensors
         cache = Path(tempfile.mkdtemp(prefix="grader-data-"))
+        atexit.register(shutil.rmtree, cache, True)      # CIFAR-10's split is 600 MB: never leave it
         train_npz = cache / "train.npz"
         np.savez(train_npz, x=x.numpy(), y=y.numpy())
         if spec.heldout == "val":
@@ -282,11 +284,13 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
         d.mkdir(parents=True)
     if submission.is_dir():
         shutil.copytree(submission, work, symlinks=True)
-    else:
+    else:                       # one file: run it as assessment.py (a student's torch.py must not shadow torch)
         work.mkdir()
-        shutil.copy2(submission, work / submission.name)
+        shutil.copy2(submission, work / "assessment.py")
     data = work / "data"
-    data.mkdir(exist_ok=True)
+    if data.is_symlink() or data.exists():
+        shutil.rmtree(data) if data.is_dir() and not data.is_symlink() else data.unlink()
+    data.mkdir()
     shutil.copy(train_npz, data / "train.npz")
     (data / "assessment.json").write_text(json.dumps(spec.public(), indent=1))
     out = work / "model.pt"
@@ -296,7 +300,7 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            "--nproc-per-node", str(spec.nprocs), "--monitor-interval", "0.2",
            "--log-dir", str(log_dir), "--redirects", "3",
-           str(entry.relative_to(submission) if submission.is_dir() else entry.name),
+           str(entry.relative_to(submission) if submission.is_dir() else "assessment.py"),
            "--data-dir", "data", "--out", "model.pt"]
     iso = sandbox.probe_isolation()
     report["isolation"] = sandbox.isolation_summary(iso, spec.device)
