@@ -406,19 +406,21 @@ ESCAPES = (f"sleep 600 & setsid sleep 600 & (sleep 600 &) ; {sys.executable} -c 
            "os.fork() or (os.setsid(), os.fork() or time.sleep(600))' ; ")
 
 
-@pytest.mark.parametrize("layers", ["probed", "none"])
 @pytest.mark.parametrize("case", ["exits_leaving_children", "hangs"])
-def test_sandbox_leaves_nothing_running(tmp_path, layers, case):
-    iso = sandbox.probe_isolation() if layers == "probed" else {"prefix": [], "pidns": False, "netns": False}
+def test_sandbox_without_namespaces_leaves_nothing_running(tmp_path, case):
+    """The fallback where unshare is not allowed (many CI containers); the batch above runs with
+    whatever this machine allows."""
+    layers = "none"
+    iso = {"prefix": [], "pidns": False, "netns": False}
     token = f"test-{layers}-{case}-{os.getpid()}"
     script = ESCAPES + ("exit 0" if case == "exits_leaving_children" else "sleep 600")
     res = sandbox.run(["sh", "-c", script], cwd=tmp_path, env=dict(os.environ), log_path=tmp_path / "log",
-                      budget_s=2.0, max_bytes=1 << 20, token=token, status_path=tmp_path / "st.json",
+                      budget_s=1.5, max_bytes=1 << 20, token=token, status_path=tmp_path / "st.json",
                       isolation=iso)
     assert sandbox.processes_with_token(token) == [], f"{layers}/{case}: processes survived"
     assert res.remaining == []
     if case == "hangs":
-        assert res.timed_out and res.returncode is None and 2.0 <= res.wall_s < 6
+        assert res.timed_out and res.returncode is None and 1.5 <= res.wall_s < 6
     else:
         assert not res.timed_out and res.returncode == 0
         assert res.init_status["n_stragglers"] >= 4, f"the init must report what it killed: {res.init_status}"
