@@ -188,8 +188,9 @@ class Watch:
 
 @functools.lru_cache(maxsize=None)
 def probe_isolation() -> dict:
-    """Try each unshare layer once with a do-nothing init; keep the strongest that works."""
-    unshare = shutil.which("unshare")
+    """Try each unshare layer once with a do-nothing init; keep the strongest that works.
+    ``SCALING_LABS_NO_UNSHARE=1`` skips them (to test, or where unshare misbehaves)."""
+    unshare = None if os.environ.get("SCALING_LABS_NO_UNSHARE") == "1" else shutil.which("unshare")
     candidates = []
     if unshare and sys.platform.startswith("linux"):
         user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
