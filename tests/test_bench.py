@@ -126,9 +126,9 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("model_name", ["net", "resnet9"])
 def test_state_bytes_match_the_real_optimizer(name, model_name):
     torch.manual_seed(0)
-    model = models.Net(16) if model_name == "net" else models.ResNet9(width=4)
+    model = models.Net(8, image_size=16) if model_name == "net" else models.ResNet9(width=4)
     opt = OPTIMIZERS[name](model.parameters())
-    _step(model, opt, (3, 32, 32) if model_name == "net" else (3, 16, 16))
+    _step(model, opt, (3, 16, 16))
     counted_params = sum(p.numel() * p.element_size() for p in model.parameters())
     counted_grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters())
     assert bench.parameter_bytes(model) == counted_params
@@ -175,9 +175,9 @@ def test_activation_estimate_is_linear_in_batch_and_leaves_the_model_alone():
     torch.manual_seed(0)
     model = models.ResNet9(width=4)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    a8 = bench.activation_bytes(model, 8)
-    a16 = bench.activation_bytes(model, 16)
-    a32 = bench.activation_bytes(model, 32)
+    a8 = bench.activation_bytes(model, 8, (3, 16, 16))
+    a16 = bench.activation_bytes(model, 16, (3, 16, 16))
+    a32 = bench.activation_bytes(model, 32, (3, 16, 16))
     assert 0 < a8 < a16 < a32
     assert (a32 - a16) == pytest.approx(2 * (a16 - a8), rel=1e-6), "activations grow linearly with the batch"
     for k, v in model.state_dict().items():
