@@ -103,7 +103,8 @@ def test_reference_solution_passes(graded, spec):
     assert r["data_parallel"] is True, f"DDP training steps were not seen: {r['rank_evidence']}"
     assert r["rank_evidence"]["backend"] == "gloo"
     assert r["time_s"] <= spec.time_budget_s
-    assert r["leftover_processes"] == [] and r["static_warnings"] == [], r
+    assert r["leftover_processes"] == [] and r["static_warnings"] == [] and r["review"] == [], r
+    assert r["rank_evidence"]["ddp_fingerprints"], "rank 0's DDP weights at exit should be fingerprinted"
     assert "saved" in r["logs"]["0"]["stdout"], "the tail of rank 0's log should be in the report"
     assert r["isolation"]["in_force"] and r["isolation"]["not_in_force"], "isolation must be stated"
     assert sandbox.processes_with_token(r["job_token"]) == [], "a process of the submission outlived grading"
@@ -424,3 +425,11 @@ def test_sandbox_without_namespaces_leaves_nothing_running(tmp_path, case):
     else:
         assert not res.timed_out and res.returncode == 0
         assert res.init_status["n_stragglers"] >= 4, f"the init must report what it killed: {res.init_status}"
+
+
+def test_probe_and_grader_fingerprint_alike():
+    from utils.grader._probe import sitecustomize as probe
+    sd = utils.models.build("net", (1, 8, 8), hidden_num_chans=4).state_dict()
+    assert probe.fingerprint(sd) == checkpoint.fingerprint(sd)
+    nudged = {**sd, "fc3.bias": sd["fc3.bias"] + 1e-3}
+    assert probe.fingerprint(nudged) != checkpoint.fingerprint(sd)

@@ -74,6 +74,17 @@ def load_state_dict(path: Path, max_bytes: int) -> dict:
     return obj
 
 
+def fingerprint(sd: dict) -> str:
+    """The probe's fingerprint of a state dict (sha256 of every tensor's bytes, keys sorted)."""
+    import hashlib
+    h = hashlib.sha256()
+    for k in sorted(sd):
+        t = sd[k].detach().cpu().contiguous()
+        h.update(str(k).encode())
+        h.update(t.view(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def check_against(model: torch.nn.Module, sd: dict) -> None:
     """Strict keys, shapes, dtypes and finite values, with a message that says what to fix."""
     bad_types = [k for k, v in sd.items() if not torch.is_tensor(v)]

@@ -166,6 +166,7 @@ def read_probe(probe_dir: Path, spec: Spec, workers: list) -> dict:
     return {"ranks_joined": sorted(joined), "ranks_with_gradient_sync": sorted(dp),
             "backend": next((r.get("backend") for r in joined.values()), None),
             "ddp_iterations": {str(r): exits[r].get("ddp_iterations") for r in exits},
+            "ddp_fingerprints": [str(f) for f in (exits.get(0, {}).get("fingerprints") or [])][:8],
             "collectives": {str(r): exits[r].get("collectives") for r in exits},
             "problems": problems[:10]}
 
@@ -216,7 +217,7 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
         "spec_path": spec.path, "status": "error", "reasons": [], "accuracy": None,
         "target_val_acc": spec.target_val_acc, "time_s": None, "time_budget_s": spec.time_budget_s,
         "ranks_measured": 0, "nprocs_required": spec.nprocs, "workers_seen": 0, "data_parallel": None,
-        "exit_code": None, "timed_out": False, "static_warnings": [], "logs": {}, "rank_evidence": {},
+        "exit_code": None, "timed_out": False, "static_warnings": [], "review": [], "logs": {}, "rank_evidence": {},
         "isolation": {}, "leftover_processes": [], "started": datetime.datetime.now(
             datetime.timezone.utc).isoformat(timespec="seconds"),
     }
@@ -362,6 +363,11 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
             sd = checkpoint.load_state_dict(out, spec.max_output_mb << 20)
             device = "cuda" if spec.device == "cuda" and _cuda() else "cpu"
             report["accuracy"] = round(checkpoint.evaluate(spec, sd, heldout, device), 5)
+            prints = evidence.get("ddp_fingerprints") or []
+            if prints and checkpoint.fingerprint(sd) not in prints:
+                report["review"].append("the saved weights are not those of rank 0's DDP model when it "
+                                        "exited: fine for an EMA or a best-so-far checkpoint; otherwise "
+                                        "check where the weights came from")
         except checkpoint.CheckpointRejected as e:
             reasons.append(_reason(e.code, str(e)))
     if report["accuracy"] is not None and report["accuracy"] < spec.target_val_acc:

@@ -90,7 +90,8 @@ class Seen:
     start_ticks: int
     cmd: str
     env_rank: str | None
-    worker: bool            # started by torchrun as a rank (TORCHELASTIC_RUN_ID and RANK set)
+    worker: bool            # torchrun's environment for a rank (TORCHELASTIC_RUN_ID and RANK set)
+    ppid: int = 0
 
 
 def _tcp_links(pid: int) -> list[tuple[str, str]]:
@@ -132,8 +133,7 @@ class Watch:
         self.links: dict[str, set[str]] = {}     # worker RANK -> RANKs of workers it is connected to
 
     def _links_tick(self) -> None:
-        workers = [s for s in self.seen.values() if s.worker and s.env_rank is not None
-                   and alive(s.pid, s.start_ticks)]
+        workers = [s for s in self.workers() if s.env_rank is not None and alive(s.pid, s.start_ticks)]
         if len(workers) < 2:
             return
         ends = {w.env_rank: _tcp_links(w.pid) for w in workers}
@@ -160,9 +160,11 @@ class Watch:
                 if c not in below:
                     below.add(c)
                     todo.append(c)
-        for pid, (_, _, start) in table.items():
+        for pid, (ppid, _, start) in table.items():
             key = (pid, start)
-            if key in self.seen or (key in self._checked and pid not in below):
+            if key in self.seen and (self.seen[key].worker or pid not in below):
+                continue                 # a process seen between fork and exec is looked at again
+            if key in self._checked and pid not in below:
                 continue
             env = None
             if pid not in below:
@@ -172,11 +174,15 @@ class Watch:
                     continue
             env = env if env is not None else _environ(pid)
             self.seen[key] = Seen(pid, start, _cmdline(pid), env.get("RANK"),
-                                  "TORCHELASTIC_RUN_ID" in env and "RANK" in env)
+                                  "TORCHELASTIC_RUN_ID" in env and "RANK" in env, ppid)
         self._links_tick()
 
     def workers(self) -> list[Seen]:
-        return [s for s in self.seen.values() if s.worker]
+        """The ranks torchrun started: processes with a rank's environment whose parent has none
+        (a rank's own children, DataLoader workers for instance, inherit the environment)."""
+        ranks = [s for s in self.seen.values() if s.worker]
+        rank_pids = {s.pid for s in ranks}
+        return [s for s in ranks if s.ppid not in rank_pids]
 
     def still_alive(self) -> list[Seen]:
         return [s for s in self.seen.values() if alive(s.pid, s.start_ticks)]

@@ -112,19 +112,32 @@ def _patch_ddp(module):
     cls.__init__ = __init__
 
 
+def fingerprint(state_dict):
+    """sha256 over the bytes of every tensor, keys sorted (the grader computes the same)."""
+    import hashlib
+    h = hashlib.sha256()
+    for k in sorted(state_dict):
+        t = state_dict[k].detach().cpu().contiguous()
+        h.update(k.encode())
+        h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def _at_exit():
     if _STATE["rank"] is None:
         return
-    iterations = 0
+    iterations, prints = 0, []
     for model in _STATE["ddp"]:
         try:
             iterations = max(iterations, int(model._get_ddp_logging_data().get("iteration", 0)))
+            if _STATE["rank"] == 0:
+                prints.append(fingerprint(model.module.state_dict()))
         except Exception:
             pass
     pid, start = _stat()
     _write(f"exit{_STATE['rank']}.{pid}.json", {
         "rank": _STATE["rank"], "pid": pid, "start_ticks": start, "collectives": _STATE["collectives"],
-        "ddp_models": len(_STATE["ddp"]), "ddp_iterations": iterations})
+        "ddp_models": len(_STATE["ddp"]), "ddp_iterations": iterations, "fingerprints": prints})
 
 
 _HOOKS = {"torch.distributed": _patch_dist, "torch.nn.parallel.distributed": _patch_ddp}
