@@ -380,6 +380,11 @@ def test_cli_run_and_calibrate(graded, spec, monkeypatch, tmp_path, capsys):
     assert "not found" in capsys.readouterr().err
 
 
+def test_gpu_spec_without_enough_gpus_is_a_clear_grader_error(spec):
+    r = grade(REFERENCE_SOLUTION, spec.replace(device="cuda"), gpus=[0])
+    assert r["status"] == "error" and codes(r) == {"grader_error"} and "1 GPU(s)" in r["reason"], r["reason"]
+
+
 def test_gpus_are_divided_among_jobs(spec, monkeypatch):
     from utils.grader.batch import _gpu_slots
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)

@@ -276,6 +276,13 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
         reasons.append(_reason("syntax_error", f"syntax error, nothing was run: {found['syntax_error']}"))
         return
 
+    if spec.device == "cuda":
+        have = len(gpus) if gpus is not None else (torch_cuda_count())
+        if have < spec.nprocs:
+            reasons.append(_reason("grader_error", f"the spec runs {spec.nprocs} ranks on GPUs but this job has "
+                                   f"{have} GPU(s): grade on a machine with enough GPUs, lower --jobs, or "
+                                   "use a device = \"cpu\" spec. Not the student's fault."))
+            return
     train_npz, heldout = prepare_data(spec)
     job = Path(tempfile.mkdtemp(prefix=f"grade-{re.sub(r'[^A-Za-z0-9_.-]', '_', report['student'])[:40]}-",
                                 dir=workroot))
@@ -389,6 +396,11 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
         reasons.append(_reason("not_data_parallel", "the ranks joined the process group but did not "
                                "synchronise gradients (no DDP training step and no all-reduce was seen): "
                                "wrap the model in DistributedDataParallel"))
+
+
+def torch_cuda_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _cuda() -> bool:
