@@ -225,7 +225,7 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
     report["job_token"] = token                          # in the environment of its every process
     job = None
     try:
-        _grade(submission, spec, report, token, workroot, gpus, lambda j: None)
+        _grade(submission, spec, report, token, workroot, gpus)
     except Exception as e:                               # the grader never crashes on a submission
         report["reasons"].append(_reason("grader_error", f"the grader failed: {type(e).__name__}: {e}. "
                                          "Tell the instructor; this is not your fault."))
@@ -242,6 +242,8 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
             shutil.rmtree(job, ignore_errors=True)
         elif job:
             report["workdir"] = str(job)
+    if not report["reasons"] and (report["accuracy"] is None or report["time_s"] is None):
+        report["reasons"].append(_reason("grader_error", "no accuracy or time was measured; tell the instructor"))
     codes = [r["code"] for r in report["reasons"]]
     report["status"] = ("passed" if not codes else
                         "error" if any(c in ERROR_CODES for c in codes) else "failed")
@@ -256,7 +258,7 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
     return report
 
 
-def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpus, _):
+def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpus):
     reasons = report["reasons"]
     if not submission.exists():
         reasons.append(_reason("no_entry", f"{submission} does not exist"))

@@ -67,7 +67,6 @@ def default_spec_path() -> Path:
 def validate(spec: Spec) -> Spec:
     problems = []
     from utils.data import DATASETS
-    from utils.models import build  # noqa: F401  (the model name is checked when built)
     if spec.dataset not in DATASETS:
         problems.append(f"dataset {spec.dataset!r} is not one of {', '.join(DATASETS)}")
     if spec.model not in ("net", "resnet9", "linear"):
