@@ -38,7 +38,7 @@ LECTURE = {"gpu": "RTX 3080 Ti", "rows": [          # REFERENCES.md: (device, ba
 COLUMNS = [("device", "device", "{}"), ("model", "model", "{}"), ("mode", "mode", "{}"),
            ("batch_size", "batch", "{}"), ("dtype", "dtype", "{}"), ("layout", "layout", "{}"),
            ("images_per_s_median", "images/s (median)", "{:,.0f}"), ("images_per_s_iqr", "IQR", "{:,.0f}"),
-           ("step_ms", "step ms", "{:.2f}"), ("steps", "steps x repeats", "{}")]
+           ("step_ms", "step ms", "{:.2f}"), ("steps_x_repeats", "steps x repeats", "{}")]
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -83,11 +83,20 @@ def versions() -> dict:
          "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
          "commit": _git_commit()}
     try:
-        import pynvml
-        v["nvidia_ml_py"] = getattr(pynvml, "__version__", None)
-    except ImportError:
-        pass
+        from importlib.metadata import PackageNotFoundError, version
+        v["nvidia_ml_py"] = version("nvidia-ml-py")
+    except (ImportError, PackageNotFoundError):
+        v["nvidia_ml_py"] = None
     return v
+
+
+def load_average():
+    """The 1, 5 and 15 minute load averages (None where the OS has none): CPU figures fall when
+    other processes compete for the cores, so the results carry it."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
 
 
 def atomic_write_json(path: Path, obj) -> None:
@@ -139,8 +148,9 @@ def main(argv=None) -> int:
     model = models.Net(args.width)
     n_params = models.count_parameters(model)
     print(devices.hardware_summary())
+    load_before = load_average()
     print(f"model Net(hidden_num_chans={args.width}), {n_params:,} parameters; profile {cfg.name}; "
-          f"{'quick; ' if args.quick else ''}{repeats} repeats, {warmup} warm-up")
+          f"{'quick; ' if args.quick else ''}{repeats} repeats, {warmup} warm-up; load average {load_before}")
 
     rows = []
     for run in plan(args, cfg, has_cuda):
@@ -148,7 +158,7 @@ def main(argv=None) -> int:
                                      min_repeat_s=min_repeat_s, name=f"Net{args.width}", **run)
         row = t.row()
         row.update(layout="channels_last" if t.channels_last else "contiguous", step_ms=t.step_s * 1e3,
-                   steps=f"{t.steps} x {len(t.images_per_s)}", device=t.device.split(":")[0])
+                   steps_x_repeats=f"{t.steps} x {len(t.images_per_s)}", device=t.device.split(":")[0])
         rows.append(row)
         print(f"  {row['device']:>4} {row['mode']:<9} batch {row['batch_size']:>5} {row['dtype']} "
               f"{row['layout']:<13} {row['images_per_s_median']:>10,.0f} images/s", flush=True)
@@ -169,6 +179,7 @@ def main(argv=None) -> int:
         "host": socket.gethostname(),
         "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
         "profile": cfg.name, "quick": args.quick, "repeats": repeats, "warmup": warmup,
+        "load_average": {"before": load_before, "after": load_average()},
         "hardware": devices.describe_hardware(), "versions": versions(),
         "model": {"name": "Net", "hidden_num_chans": args.width, "parameters": n_params, "input": [3, 32, 32],
                   "optimizer": "SGD momentum 0.9", "loss": "cross-entropy"},
