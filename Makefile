@@ -47,6 +47,7 @@ check-labs: $(VENV)/.installed-lab
 
 bench: $(VENV)/.installed-lab
 	$(PY) benchmarks/train_loop_overhead.py
+	$(PY) benchmarks/throughput.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -327,11 +327,14 @@ class DeviceLoader:
 
 def make_loader(dataset: TensorDataset, batch_size: int, *, kind: str = "device", shuffle: bool = True,
                 device=None, rank: int = 0, world_size: int = 1, seed: int = 0,
-                num_workers: int = 0, pin_memory: bool | None = None, drop_last: bool = False):
+                num_workers: int = 0, pin_memory: bool | None = None, drop_last: bool = False,
+                multiprocessing_context: str | None = None):
     """A loader of either kind, sharded for ``rank`` of ``world_size``.
 
     ``kind="device"``: :class:`DeviceLoader`. ``kind="dataloader"``: ``DataLoader`` over a
     ``DistributedSampler`` (worker processes, pinned memory when the device is CUDA).
+    ``multiprocessing_context``: the workers' start method; default ``spawn`` once CUDA is
+    initialised in this process (never fork after CUDA init), else the platform default.
     """
     if kind == "device":
         return DeviceLoader(dataset, batch_size, shuffle=shuffle, drop_last=drop_last, device=device,
@@ -341,6 +344,8 @@ def make_loader(dataset: TensorDataset, batch_size: int, *, kind: str = "device"
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
     if pin_memory is None:
         pin_memory = device is not None and torch.device(device).type == "cuda"
+    if num_workers > 0 and multiprocessing_context is None and torch.cuda.is_initialized():
+        multiprocessing_context = "spawn"
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, drop_last=drop_last,
-                      persistent_workers=num_workers > 0)
+                      pin_memory=pin_memory, drop_last=drop_last, persistent_workers=num_workers > 0,
+                      multiprocessing_context=multiprocessing_context if num_workers > 0 else None)
