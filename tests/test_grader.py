@@ -429,3 +429,29 @@ def test_probe_and_grader_fingerprint_alike():
     assert probe.fingerprint(sd) == checkpoint.fingerprint(sd)
     nudged = {**sd, "fc3.bias": sd["fc3.bias"] + 1e-3}
     assert probe.fingerprint(nudged) != checkpoint.fingerprint(sd)
+
+
+@pytest.mark.parametrize("layers", ["probed", "none"])
+def test_a_killed_grader_takes_the_submission_along(tmp_path, layers):
+    """SIGKILL the grading process mid-run: every process of the submission must still die."""
+    import time
+    token = f"killed-grader-{layers}-{os.getpid()}"
+    iso = "sandbox.probe_isolation()" if layers == "probed" else '{"prefix": [], "pidns": False, "netns": False}'
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        from pathlib import Path
+        from utils.grader import sandbox
+        d = Path({str(tmp_path)!r})
+        sandbox.run(["sh", "-c", {ESCAPES + "sleep 600"!r}], cwd=d, env={{}}, log_path=d / "log",
+                    budget_s=60, max_bytes=1 << 20, token={token!r}, status_path=d / "st.json",
+                    isolation={iso})
+        """)], cwd=ROOT)
+    deadline = time.time() + 30
+    while len(sandbox.processes_with_token(token)) < 4 and time.time() < deadline:
+        time.sleep(0.1)
+    assert len(sandbox.processes_with_token(token)) >= 4, "the submission did not start"
+    child.kill()
+    child.wait()
+    deadline = time.time() + 10
+    while sandbox.processes_with_token(token) and time.time() < deadline:
+        time.sleep(0.1)
+    assert sandbox.processes_with_token(token) == [], f"{layers}: the submission outlived its grader"

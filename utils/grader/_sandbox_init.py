@@ -1,13 +1,15 @@
 """The first process of a graded submission (standard library only, run as a script).
 
-    python _sandbox_init.py --status FILE [--pidns] [--lo-up] [--fsize BYTES] -- COMMAND...
+    python _sandbox_init.py [--status FILE] [--pidns] [--lo-up] [--fsize BYTES] [--pdeathsig] -- COMMAND...
 
 It makes itself a child subreaper (so that processes the submission starts and abandons, even
 double-forked or in their own session, stay in its tree), brings the loopback interface up when
 it runs in a fresh network namespace (torchrun's rendezvous needs localhost), runs COMMAND,
 and waits for it. When COMMAND exits, anything still running below it is a straggler: its
 command lines go into FILE, it is killed (SIGKILL) and reaped, and this process exits with
-COMMAND's status. On SIGTERM it kills the whole tree first.
+COMMAND's status. On SIGTERM it kills the whole tree first. With ``--pdeathsig`` it gets that
+SIGTERM when the grader that started it dies, so a killed grader leaves nothing running (the
+grader starts one outside ``unshare`` for this, and one inside as the namespace's first process).
 """
 import ctypes
 import json
@@ -17,6 +19,7 @@ import sys
 import time
 
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_PDEATHSIG = 1
 
 
 def _host_pid():
@@ -118,9 +121,12 @@ def main(argv):
         resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
         resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     status = {"subreaper": False, "loopback_up": None, "rc": None, "stragglers": []}
+    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         status["subreaper"] = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+        if "--pdeathsig" in opts:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     except OSError:
         pass
     if want_lo:
@@ -146,6 +152,8 @@ def main(argv):
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
+    if "--pdeathsig" in opts and os.getppid() != parent:     # the grader died before prctl
+        on_term(signal.SIGTERM, None)
     if not cmd:            # probe mode: report what this sandbox can do
         import socket
         status["interfaces"] = sorted(name for _, name in socket.if_nameindex())

@@ -280,8 +280,11 @@ def run(cmd: list[str], *, cwd: Path, env: dict, log_path: Path, budget_s: float
     ``isolation``: the unshare layers to use (default: :func:`probe_isolation`)."""
     iso = isolation if isolation is not None else probe_isolation()
     init = [sys.executable, str(INIT), "--status", str(status_path), "--fsize", str(int(max_bytes))]
-    init += (["--pidns"] if iso["pidns"] else []) + (["--lo-up"] if iso["netns"] else []) + ["--"]
-    full = iso["prefix"] + init + cmd
+    init += (["--pidns"] if iso["pidns"] else []) + (["--lo-up"] if iso["netns"] else [])
+    if iso["prefix"]:     # a guard outside the namespaces: it dies with the grader, taking all along
+        full = [sys.executable, str(INIT), "--pdeathsig", "--"] + iso["prefix"] + init + ["--"] + cmd
+    else:
+        full = init + ["--pdeathsig", "--"] + cmd
     env = {**env, TOKEN_VAR: token}
     with open(log_path, "wb") as log:
         t0 = time.perf_counter()
