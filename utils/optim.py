@@ -111,26 +111,48 @@ class LARS(Optimizer):
                 if g.is_sparse:
                     raise RuntimeError("LARS does not support sparse gradients")
                 state = self.state[p]                        # created lazily, on first use
-                d = g.add(p, alpha=wd) if wd != 0 else g     # never modifies p.grad
-                if adapt:
-                    w_norm = torch.linalg.vector_norm(p)
-                    g_norm = torch.linalg.vector_norm(g)
-                    ratio = eta * w_norm / (g_norm + wd * w_norm + eps)
-                    if clip:
-                        ratio = torch.clamp(ratio / lr, max=1.0)
-                    # 1 where either norm is 0 (fresh zero-initialised layer, or no gradient):
-                    # on the device, no .item() and no Python branch on a tensor.
-                    ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
-                    d = d * ratio
-                    state["trust_ratio"] = ratio
+                if not adapt:                                # plain SGD with momentum
+                    d = g.add(p, alpha=wd) if wd != 0 else g     # never modifies p.grad
+                    if m != 0:
+                        buf = state.get("momentum_buffer")
+                        if buf is None:
+                            buf = state["momentum_buffer"] = d.detach().clone()
+                        else:
+                            buf.mul_(m).add_(d)
+                        d = d.add(buf, alpha=m) if group["nesterov"] else buf
+                    p.add_(d, alpha=-lr)
+                    continue
+                w_norm = torch.linalg.vector_norm(p)
+                g_norm = torch.linalg.vector_norm(g)
+                ratio = eta * w_norm / (g_norm + wd * w_norm + eps)
+                if clip:
+                    ratio = torch.clamp(ratio / lr, max=1.0)
+                # 1 where either norm is 0 (fresh zero-initialised layer, or no gradient):
+                # on the device, no .item() and no Python branch on a tensor.
+                ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
+                state["trust_ratio"] = ratio
+                ratio_wd = ratio * wd
+                # ratio * (g + wd * w) is never materialised: two fused multiply-adds with the
+                # 0-d ratio (addcmul) instead, so LARS costs SGD's memory passes plus two norms.
                 if m != 0:
                     buf = state.get("momentum_buffer")
-                    if buf is None:
-                        buf = state["momentum_buffer"] = d.detach().clone()   # m * 0 + d
+                    if buf is None:                          # first step: buf = ratio * d
+                        buf = state["momentum_buffer"] = torch.mul(g, ratio)
                     else:
-                        buf.mul_(m).add_(d)
-                    d = d.add(buf, alpha=m) if group["nesterov"] else buf
-                p.add_(d, alpha=-lr)
+                        buf.mul_(m).addcmul_(g, ratio)       # buf = m * buf + ratio * d
+                    if wd != 0:
+                        buf.addcmul_(p, ratio_wd)
+                    if group["nesterov"]:                    # step = ratio * d + m * buf
+                        step = buf.mul(m).addcmul_(g, ratio)
+                        if wd != 0:
+                            step.addcmul_(p, ratio_wd)
+                        p.add_(step, alpha=-lr)
+                    else:
+                        p.add_(buf, alpha=-lr)
+                else:                                        # w = w - lr * ratio * (g + wd * w)
+                    if wd != 0:
+                        p.mul_(1 - lr * ratio_wd)
+                    p.addcmul_(g, ratio, value=-lr)
         return loss
 
     def trust_ratios(self, model: nn.Module | None = None) -> dict:
