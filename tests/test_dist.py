@@ -235,3 +235,94 @@ def test_alpha_beta_fit_recovers_latency_and_bandwidth():
     alpha, bw = dist.alpha_beta_fit(n, t)
     assert abs(alpha - 20e-6) < 1e-6 and abs(bw - 2e9) / 2e9 < 1e-3
     assert dist.ring_allreduce_bytes(100, 4) == 150 and dist.ring_allreduce_bytes(100, 1) == 0
+
+
+# ---------------------------------------------------------------------------- lab self-checks
+
+from torch.utils.data import DistributedSampler  # noqa: E402
+
+from utils import checks  # noqa: E402
+from utils.checks import CheckFailed  # noqa: E402
+
+
+def placeholder(*args):
+    raise NotImplementedError("Exercise: write this part (see the hint above)")
+
+
+def ring_without_all_gather(tensor):
+    world, rank = tdist.get_world_size(), tdist.get_rank()
+    chunks = list(tensor.view(-1).tensor_split(world))
+    for s in range(world - 1):
+        send_i, recv_i = (rank - s) % world, (rank - s - 1) % world
+        buf = torch.empty_like(chunks[recv_i])
+        req = tdist.isend(chunks[send_i].contiguous(), (rank + 1) % world)
+        tdist.recv(buf, (rank - 1) % world)
+        req.wait()
+        chunks[recv_i] += buf
+    return tensor
+
+
+def average_without_dividing(model):
+    for p in model.parameters():
+        tdist.all_reduce(p.grad)
+
+
+def shard_right(n, batch_size, rank, world_size, epoch, seed):
+    s = DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=seed)
+    s.set_epoch(epoch)
+    idx = list(s)
+    return [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
+
+
+def shard_without_set_epoch(n, batch_size, rank, world_size, epoch, seed):
+    idx = list(DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=seed))
+    return [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
+
+
+def shard_seed_per_rank(n, batch_size, rank, world_size, epoch, seed):
+    return shard_right(n, batch_size, rank, world_size, epoch, seed + rank)
+
+
+def save_right(path, model, optimizer, epoch, rank):
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, f"{path}.tmp")
+        os.replace(f"{path}.tmp", path)
+
+
+def save_on_every_rank(path, model, optimizer, epoch, rank):
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, path)
+
+
+def save_in_place(path, model, optimizer, epoch, rank):
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, path)
+
+
+@pytest.mark.parametrize("check", [checks.check_ring_all_reduce, checks.check_average_gradients,
+                                   checks.check_shard_batches, checks.check_save_on_rank0])
+def test_checks_fail_on_the_placeholder(check):
+    with pytest.raises(CheckFailed, match="not implemented"):
+        check(placeholder)
+
+
+def test_ring_check_spots_a_missing_all_gather():
+    with pytest.raises(CheckFailed, match="all-gather"):
+        checks.check_ring_all_reduce(ring_without_all_gather)
+
+
+def test_average_check_spots_a_sum_not_divided():
+    with pytest.raises(CheckFailed, match="summed, not averaged"):
+        checks.check_average_gradients(average_without_dividing)
+
+
+def test_shard_and_save_checks():
+    checks.check_shard_batches(shard_right)
+    with pytest.raises(CheckFailed, match="set_epoch"):
+        checks.check_shard_batches(shard_without_set_epoch)
+    with pytest.raises(CheckFailed, match="SAME seed"):
+        checks.check_shard_batches(shard_seed_per_rank)
+    checks.check_save_on_rank0(save_right)
+    with pytest.raises(CheckFailed, match="rank 1 wrote"):
+        checks.check_save_on_rank0(save_on_every_rank)
+    with pytest.raises(CheckFailed, match="atomically"):
+        checks.check_save_on_rank0(save_in_place)

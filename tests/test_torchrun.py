@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils.dist import free_port
+from utils.dist import free_port, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["-m", "utils.ddp_train", "--n-train", "256", "--n-val", "64", "--hidden", "8", "--epochs", "2",
@@ -64,11 +64,9 @@ def test_two_nodes_end_with_identical_weights(two_nodes):
 
 def test_max_restarts_recovers_a_killed_rank_exactly(two_nodes, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
-    cmd = _torchrun("--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.2",
-                    *ARGS, "--ckpt", str(ckpt), "--fail-at-step", "6", "--fail-rank", "1",
-                    "--out", str(tmp_path / "final_{rank}.pt"))
-    p = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       text=True, timeout=150)
+    p = torchrun(["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.2",
+                  *ARGS, "--ckpt", ckpt, "--fail-at-step", "6", "--fail-rank", "1",
+                  "--out", tmp_path / "final_{rank}.pt"], cwd=ROOT, env=_env(), timeout=150)
     log = p.stdout
     assert p.returncode == 0, f"torchrun did not recover from the injected failure:\n{log[-3000:]}"
     assert "injected failure at step 6" in log, "the failure was not injected: check FailAt in utils/ddp_train.py"

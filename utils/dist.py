@@ -44,7 +44,7 @@ __all__ = [
     "DistContext", "setup", "teardown", "choose_backend", "free_port", "ddp", "launch",
     "LaunchError", "LaunchTimeout", "WorkerNotImportable", "ring_all_reduce", "average_gradients",
     "rng_state", "set_rng_state", "save_checkpoint", "load_checkpoint", "EpochOffset",
-    "Checkpointer", "ring_allreduce_bytes", "alpha_beta_fit",
+    "Checkpointer", "ring_allreduce_bytes", "alpha_beta_fit", "torchrun",
 ]
 
 DEFAULT_TIMEOUT_S = 300.0   # seconds a collective may wait before the group gives up
@@ -130,8 +130,17 @@ def setup(backend: str | None = None, *, device=None, timeout: float | None = No
     if timeout is None:
         timeout = float(os.environ.get("LAB_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
     if not dist.is_initialized():
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout))
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+        if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            # torchrun's agent hosts the store and may keep it across restarts: give each attempt its
+            # own keys, or restarted ranks can read the addresses the crashed attempt left there.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                                  is_master=False, timeout=timedelta(seconds=timeout))
+            dist.init_process_group(backend, store=dist.PrefixStore(f"/attempt-{restart}/", store),
+                                    rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+                                    timeout=timedelta(seconds=timeout))
     return DistContext(rank, world, local_rank, local_world, backend, dev)
 
 
@@ -420,6 +429,54 @@ def _failure(procs, workdir, failed) -> LaunchError:
     how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
     return LaunchError(f"rank {r} {how} without a Python exception (killed, out of memory, or a crash in "
                        f"native code; its output is above). The other ranks were stopped.", rank=r)
+
+
+def torchrun(args, *, timeout: float = 600.0, env: dict | None = None, cwd=None):
+    """Run ``python -m torch.distributed.run ARGS`` (torchrun) and return the CompletedProcess
+    (``stdout`` holds stdout and stderr). The agent and its workers get their own session, so a
+    timeout stops all of them, not only the agent; then ``subprocess.TimeoutExpired`` is raised."""
+    import subprocess
+    env = dict(os.environ if env is None else env)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)                              # torchrun sets these for its workers
+    cmd = [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         cwd=cwd, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except BaseException:
+        workers = _descendants(p.pid)                 # torchrun puts workers in sessions of their own
+        p.terminate()                                 # SIGTERM: the agent stops its workers itself
+        try:
+            p.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in [p.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, None)
+
+
+def _descendants(pid: int) -> list:
+    """PIDs of every process below ``pid`` (from /proc; empty where there is none)."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
 
 
 # ----------------------------------------------------------------------------------------
