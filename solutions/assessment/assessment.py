@@ -80,8 +80,9 @@ def setup():
     if "RANK" not in os.environ:
         return 0, 1, torch.device("cuda" if torch.cuda.is_available() else "cpu")
     local_rank = int(os.environ["LOCAL_RANK"])
-    if torch.cuda.is_available():
-        device = torch.device("cuda", local_rank)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if torch.cuda.is_available() and torch.cuda.device_count() >= per_node:
+        device = torch.device("cuda", local_rank)         # one GPU per process
         torch.cuda.set_device(device)
         dist.init_process_group("nccl")
     else:                                                 # CPU, or fewer GPUs than processes
