@@ -39,8 +39,8 @@ TABLE: dict[str, tuple] = {
     "sgd_dataset": ("digits", "fashion_mnist", "fashion_mnist"),
     "sgd_batch_sizes": ((8, 32, 128, 512), (16, 64, 256, 1024), (16, 64, 256, 1024, 4096)),  # fixed epochs
     "sgd_epochs": (2, 3, 10),                             # fixed epoch budget of the sweep
-    "sgd_target_batch_sizes": ((4, 16, 64, 256), (4, 16, 64, 256, 1024),
-                               (4, 16, 64, 256, 1024, 4096)),   # steps-to-target sweep
+    "sgd_target_batch_sizes": ((4, 16, 64, 256), (8, 32, 128, 512),
+                               (8, 32, 128, 512, 2048, 8192)),  # steps-to-target sweep
     "sgd_target_acc": (0.85, 0.85, 0.87),                 # validation accuracy that ends a run
     "sgd_max_steps": (500, 3000, 20_000),                 # cap on steps-to-target
     "sgd_eval_images": (32, 256, 1024),                   # evaluate every ~this many images (>= every step)

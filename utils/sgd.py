@@ -228,7 +228,8 @@ def trajectory_panel(x, y, w0, b0, *, lr=0.1, steps=60, batch_size=16, seed=0, s
 
     def on_change(_):
         draw(bs.value, lr_w.value, st.value)
-        handle.update(fig)
+        if handle is not None:          # None outside IPython: nothing to update
+            handle.update(fig)
 
     for w in (bs, lr_w, st):
         w.observe(on_change, names="value")
@@ -523,14 +524,17 @@ def plot_steps_to_target(rows, b_simple: float | None = None, ax=None, regime_fa
 def plot_fixed_epoch_sweep(rows, title="Fixed epoch budget: what batch size buys"):
     B = [r["batch_size"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    axes[0].semilogx(B, [r["time_per_epoch_s"] for r in rows], "o-", base=2)
+    axes[0].plot(B, [r["time_per_epoch_s"] for r in rows], "o-")
     axes[0].set(title="Time per epoch", xlabel="batch size (images)", ylabel="seconds per epoch")
-    axes[1].semilogx(B, [r["images_per_s"] for r in rows], "o-", base=2)
+    axes[1].plot(B, [r["images_per_s"] for r in rows], "o-")
     axes[1].set(title="Training throughput", xlabel="batch size (images)", ylabel="images/s")
-    axes[2].semilogx(B, [100 * r["val_acc"] for r in rows], "o-", base=2)
+    axes[2].plot(B, [100 * r["val_acc"] for r in rows], "o-")
     axes[2].set(title="Validation accuracy after the budget", xlabel="batch size (images)", ylabel="accuracy (%)")
     for ax in axes:
+        ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3, which="both")
+    for ax in axes[:2]:
+        ax.set_yscale("log")            # throughput spans orders of magnitude on a GPU
     fig.suptitle(title)
     fig.tight_layout()
     return fig
