@@ -225,7 +225,8 @@ def isolation_summary(iso: dict, spec_device: str) -> dict:
     """What was, and was not, in force: said plainly for the report."""
     inforce = ["a fresh working directory holding only the submission and the training split",
                "its own process session and process group (start_new_session), killed as a whole",
-               "a child subreaper that kills any process left running when torchrun exits",
+               "a child subreaper that kills any process left running when torchrun exits, and dies "
+               "with the grader (PR_SET_PDEATHSIG), taking the submission along",
                "a grader-side watch of the process tree and of this job's environment token",
                "RLIMIT_FSIZE on every file the submission writes (logs included)",
                "wall-clock deadline measured by the grader, SIGKILL past it"]
