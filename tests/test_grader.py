@@ -307,7 +307,7 @@ EXPECTED = {
     "pickle_exploit": ("error", "unsafe_checkpoint", "NOT executed"),
     "wrong_keys": ("error", "wrong_keys", "missing"),
     "nan_weights": ("error", "nan_weights", "NaN"),
-    "forged_probe": ("error", "not_distributed", "held no TCP connection to another rank"),
+    "forged_probe": ("error", "not_distributed", "0 of 2 ranks joined"),
 }
 
 
@@ -330,6 +330,9 @@ def test_batch_grades_every_bad_input_with_its_reason(batch_run):
         assert words in report["reason"], f"{student}: {words!r} not in {report['reason']!r}"
         assert rows[student]["reason"] == report["reason"] and rows[student]["score"] == "0"
         assert report["leftover_processes"] == [] or student == "background_child", (student, report)
+    forged = json.loads((out / "reports" / "forged_probe.json").read_text())
+    assert forged["ranks_measured"] == 0 and forged["rank_evidence"]["problems"], \
+        "hand-written probe records must be caught by the cross-checks"
     one_rank = json.loads((out / "reports" / "one_rank_crash.json").read_text())
     assert "lost its shard" in one_rank["logs"]["1"]["stderr"], "the tail of each rank's log is reported"
     printed = json.loads((out / "reports" / "print_forever.json").read_text())
