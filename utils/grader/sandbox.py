@@ -236,9 +236,11 @@ def isolation_summary(iso: dict, spec_device: str) -> dict:
                    "no CPU, memory or GPU-memory limits beyond the deadline",
                    "no filesystem isolation (no chroot or mount namespace)"]
     if iso["pidns"]:
-        inforce.append("a PID namespace: when it ends, the kernel kills every process in it")
+        inforce.append("a PID namespace: the submission cannot signal processes outside it, and when "
+                       "it ends the kernel kills every process in it")
     else:
-        not_inforce.append("no PID namespace (unshare --pid unavailable here)")
+        not_inforce.append("no PID namespace (unshare --pid unavailable here): the submission could "
+                           "see and signal other processes of the grader's user, the grader included")
     if iso["netns"]:
         inforce.append("no network: a network namespace with only the loopback interface")
     else:
