@@ -82,7 +82,7 @@ TABLE: dict[str, tuple] = {
     "ddp_collective_timeout": (3, 5, 10),                 # seconds a collective waits in the hang demo
     # --- stage 4: large-batch training ---
     "lb_dataset": ("digits", "fashion_mnist", "cifar10"),
-    "lb_batch_sizes": ((16, 128, 1024), (32, 256, 2048), (64, 512, 4096, 16384)),  # sweep (images/step)
+    "lb_batch_sizes": ((16, 128, 1024), (32, 256, 2048), (64, 512, 2048, 8192)),  # sweep (images/step)
     "lb_base_batch": (16, 32, 64),                        # batch the base rate was tuned for
     "lb_base_lr": (0.05, 0.05, 0.05),                     # SGD rate at lb_base_batch (momentum 0.9)
     "lb_epochs": (6, 6, 16),                              # fixed epoch budget of every sweep run
