@@ -6,13 +6,14 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS)
 NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --nbval-sanitize-with tests/sanitize.cfg
 
-.PHONY: lab test unit notebooks labs check-labs bench clean help
+.PHONY: lab test unit notebooks labs check-labs bench grade clean help
 
 help:
 	@echo "make lab    create .venv if missing, install, start JupyterLab on notebooks/00_environment.ipynb"
 	@echo "make test   unit tests and nbval over notebooks/ and solutions/ (LAB_PROFILE=smoke)"
 	@echo "make labs   regenerate labs/*.ipynb from solutions/*.ipynb"
 	@echo "make bench  run benchmarks/ (prints figures; never pass/fail)"
+	@echo "make grade SUB=file.py [SPEC=...]  grade one assessment submission"
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is needed, found " + sys.version.split()[0]'
@@ -48,6 +49,11 @@ check-labs: $(VENV)/.installed-lab
 bench: $(VENV)/.installed-lab
 	$(PY) benchmarks/train_loop_overhead.py
 	$(PY) benchmarks/throughput.py
+
+SPEC ?= labs/assessment/spec_ci.toml
+grade: $(VENV)/.installed-lab
+	@test -n "$(SUB)" || { echo "usage: make grade SUB=path/to/submission.py [SPEC=$(SPEC)]"; exit 2; }
+	$(PY) -m utils.grader run $(SUB) --spec $(SPEC)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -95,8 +95,7 @@ TABLE: dict[str, tuple] = {
     "lb_resnet_width": (4, 16, 64),                       # ResNet9 width of the ghost-BN experiment
     "lb_smith_batch": (32, 64, 256),                      # first batch of the grow-the-batch run
     "lb_smith_factor": (4, 4, 5),                         # batch x this (or lr / this) at each third
-    # --- stage 5: assessment ---
-    "assess_epochs": (8, 8, 20),
+    # --- stage 5: assessment: its sizes live in the spec files (labs/assessment/spec_*.toml) ---
 }
 
 class UnknownProfileError(ValueError):
