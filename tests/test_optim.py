@@ -194,7 +194,7 @@ def test_param_groups_exclude_biases_and_norms():
     assert len(lars_param_groups(nn.Linear(2, 2, bias=False))) == 1, "empty groups are dropped"
 
 
-def test_trains_a_small_net_without_host_sync_errors():
+def test_fits_a_small_batch_and_reports_ratios_by_name():
     torch.manual_seed(0)
     model = Net(8, in_channels=1, image_size=8)
     opt = LARS(lars_param_groups(model, 5e-4), lr=1.0, momentum=0.9, trust_coefficient=0.01)
@@ -308,3 +308,21 @@ def test_check_lars_step():
         return w - buf, buf
     with pytest.raises(CheckFailed, match="global lr"):
         check_lars_step(lr_inside_only)
+
+
+def test_step_never_reads_a_tensor_on_the_host(monkeypatch):
+    """No .item(), float() or `if tensor` inside step: each would be a GPU -> CPU sync per parameter."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+    opts = [LARS(lars_param_groups(model, 1e-3), lr=0.1, momentum=0.9, nesterov=nesterov, clip=clip)
+            for nesterov in (False, True) for clip in (False, True)]
+    opts.append(LARS(lars_param_groups(model, 1e-3), lr=0.1, momentum=0.0))
+    model(torch.randn(16, 4)).sum().backward()
+
+    def sync(*args, **kwargs):
+        raise AssertionError("LARS.step read a tensor on the host (a sync point per parameter)")
+    for name in ("item", "__bool__", "__float__", "tolist"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    for opt in opts:
+        opt.step()
+        opt.step()
