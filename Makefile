@@ -49,6 +49,7 @@ check-labs: $(VENV)/.installed-lab
 bench: $(VENV)/.installed-lab
 	$(PY) benchmarks/train_loop_overhead.py
 	$(PY) benchmarks/throughput.py
+	$(PY) benchmarks/optimizer_step.py
 
 SPEC ?= labs/assessment/spec_ci.toml
 grade: $(VENV)/.installed-lab

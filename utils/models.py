@@ -68,7 +68,8 @@ def net_for(shape, hidden_num_chans: int = 128, num_classes: int = 10) -> Net:
 class GhostBatchNorm2d(nn.BatchNorm2d):
     """Batch norm whose statistics are taken over virtual batches of ``virtual_batch_size``
     (Hoffer et al. 2017). In eval mode, and when the batch is no larger than the virtual batch,
-    it is exactly ``nn.BatchNorm2d``; the running statistics average the virtual batches."""
+    it is exactly ``nn.BatchNorm2d``. The running statistics are updated once per virtual batch
+    (each with ``momentum``), so they lean towards the last virtual batches of a step."""
 
     def __init__(self, num_features: int, virtual_batch_size: int = 32, **kw):
         super().__init__(num_features, **kw)
