@@ -76,10 +76,10 @@ TABLE: dict[str, tuple] = {
     "ddp_scaling_nprocs": ((1, 2), (1, 2, 4), (1, 2, 4, 8)),   # process counts timed
     "ddp_message_sizes": ((1 << 10, 1 << 14, 1 << 18), (1 << 10, 1 << 14, 1 << 18, 1 << 21),
                           (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 26)),  # float32 elements
-    "ddp_timing_repeats": (3, 5, 10),                     # timed repeats per collective (median)
+    "ddp_timing_repeats": (10, 10, 20),                   # timed repeats per collective (median)
     "ddp_mlp_width": (512, 1024, 4096),                   # MLP of the bucket / overlap demo
     "ddp_bucket_caps_mb": ((0.5, 1, 25), (0.5, 1, 25), (1, 5, 25, 100)),   # DDP bucket_cap_mb tried
-    "ddp_collective_timeout": (3, 5, 10),                 # seconds a collective waits in the hang demo
+    "ddp_collective_timeout": (2, 5, 10),                 # seconds a collective waits in the hang demo
     # --- stage 4: large-batch training ---
     "lb_dataset": ("digits", "fashion_mnist", "cifar10"),
     "lb_batch_sizes": ((16, 128, 1024), (32, 256, 2048), (64, 512, 2048, 8192)),  # sweep (images/step)

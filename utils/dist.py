@@ -107,9 +107,8 @@ def setup(backend: str | None = None, *, device=None, timeout: float | None = No
         local_world = _env_int("LOCAL_WORLD_SIZE", world)
     else:                                   # started alone: a group of one
         rank, world, local_rank, local_world = 0, 1, 0, 1
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(free_port()))
-    if "MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ:
+    alone = world == 1 and "MASTER_PORT" not in os.environ
+    if not alone and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
         raise RuntimeError("RANK and WORLD_SIZE are set but MASTER_ADDR / MASTER_PORT are not: start the "
                            "script with torchrun (or utils.dist.launch from a notebook), which sets all four")
     backend = (backend or os.environ.get("LAB_DIST_BACKEND") or choose_backend(local_world)).lower()
@@ -139,7 +138,8 @@ def setup(backend: str | None = None, *, device=None, timeout: float | None = No
             dist.init_process_group(backend, store=dist.PrefixStore(f"/attempt-{restart}/", store),
                                     rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
         else:
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world,
+            init = f"tcp://127.0.0.1:{free_port()}" if alone else "env://"
+            dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
                                     timeout=timedelta(seconds=timeout))
     return DistContext(rank, world, local_rank, local_world, backend, dev)
 
@@ -249,6 +249,7 @@ def _entry(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, 
     torch.set_num_threads(threads)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     code = 0
+    result_path = os.path.join(workdir, f"rank{rank}.result")
     try:
         out = ("ok", _to_cpu(worker(*args, **kwargs)))
         try:
@@ -258,13 +259,13 @@ def _entry(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, 
                             f"notebook ({e}); return tensors, numbers, lists and dicts") from e
     except BaseException as e:  # noqa: BLE001 - everything goes back to the notebook
         code = 1
-        tb = traceback.format_exc()
-        print(tb, flush=True)
+        tb = traceback.format_exc()     # goes back to the notebook inside the LaunchError
         payload = pickle.dumps(("error", time.time(), type(e).__name__, str(e), tb))
+        _write_atomic_bytes(result_path, payload)   # before teardown wakes the peers up with errors
     finally:
         with contextlib.suppress(Exception):
             teardown()
-    _write_atomic_bytes(os.path.join(workdir, f"rank{rank}.result"), payload)
+    _write_atomic_bytes(result_path, payload)
     log.flush()
     if code:
         os._exit(code)          # failed: exit now, whatever state the group and threads are in
@@ -345,7 +346,8 @@ def launch(worker, nprocs: int, *args, backend: str | None = None, timeout: floa
     If a rank raises, :class:`LaunchError` names the rank and carries its traceback; if the
     ranks have not all finished after ``timeout`` seconds (a hang), :class:`LaunchTimeout`.
     Either way every process is stopped before this returns, so the next launch works.
-    ``threads``: torch threads per process (default: the cores shared out, at least 1).
+    ``threads``: torch (OpenMP) threads per process, default 1: with several ranks on a few
+    cores, more threads make every small operation wait for a descheduled thread.
     """
     _check_worker(worker)
     if not isinstance(nprocs, int) or nprocs < 1:
@@ -356,7 +358,7 @@ def launch(worker, nprocs: int, *args, backend: str | None = None, timeout: floa
         if n < nprocs:
             raise ValueError(f"backend='nccl' needs one GPU per process: {nprocs} processes but {n} GPU(s). "
                              f"Use nprocs <= {n}, or backend='gloo' (several processes may share a device).")
-    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    threads = threads or 1      # more would oversubscribe the cores: each rank is one busy process
     ctx = mp.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="launch-")
     port = free_port()
@@ -382,9 +384,13 @@ def _supervise(procs, workdir, timeout, relay) -> list:
         pending = [p for p in procs if p.exitcode is None]
         failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
         if failed:
-            time.sleep(0.2)                 # let a rank that failed at the same time report too
+            # The peers of a failed rank usually fail within moments (their connections close):
+            # give them a little time, so the report names the rank that failed FIRST.
+            grace = time.monotonic() + 2.0
+            while any(p.exitcode is None for p in procs) and time.monotonic() < grace:
+                mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
             relay.pump()
-            raise _failure(procs, workdir, failed)
+            raise _failure(procs, workdir, [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)])
         if not pending:
             relay.pump()
             out = []
@@ -412,23 +418,27 @@ def _supervise(procs, workdir, timeout, relay) -> list:
 
 def _failure(procs, workdir, failed) -> LaunchError:
     errors = []
-    for r in failed:
+    for r in range(len(procs)):                   # a rank still exiting may have reported already
         res = _read_result(workdir, r)
         if res is not None and res[0] == "error":
             _, t, name, msg, tb = res
             errors.append((t, r, name, msg, tb))
+    reported = {e[1] for e in errors}
+    silent = [r for r in failed if r not in reported]       # killed or crashed: no Python exception
+    if silent:
+        r = silent[0]
+        code = procs[r].exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        then = f" Rank(s) {sorted(reported)} raised errors after it lost its peer." if reported else ""
+        return LaunchError(f"rank {r} {how} without a Python exception (killed, out of memory, or a crash "
+                           f"in native code; its output is above).{then} The other ranks were stopped.", rank=r)
     if errors:
         t, r, name, msg, tb = min(errors)           # the first rank to fail is the cause
         others = [e[1] for e in errors if e[1] != r]
-        extra = (f" (rank(s) {others} failed after it, most likely because rank {r} was gone)"
-                 if others else "")
+        extra = f" (rank(s) {others} failed too, after it)" if others else ""
         return LaunchError(f"rank {r} raised {name}: {msg}{extra}. The other ranks were stopped.\n\n"
                            f"Traceback from rank {r}:\n{tb}", rank=r, remote_traceback=tb)
-    r = failed[0]
-    code = procs[r].exitcode
-    how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-    return LaunchError(f"rank {r} {how} without a Python exception (killed, out of memory, or a crash in "
-                       f"native code; its output is above). The other ranks were stopped.", rank=r)
+    return LaunchError("a rank failed without reporting why; the other ranks were stopped", rank=None)
 
 
 def torchrun(args, *, timeout: float = 600.0, env: dict | None = None, cwd=None):
