@@ -52,7 +52,7 @@ TABLE: dict[str, tuple] = {
     "noise_b_big": (512, 1024, 4096),                     # two-batch estimator: big batch (images)
     "noise_draws": (20, 30, 50),                          # (small, big) pairs averaged
     # --- stage 2: CPU vs GPU throughput ---
-    "bench_batch_sizes": ((2, 4, 64), (2, 4, 16, 64, 256), (2, 4, 16, 64, 256, 1024)),
+    "bench_batch_sizes": ((2, 4, 64), (2, 4, 16, 64, 256, 1024), (2, 4, 16, 64, 256, 1024)),
     "bench_widths": ((16, 128), (16, 128), (32, 128, 512)),  # Net hidden channels swept
     "bench_repeats": (3, 5, 20),                          # timed repeats (median reported)
     "bench_warmup": (1, 3, 10),                           # untimed warm-up steps
@@ -79,7 +79,7 @@ TABLE: dict[str, tuple] = {
     "ddp_timing_repeats": (10, 10, 20),                   # timed repeats per collective (median)
     "ddp_mlp_width": (512, 1024, 4096),                   # MLP of the bucket / overlap demo
     "ddp_bucket_caps_mb": ((0.5, 1, 25), (0.5, 1, 25), (1, 5, 25, 100)),   # DDP bucket_cap_mb tried
-    "ddp_collective_timeout": (2, 5, 10),                 # seconds a collective waits in the hang demo
+    "ddp_collective_timeout": (3, 5, 10),                 # seconds a collective waits in the hang demo
     # --- stage 4: large-batch training ---
     "lb_dataset": ("digits", "fashion_mnist", "cifar10"),
     "lb_batch_sizes": ((16, 128, 1024), (32, 256, 2048), (64, 512, 2048, 8192)),  # sweep (images/step)

@@ -224,10 +224,9 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
         state.epoch = epoch
         _set_epoch(train_loader, epoch)
         model.train()
-        losses = []                                           # device tensors: no sync per step
-        loss_sum = torch.zeros((), device=device)
-        correct = torch.zeros((), device=device, dtype=torch.long)
-        seen, paused = 0, 0.0
+        losses = []                           # per optimizer step: device tensors, no sync per step
+        mb_loss, mb_n, mb_correct = [], [], []   # per micro-batch, reduced once at the epoch's end
+        seen, paused, classify = 0, 0.0, True
         synchronize(device)                                   # sync point: start the clock
         t0 = time.perf_counter()
         for x, y in train_loader:
@@ -243,9 +242,11 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
                 (scaler.scale(scaled) if scaler else scaled).backward()
             loss = loss.detach()
             step_loss = loss if step_loss is None else step_loss + loss
-            loss_sum += loss.float() * y.shape[0]
-            if out.dim() == 2 and not y.is_floating_point():
-                correct += (out.detach().argmax(1) == y).sum()
+            mb_loss.append(loss)
+            mb_n.append(y.shape[0])
+            classify = classify and out.dim() == 2 and not y.is_floating_point()
+            if classify:
+                mb_correct.append((out.detach().argmax(1) == y).sum())
             seen += y.shape[0]
             if not last_micro:
                 continue
@@ -283,9 +284,11 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
         elapsed = time.perf_counter() - t0 - paused
         if seen == 0:
             raise ValueError("the training loader yielded no batches")
-        hist.step_loss.extend(torch.stack(losses).tolist() if losses else [])   # one sync per epoch
-        rec = {"epoch": epoch, "step": state.step, "train_loss": loss_sum.item() / seen,
-               "train_acc": correct.item() / seen if out.dim() == 2 and not y.is_floating_point() else None,
+        hist.step_loss.extend(torch.stack(losses).float().tolist() if losses else [])   # sync point
+        weights = torch.tensor(mb_n, device=device, dtype=torch.float32)
+        train_loss = (torch.stack(mb_loss).float() * weights).sum().item() / seen   # sync point
+        train_acc = torch.stack(mb_correct).sum().item() / seen if classify else None   # sync point
+        rec = {"epoch": epoch, "step": state.step, "train_loss": train_loss, "train_acc": train_acc,
                "time_s": elapsed, "images": seen, "images_per_s": seen / elapsed if elapsed > 0 else float("nan"),
                "val_loss": None, "val_acc": None}
         hist.images += seen

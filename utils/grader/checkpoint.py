@@ -98,7 +98,7 @@ def check_against(model: torch.nn.Module, sd: dict) -> None:
             raise CheckpointRejected("wrong_keys", f"every key starts with {prefixes[0]!r}: you saved "
                                      "the wrapper's state dict; save model.module.state_dict() (DDP) "
                                      "or the unwrapped model's")
-        missing, unexpected = sorted(want - got), sorted(got - want)
+        missing, unexpected = sorted(want - got, key=str), sorted(got - want, key=str)   # keys may be any type
         raise CheckpointRejected("wrong_keys", "the keys do not match the assessment's model "
                                  f"({type(model).__name__}): missing {missing[:5]}"
                                  f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"

@@ -27,7 +27,7 @@ def cmd_run(args) -> int:
     if args.gradescope:
         write_gradescope(gradescope_result(r, spec), args.gradescope)
     print(summary(r, verbose=args.verbose))
-    return 0
+    return 0 if r["status"] == "passed" else 1      # so scripts (and make grade) see a failure
 
 
 def summary(r: dict, verbose: bool = False) -> str:
