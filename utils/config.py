@@ -74,9 +74,9 @@ TABLE: dict[str, tuple] = {
     "ddp_hidden": (16, 32, 128),                          # Net's hidden channels in the DDP runs
     "ddp_lr": (0.1, 0.05, 0.05),                          # SGD peak rate (cosine schedule)
     "ddp_scaling_nprocs": ((1, 2), (1, 2, 4), (1, 2, 4, 8)),   # process counts timed
-    "ddp_message_sizes": ((1 << 10, 1 << 14, 1 << 18), (1 << 10, 1 << 14, 1 << 18, 1 << 21),
+    "ddp_message_sizes": ((1 << 10, 1 << 14, 1 << 20), (1 << 10, 1 << 14, 1 << 18, 1 << 21),
                           (1 << 10, 1 << 14, 1 << 18, 1 << 22, 1 << 26)),  # float32 elements
-    "ddp_timing_repeats": (10, 10, 20),                   # timed repeats per collective (median)
+    "ddp_timing_repeats": (10, 10, 20),                   # timed repeats per collective (fastest kept)
     "ddp_mlp_width": (512, 1024, 4096),                   # MLP of the bucket / overlap demo
     "ddp_bucket_caps_mb": ((0.5, 1, 25), (0.5, 1, 25), (1, 5, 25, 100)),   # DDP bucket_cap_mb tried
     "ddp_collective_timeout": (3, 5, 10),                 # seconds a collective waits in the hang demo

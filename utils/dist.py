@@ -129,19 +129,27 @@ def setup(backend: str | None = None, *, device=None, timeout: float | None = No
     if timeout is None:
         timeout = float(os.environ.get("LAB_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
     if not dist.is_initialized():
-        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-        if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            # torchrun's agent hosts the store and may keep it across restarts: give each attempt its
-            # own keys, or restarted ranks can read the addresses the crashed attempt left there.
-            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                                  is_master=False, timeout=timedelta(seconds=timeout))
-            dist.init_process_group(backend, store=dist.PrefixStore(f"/attempt-{restart}/", store),
-                                    rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
-        else:
-            init = f"tcp://127.0.0.1:{free_port()}" if alone else "env://"
-            dist.init_process_group(backend, init_method=init, rank=rank, world_size=world,
-                                    timeout=timedelta(seconds=timeout))
+        dist.init_process_group(backend, store=_store(rank, world, alone, timedelta(seconds=timeout)),
+                                rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     return DistContext(rank, world, local_rank, local_world, backend, dev)
+
+
+def _store(rank: int, world: int, alone: bool, timeout: timedelta):
+    """The key-value store the ranks meet in.
+
+    Alone: our own, on a port the OS picks. From :func:`launch`: the notebook already holds it (it
+    chose the port by binding it, so no other program can take it meanwhile). Under torchrun:
+    the agent's store when it offers one, with a prefix per restart, so restarted ranks never
+    read the addresses a crashed attempt left there; else rank 0 hosts it (env:// style)."""
+    if alone:
+        return dist.TCPStore("127.0.0.1", 0, 1, True, timeout)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("LAB_DIST_PARENT_STORE") == "1":
+        return dist.TCPStore(host, port, world, False, timeout)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is not None and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return dist.PrefixStore(f"/attempt-{restart}/", dist.TCPStore(host, port, world, False, timeout))
+    return dist.TCPStore(host, port, world, rank == 0, timeout)
 
 
 def teardown() -> None:
@@ -244,7 +252,7 @@ def _entry(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, 
     sys.stdout = sys.stderr = log
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
                       LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LAB_DIST_BACKEND=backend,
+                      MASTER_PORT=str(port), LAB_DIST_BACKEND=backend, LAB_DIST_PARENT_STORE="1",
                       LAB_DIST_TIMEOUT=str(timeout), OMP_NUM_THREADS=str(threads))
     torch.set_num_threads(threads)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -361,7 +369,11 @@ def launch(worker, nprocs: int, *args, backend: str | None = None, timeout: floa
     threads = threads or 1      # more would oversubscribe the cores: each rank is one busy process
     ctx = mp.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="launch-")
-    port = free_port()
+    # The ranks meet in a store held here, on a port the OS assigns as it is bound: no window in
+    # which another program could take the port (as with "find a free port, pass it on").
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout + 60.0),
+                          wait_for_workers=False)
+    port = store.port
     procs = []
     relay = _LogRelay(workdir, nprocs, stream)
     try:
@@ -376,6 +388,7 @@ def launch(worker, nprocs: int, *args, backend: str | None = None, timeout: floa
         _stop(procs)
         relay.pump(final=True)
         shutil.rmtree(workdir, ignore_errors=True)
+        del store
 
 
 def _supervise(procs, workdir, timeout, relay) -> list:
@@ -416,25 +429,31 @@ def _supervise(procs, workdir, timeout, relay) -> list:
         relay.pump()
 
 
+_CONSEQUENCES = ("connection closed", "connection reset", "broken pipe", "connection refused")
+
+
 def _failure(procs, workdir, failed) -> LaunchError:
+    """The error to show: the rank that failed first, judged by what each rank reported."""
     errors = []
     for r in range(len(procs)):                   # a rank still exiting may have reported already
         res = _read_result(workdir, r)
         if res is not None and res[0] == "error":
             _, t, name, msg, tb = res
-            errors.append((t, r, name, msg, tb))
-    reported = {e[1] for e in errors}
+            secondary = any(c in msg.lower() for c in _CONSEQUENCES)   # "my peer vanished"
+            errors.append((secondary, t, r, name, msg, tb))
+    reported = {e[2] for e in errors}
     silent = [r for r in failed if r not in reported]       # killed or crashed: no Python exception
-    if silent:
+    primary = [e for e in errors if not e[0]]
+    if silent and not primary:
         r = silent[0]
         code = procs[r].exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        then = f" Rank(s) {sorted(reported)} raised errors after it lost its peer." if reported else ""
+        then = f" Rank(s) {sorted(reported)} lost their connection to it." if reported else ""
         return LaunchError(f"rank {r} {how} without a Python exception (killed, out of memory, or a crash "
                            f"in native code; its output is above).{then} The other ranks were stopped.", rank=r)
     if errors:
-        t, r, name, msg, tb = min(errors)           # the first rank to fail is the cause
-        others = [e[1] for e in errors if e[1] != r]
+        _, t, r, name, msg, tb = min(errors)      # primary before secondary, then the earliest
+        others = sorted(e[2] for e in errors if e[2] != r) + silent
         extra = f" (rank(s) {others} failed too, after it)" if others else ""
         return LaunchError(f"rank {r} raised {name}: {msg}{extra}. The other ranks were stopped.\n\n"
                            f"Traceback from rank {r}:\n{tb}", rank=r, remote_traceback=tb)
