@@ -53,6 +53,7 @@ class TrainConfig:
     fail_rank: int = 1
     fail_mode: str = "kill"        # "kill" (SIGKILL, like a lost node) or "raise"
     backend: str = ""              # "", "gloo" or "nccl" ("" = NCCL when there is a GPU per rank)
+    device: str = ""               # "" = cuda:LOCAL_RANK with NCCL, else CPU; "cuda": gloo ranks share a GPU
     evaluate: bool = True          # validation after every epoch
     progress: bool = False         # fit's progress bar (rank 0 only)
     return_state: bool = True      # send the final state_dict back (launch)
@@ -113,7 +114,7 @@ def build(cfg: TrainConfig, ctx: dist.DistContext):
 def train(config=None, **overrides) -> dict:
     """Train with DDP on this process's rank; returns a dict (history, final weights, resume info)."""
     cfg = make_config(config, **overrides)
-    ctx = dist.setup(cfg.backend or None)
+    ctx = dist.setup(cfg.backend or None, device=cfg.device or None)
     try:
         loader, val, model, optimizer, scheduler = build(cfg, ctx)
         start_epoch = start_step = 0
