@@ -467,8 +467,9 @@ def torchrun(args, *, timeout: float = 600.0, env: dict | None = None, cwd=None)
     import subprocess
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", "1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)                              # torchrun sets these for its workers
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "LAB_DIST_PARENT_STORE", "LAB_DIST_BACKEND", "LAB_DIST_TIMEOUT"):
+        env.pop(k, None)        # torchrun sets the first ones; launch()'s own must not leak into it
     cmd = [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                          cwd=cwd, start_new_session=True)
