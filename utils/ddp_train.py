@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import io
 import os
 import signal
 import sys
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -115,6 +117,7 @@ def train(config=None, **overrides) -> dict:
     """Train with DDP on this process's rank; returns a dict (history, final weights, resume info)."""
     cfg = make_config(config, **overrides)
     ctx = dist.setup(cfg.backend or None, device=cfg.device or None)
+    net = None
     try:
         loader, val, model, optimizer, scheduler = build(cfg, ctx)
         start_epoch = start_step = 0
@@ -145,6 +148,13 @@ def train(config=None, **overrides) -> dict:
                 "history": hist.to_dict() if hist is not None else None,
                 "state": state if cfg.return_state else None}
     finally:
+        # Free DDP (its Reducer holds the process group) while the group is still registered: a
+        # Reducer freed after destroy_process_group can deadlock in ProcessGroupGloo's destructor.
+        # On an exception, the traceback's finished frames (fit's) hold it too: clear them.
+        net = None
+        if sys.exc_info()[2] is not None:
+            traceback.clear_frames(sys.exc_info()[2])
+        gc.collect()
         dist.teardown()
 
 
