@@ -55,6 +55,12 @@ def rank_worker(x):
     return {"rank": int(os.environ["RANK"]), "x": x}
 
 
+def stuck_at_exit_worker():
+    import atexit
+    atexit.register(time.sleep, 600)    # the result is sent, then the process never exits
+    return int(os.environ["RANK"])
+
+
 def _dataset():
     return data.synthetic(W * B * STEPS, shape=(1, 8, 8), seed=3)
 
@@ -159,6 +165,14 @@ def test_hang_stops_at_timeout_and_next_launch_works():
     res = dist.launch(rank_worker, 2, "again", timeout=60)
     assert res == [{"rank": 0, "x": "again"}, {"rank": 1, "x": "again"}], "a launch after a failure must work"
     _no_children("the launch after a timeout")
+
+
+def test_a_rank_stuck_exiting_after_its_result_does_not_hang_launch(monkeypatch):
+    monkeypatch.setattr(dist, "EXIT_GRACE_S", 1.0)
+    t0 = time.monotonic()
+    assert dist.launch(stuck_at_exit_worker, W, timeout=60, stream=False) == list(range(W))
+    assert time.monotonic() - t0 < 30, "launch should return soon after every rank sent its result"
+    _no_children("a rank stuck at exit")
 
 
 def test_worker_from_main_or_lambda_is_refused():

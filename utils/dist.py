@@ -391,11 +391,22 @@ def launch(worker, nprocs: int, *args, backend: str | None = None, timeout: floa
         del store
 
 
+EXIT_GRACE_S = 15.0   # a rank that sent its result but has not exited by then is stopped
+
+
 def _supervise(procs, workdir, timeout, relay) -> list:
     deadline = time.monotonic() + timeout
+    all_reported = None
     while True:
         pending = [p for p in procs if p.exitcode is None]
         failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+        if pending and not failed and all(
+                (res := _read_result(workdir, r)) is not None and res[0] == "ok" for r in range(len(procs))):
+            # Every rank has sent its result; one may still be stuck exiting (a process-group
+            # destructor can block at interpreter shutdown). Its work is done: don't wait forever.
+            all_reported = all_reported or time.monotonic()
+            if time.monotonic() - all_reported > EXIT_GRACE_S:
+                pending = []
         if failed:
             # The peers of a failed rank usually fail within moments (their connections close):
             # give them a little time, so the report names the rank that failed FIRST.
