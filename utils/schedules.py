@@ -72,7 +72,7 @@ def scaled_lr(base_lr: float, batch: int, base_batch: int, rule: str = "linear")
         return sqrt_scaled_lr(base_lr, batch, base_batch)
     if rule == "none":
         return _positive("base_lr", base_lr)
-    raise ValueError(f"unknown scaling rule {rule!r}; use 'linear', 'sqrt' or 'none'")
+    raise ValueError(f"unknown LR rule {rule!r}: the scaling rules are 'linear', 'sqrt' and 'none'")
 
 
 class WarmupDecay:

@@ -410,11 +410,8 @@ def lr_for_batch(batch_size: int, base_lr: float, base_batch: int, rule: str = "
     """The learning rate for ``batch_size`` from one tuned at ``base_batch``: ``linear``
     (Goyal et al.: k times the batch, k times the rate), ``sqrt`` (sqrt(k) times) or ``none``;
     then capped at ``max_lr`` (past some rate training diverges whatever the batch)."""
-    k = batch_size / base_batch
-    rules = {"linear": k, "sqrt": math.sqrt(k), "none": 1.0}
-    if rule not in rules:
-        raise ValueError(f"unknown LR rule {rule!r}; use one of {', '.join(rules)}")
-    lr = base_lr * rules[rule]
+    from .schedules import scaled_lr     # the scaling rules live in one place
+    lr = scaled_lr(base_lr, batch_size, base_batch, rule)
     return min(lr, max_lr) if max_lr is not None else lr
 
 
