@@ -6,14 +6,20 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS)
 NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --nbval-sanitize-with tests/sanitize.cfg
 
-.PHONY: lab test unit notebooks labs check-labs bench grade clean help
+.PHONY: lab test unit notebooks labs check-labs bench grade gradescope two-node clean help slurm-check tensorboard
 
 help:
-	@echo "make lab    create .venv if missing, install, start JupyterLab on notebooks/00_environment.ipynb"
+	@echo "make lab    create .venv if missing, install, start JupyterLab on the repository, open notebooks/00_environment.ipynb"
+	@echo "            LAB_ARGS='--no-browser --port 8888 --ip 127.0.0.1' passes options to jupyter lab (see README: SSH tunnel)"
 	@echo "make test   unit tests and nbval over notebooks/ and solutions/ (LAB_PROFILE=smoke)"
 	@echo "make labs   regenerate labs/*.ipynb from solutions/*.ipynb"
 	@echo "make bench  run benchmarks/ (prints figures; never pass/fail)"
-	@echo "make grade SUB=file.py [SPEC=...]  grade one assessment submission"
+	@echo "make slurm-check  start a local one-node SLURM (root), run every cluster/ job template, stop it"
+	@echo "make tensorboard  serve runs/profiles (installs the optional tensorboard + torch-tb-profiler)"
+	@echo "make gpu-check OUT=dir  prove a GPU server ready (every notebook, benchmarks, NCCL DDP, resume, AMP, monitor, grader)"
+	@echo "make grade SUB=file.py [SPEC=...]  grade one assessment submission (exit 0 = graded, see its status)"
+	@echo "make gradescope [SPEC=...]  build the Gradescope autograder zip in build/"
+	@echo "make two-node [TWO_NODE_ARGS=...]  the DDP worker as two torchrun 'nodes' on 127.0.0.1 (c10d rendezvous)"
 
 $(PY):
 	@$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 10), "Python 3.10+ is needed, found " + sys.version.split()[0]'
@@ -27,8 +33,17 @@ $(VENV)/.installed-test: pyproject.toml $(CONSTRAINTS) | $(PY)
 	$(PIP) -e '.[test]'
 	@touch $@ $(VENV)/.installed-lab
 
-lab: $(VENV)/.installed-lab
-	$(VENV)/bin/jupyter lab notebooks/00_environment.ipynb
+# JupyterLab serves the repository root (notebooks/, labs/, solutions/) and opens the start page.
+# As root (containers, cloud images) Jupyter refuses to start without --allow-root: pass it then.
+# The news popup is off through the venv's own page_config (no write to ~/.jupyter).
+LAB_ARGS  ?=
+ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
+LAB_PAGE_CONFIG := $(VENV)/etc/jupyter/labconfig/page_config.json
+$(LAB_PAGE_CONFIG): | $(VENV)/.installed-lab
+	$(VENV)/bin/jupyter labextension disable --level=sys_prefix "@jupyterlab/apputils-extension:announcements"
+
+lab: $(VENV)/.installed-lab $(LAB_PAGE_CONFIG)
+	$(VENV)/bin/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir=. $(LAB_ARGS) notebooks/00_environment.ipynb
 
 # One pytest run: unit tests, then every notebook in notebooks/ and solutions/ under nbval.
 test: $(VENV)/.installed-test
@@ -55,6 +70,41 @@ SPEC ?= labs/assessment/spec_ci.toml
 grade: $(VENV)/.installed-lab
 	@test -n "$(SUB)" || { echo "usage: make grade SUB=path/to/submission.py [SPEC=$(SPEC)]"; exit 2; }
 	$(PY) -m utils.grader run $(SUB) --spec $(SPEC)
+
+# A one-node SLURM on this machine runs every cluster/*.sbatch template (needs root and slurm-wlm;
+# exit 77 = cannot run here, printed and not an error).
+slurm-check: $(VENV)/.installed-test
+	$(PY) cluster/slurm_check.py || test $$? -eq 77
+
+# Optional viewer for the profiler traces (torch-tb-profiler's last release is 0.4.3, Oct 2023).
+$(VENV)/.installed-profile: pyproject.toml | $(VENV)/.installed-lab
+	$(PIP) -e '.[profile]'
+	@touch $@
+
+tensorboard: $(VENV)/.installed-profile
+	$(VENV)/bin/tensorboard --logdir runs/profiles
+
+# The pre-class check of a server (utils/gpucheck.py): OUT/report.json, executed notebooks in OUT/.
+# Uses .venv when there is one, else python3 from the PATH (a server's own PyTorch); .site, where
+# the Jupyter wheels go on a server without Jupyter, is put on the path. Exit status 1 on a failure.
+.PHONY: gpu-check
+OUT    ?= gpu-check
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	PYTHONPATH="$(CURDIR)/.site:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PY) -m utils.gpucheck --out "$(OUT)"
+# A failing grade is a result (printed, exit 0), not a make error; `run --strict` exits 1 for it.
+gradescope: $(VENV)/.installed-lab
+	$(PY) -m utils.grader zip --spec $(SPEC) --out build/gradescope-autograder.zip
+
+# The DDP worker as two torchrun "nodes" on this machine, as two real nodes would run it: the same
+# command on each node, the same --rdzv-id and --rdzv-endpoint (a host:port of the first node);
+# c10d rendezvous assigns node ranks itself (no --node-rank). TWO_NODE_ARGS go to utils.ddp_train.
+TWO_NODE_PORT ?= 29400
+TWO_NODE_ARGS ?= --epochs 2
+TORCHRUN_2N    = $(VENV)/bin/torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d \
+                 --rdzv-endpoint 127.0.0.1:$(TWO_NODE_PORT) --rdzv-id two-node-$(TWO_NODE_PORT) -m utils.ddp_train $(TWO_NODE_ARGS)
+two-node: $(VENV)/.installed-lab
+	$(TORCHRUN_2N) & first=$$!; $(TORCHRUN_2N); second=$$?; wait $$first && exit $$second
 
 clean:
 	rm -rf $(VENV) .pytest_cache

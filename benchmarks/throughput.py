@@ -5,7 +5,15 @@
 
 Prints a table (device, model, mode, batch size, dtype, layout, images/s median and IQR),
 writes it as JSON with the hardware and versions (atomically) to --out, and ends with one line:
-``speedup <GPU/CPU training images/s at batch 64>`` or ``speedup n/a (no GPU)``.
+``speedup <GPU/CPU training images/s at batch 64>`` or ``speedup n/a (no GPU)``. That line is
+this benchmark's ``ratio`` line under its historical name (kept for the scripts that read it):
+the median, over the interleaved rounds, of each round's GPU/CPU ratio; the line before it
+gives that ratio's IQR, min-max and number of rounds.
+
+Every configuration is measured once per round, for ``--repeats`` rounds, the order rotating
+round by round (benchmarks._common.interleave), so a slow spell of a shared machine hits every
+row alike rather than a few rows entirely. The steps per timed repeat are fixed per
+configuration by a first calibration call (about ``--min-repeat-s`` seconds).
 
 The model is the lecture's ``Net(hidden_num_chans=128)`` (120,078 parameters) on random
 3x32x32 images, SGD with momentum, one device-resident batch (no input pipeline). The lecture
@@ -30,6 +38,7 @@ if str(ROOT) not in sys.path:                      # run as a script from a chec
 
 import torch  # noqa: E402
 
+from benchmarks._common import interleave, machine_note, paired_ratio, quartiles  # noqa: E402
 from utils import bench, config, device as devices, models  # noqa: E402
 
 LECTURE = {"gpu": "RTX 3080 Ti", "rows": [          # REFERENCES.md: (device, batch, images/s)
@@ -152,16 +161,32 @@ def main(argv=None) -> int:
     print(f"model Net(hidden_num_chans={args.width}), {n_params:,} parameters; profile {cfg.name}; "
           f"{'quick; ' if args.quick else ''}{repeats} repeats, {warmup} warm-up; load average {load_before}")
 
+    runs = plan(args, cfg, has_cuda)
+    first, steps = {}, {}
+    for i, run in enumerate(runs):          # calibration: the cold step and the steps per repeat
+        t = bench.measure_throughput(model, warmup=warmup, repeats=1, min_repeat_s=min_repeat_s,
+                                     name=f"Net{args.width}", **run)
+        first[i], steps[i] = t, t.steps
+
+    def one_repeat(i):
+        def measure():                      # seconds per image of one timed repeat
+            t = bench.measure_throughput(model, warmup=1, repeats=1, steps=steps[i],
+                                         name=f"Net{args.width}", **runs[i])
+            return 1.0 / t.images_per_s[0]
+        return measure
+
+    spi = interleave({i: one_repeat(i) for i in range(len(runs))}, repeats, warmup_rounds=0,
+                     progress=lambda k, n: print(f"  round {k}/{n}", flush=True))
     rows = []
-    for run in plan(args, cfg, has_cuda):
-        t = bench.measure_throughput(model, run.pop("batch_size"), warmup=warmup, repeats=repeats,
-                                     min_repeat_s=min_repeat_s, name=f"Net{args.width}", **run)
+    for i, t in first.items():
+        ips = [1.0 / s for s in spi[i]]
+        q25, q50, q75 = quartiles(ips)
         row = t.row()
-        row.update(layout="channels_last" if t.channels_last else "contiguous", step_ms=t.step_s * 1e3,
-                   steps_x_repeats=f"{t.steps} x {len(t.images_per_s)}", device=t.device.split(":")[0])
+        row.update(images_per_s=ips, images_per_s_median=q50, images_per_s_iqr=q75 - q25,
+                   step_s=t.batch_size / q50, step_ms=t.batch_size / q50 * 1e3,
+                   layout="channels_last" if t.channels_last else "contiguous",
+                   steps_x_repeats=f"{t.steps} x {len(ips)}", device=t.device.split(":")[0])
         rows.append(row)
-        print(f"  {row['device']:>4} {row['mode']:<9} batch {row['batch_size']:>5} {row['dtype']} "
-              f"{row['layout']:<13} {row['images_per_s_median']:>10,.0f} images/s", flush=True)
 
     print()
     print(bench.format_table(rows, COLUMNS))
@@ -169,11 +194,15 @@ def main(argv=None) -> int:
     def at64(dev):
         for r in rows:
             if (r["device"], r["mode"], r["batch_size"], r["dtype"], r["channels_last"]) == (dev, "train", 64, "fp32", False):
-                return r["images_per_s_median"]
+                return r
         return None
 
-    cpu64, gpu64 = at64("cpu"), at64("cuda")
-    speedup = gpu64 / cpu64 if cpu64 and gpu64 else None
+    cpu_row, gpu_row = at64("cpu"), at64("cuda")
+    cpu64 = cpu_row["images_per_s_median"] if cpu_row else None
+    gpu64 = gpu_row["images_per_s_median"] if gpu_row else None
+    # the GPU/CPU ratio round by round (both measured in the same round), then its median
+    ratio = paired_ratio(gpu_row["images_per_s"], cpu_row["images_per_s"]) if cpu_row and gpu_row else None
+    speedup = ratio.median if ratio else None
     result = {
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
         "host": socket.gethostname(),
@@ -185,6 +214,7 @@ def main(argv=None) -> int:
                   "optimizer": "SGD momentum 0.9", "loss": "cross-entropy"},
         "rows": rows,
         "speedup_batch64": speedup,
+        "speedup_batch64_rounds": list(ratio.ratios) if ratio else None,
         "lecture_reference": LECTURE,
     }
     atomic_write_json(args.out, result)
@@ -197,6 +227,9 @@ def main(argv=None) -> int:
                    key=lambda r: r["images_per_s_median"])
         print(f"best GPU training row: {best['images_per_s_median']:,.0f} images/s at batch {best['batch_size']}, "
               f"{best['dtype']}, {best['layout']}")
+    print(f"{machine_note()} (CPU rows are depressed on a busy machine)")
+    if ratio:
+        print(f"GPU/CPU training images/s at batch 64, per round: {ratio}")
     print(f"speedup {speedup:.2f}" if speedup else "speedup n/a (no GPU)")
     return 0
 

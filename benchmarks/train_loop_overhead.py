@@ -1,15 +1,21 @@
 """How much does utils.train.fit cost over a minimal hand-written PyTorch loop?
 
-Same model, data, optimizer and number of steps, on the CPU, both timed the same way (wall
-clock around the whole call, after a synchronise), interleaved and repeated; medians reported.
-The last line is ``ratio <fit time / hand loop time>`` (goal: at most 1.05).
+Same model, data, optimizer and number of steps, on the CPU, all timed the same way (wall
+clock around the whole call, after a synchronise). The variants run interleaved
+(benchmarks._common: one run of each per round, the order rotating round by round), and the
+fit / hand-loop ratio of each round is summarised as median, IQR, min-max and repeat count.
+The last line is ``ratio <median of fit / hand loop>`` (fit without the progress bar; goal:
+at most 1.02); the line before it gives the same for fit's default, with the bar.
 
-    python benchmarks/train_loop_overhead.py [--steps 200] [--repeats 7] [--batch 64] [--width 32]
+On a machine other work loads, ``--threads 1 --clock cpu`` times this process's CPU seconds
+instead of elapsed time, so the waits for a core drop out of both sides of the ratio.
+
+    python benchmarks/train_loop_overhead.py [--steps 200] [--repeats 15] [--batch 64] [--width 32]
+                                             [--threads 1 --clock cpu]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -17,7 +23,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:                      # run as a script from a checkout
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks._common import cpu_seconds, interleave, machine_note, paired_ratio, time_table  # noqa: E402
 from utils import data, device, models, train  # noqa: E402
 
 
@@ -48,12 +58,15 @@ def timed(fn) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200)
-    ap.add_argument("--repeats", type=int, default=7)
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=200, help="training steps per timed run")
+    ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds (the ratio is their median)")
+    ap.add_argument("--batch", type=int, default=64, help="images per step")
     ap.add_argument("--width", type=int, default=32, help="Net hidden channels")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch threads (default: torch's); 1 gives steadier figures on a shared machine")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="wall: elapsed time; cpu: this process's CPU time, steadier on a machine others "
+                         "load (use with --threads 1)")
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -72,24 +85,20 @@ def main(argv=None):
         "fit": lambda: train.fit(*fresh(), steps=args.steps, progress=False),
         "fit + progress bar": lambda: train.fit(*fresh(), steps=args.steps),   # fit's default
     }
-
-    for fn in runs.values():       # warm-up: allocator, kernels, first-call costs
-        fn()
-    times = {k: [] for k in runs}
-    for _ in range(args.repeats):  # interleaved, so drift hits all three alike
-        for k, fn in runs.items():
-            times[k].append(timed(fn))
+    clock = cpu_seconds if args.clock == "cpu" else timed
+    times = interleave({k: (lambda fn=fn: clock(fn)) for k, fn in runs.items()}, args.repeats)
 
     print(device.hardware_summary().splitlines()[0])
     print(f"Net({args.width}) on digits, batch {args.batch}, {args.steps} SGD steps, "
-          f"{args.repeats} repeats, torch threads {torch.get_num_threads()}")
-    print(f"{'loop':<20} {'median s':>9} {'min s':>8} {'max s':>8} {'steps/s':>9}")
-    med = {}
-    for k, ts in times.items():
-        med[k] = statistics.median(ts)
-        print(f"{k:<20} {med[k]:>9.3f} {min(ts):>8.3f} {max(ts):>8.3f} {args.steps / med[k]:>9.0f}")
-    print(f"ratio with the progress bar (fit's default) {med['fit + progress bar'] / med['hand loop']:.3f}")
-    print(f"ratio {med['fit'] / med['hand loop']:.3f}")
+          f"{args.repeats} interleaved repeats, {args.clock} clock, torch threads {torch.get_num_threads()}; "
+          f"{machine_note()}")
+    print(time_table(times, "s", 1.0, extra={k: f"{args.steps / min(ts):,.0f} steps/s (best)"
+                                                for k, ts in times.items()}))
+    bar = paired_ratio(times["fit + progress bar"], times["hand loop"])
+    plain = paired_ratio(times["fit"], times["hand loop"])
+    print(f"fit + progress bar / hand loop (fit's default): {bar}")
+    print(f"fit / hand loop: {plain}")
+    print(f"ratio {plain.median:.3f}")
 
 
 if __name__ == "__main__":

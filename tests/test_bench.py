@@ -68,29 +68,12 @@ def test_time_fn_synchronises_an_asynchronous_device():
 
 
 def test_time_fn_uses_cuda_events_on_cuda(monkeypatch):
-    """The CUDA branch, driven by a fake torch.cuda.Event (no GPU needed)."""
-    made = []
-
-    class FakeEvent:
-        def __init__(self, enable_timing=False):
-            assert enable_timing, "CUDA events need enable_timing=True to be timed"
-            self.t, self.synced = None, False
-            made.append(self)
-
-        def record(self, stream=None):
-            self.t = time.perf_counter()
-
-        def synchronize(self):
-            self.synced = True
-
-        def elapsed_time(self, other):
-            assert other.synced, "read an event's time only after synchronising on it"
-            return (other.t - self.t) * 1e3                      # milliseconds, as CUDA does
-
-    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    """The CUDA branch, driven by a fake one-GPU torch.cuda (no GPU needed)."""
+    from fake_gpu import FakeCuda
+    fake = FakeCuda(1).install(monkeypatch.setattr)
     monkeypatch.setattr(bench, "synchronize", lambda device=None: None)
     t = bench.time_fn(lambda: time.sleep(0.05), warmup=1, repeats=4, device="cuda")
-    assert t.method == "cuda events" and len(made) == 2
+    assert t.method == "cuda events" and len(fake.events) == 2
     assert t.median == pytest.approx(0.05, rel=0.10), "elapsed_time is in ms: divide by 1000"
 
 

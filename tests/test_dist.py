@@ -168,7 +168,7 @@ def test_hang_stops_at_timeout_and_next_launch_works():
 
 
 def test_a_rank_stuck_exiting_after_its_result_does_not_hang_launch(monkeypatch):
-    monkeypatch.setattr(dist, "EXIT_GRACE_S", 1.0)
+    monkeypatch.setattr(dist.launcher, "EXIT_GRACE_S", 1.0)
     t0 = time.monotonic()
     assert dist.launch(stuck_at_exit_worker, W, timeout=60, stream=False) == list(range(W))
     assert time.monotonic() - t0 < 30, "launch should return soon after every rank sent its result"
@@ -269,9 +269,10 @@ def ring_without_all_gather(tensor):
     for s in range(world - 1):
         send_i, recv_i = (rank - s) % world, (rank - s - 1) % world
         buf = torch.empty_like(chunks[recv_i])
-        req = tdist.isend(chunks[send_i].contiguous(), (rank + 1) % world)
-        tdist.recv(buf, (rank - 1) % world)
-        req.wait()
+        ops = [tdist.P2POp(tdist.isend, chunks[send_i], (rank + 1) % world),
+               tdist.P2POp(tdist.irecv, buf, (rank - 1) % world)]
+        for req in tdist.batch_isend_irecv(ops):
+            req.wait()
         chunks[recv_i] += buf
     return tensor
 

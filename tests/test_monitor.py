@@ -125,13 +125,14 @@ def test_cuda_visible_devices_selects_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
     with monitor.GPUMonitor(interval=0.01, nvml=FakeNVML()) as mon:
         time.sleep(0.02)
-    assert mon.result.gpus == [(1, "Fake GPU")], "CUDA_VISIBLE_DEVICES=1 should watch NVML GPU 1 only"
+    assert mon.result.gpus == [(0, "Fake GPU")], "CUDA_VISIBLE_DEVICES=1: one device, cuda:0"
+    assert mon.result.devices[0]["nvml"] == 1, "cuda:0 under CUDA_VISIBLE_DEVICES=1 is NVML's GPU 1"
 
 
 def test_bad_arguments_are_clear():
     with pytest.raises(ValueError, match="interval"):
         monitor.GPUMonitor(interval=0)
-    with pytest.raises(ValueError, match="do not exist"):
+    with pytest.raises(ValueError, match="does not exist"):
         monitor.GPUMonitor(interval=0.01, gpus=[5], nvml=FakeNVML()).start()
     assert not _monitor_threads()
 

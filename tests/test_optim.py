@@ -326,3 +326,28 @@ def test_step_never_reads_a_tensor_on_the_host(monkeypatch):
     for opt in opts:
         opt.step()
         opt.step()
+
+
+@pytest.mark.parametrize("kw", [dict(momentum=0.9, weight_decay=1e-2), dict(momentum=0.0, weight_decay=0.0),
+                                dict(momentum=0.9, weight_decay=1e-2, nesterov=True, clip=True)])
+def test_multi_tensor_step_equals_one_tensor_at_a_time(kw):
+    """The group's tensors are stepped together (for-each ops, stacked norms); each must move
+    exactly as if it were alone in its own optimizer, whatever its shape, dtype or gradient."""
+    torch.manual_seed(0)
+    shapes = [(4, 3), (7,), (2, 3, 3), (5, 5)]
+    together = [nn.Parameter(torch.randn(s, dtype=torch.float64 if i % 2 else torch.float32)) for i, s in enumerate(shapes)]
+    together[3].data.zero_()                                     # a zero-norm weight among them
+    alone = [nn.Parameter(p.detach().clone()) for p in together]
+    opt = LARS(together, lr=0.1, trust_coefficient=0.02, **kw)
+    opts = [LARS([p], lr=0.1, trust_coefficient=0.02, **kw) for p in alone]
+    for step in range(3):
+        for i, (p, q) in enumerate(zip(together, alone)):
+            g = torch.zeros_like(p) if (i == 1 and step == 1) else torch.randn_like(p)   # a zero gradient once
+            p.grad, q.grad = g, g.clone()
+        opt.step()
+        for o in opts:
+            o.step()
+        for p, q, o in zip(together, alone, opts):
+            tol = 1e-12 if p.dtype == torch.float64 else 1e-6
+            assert torch.allclose(p, q, rtol=tol, atol=tol), "a tensor stepped with others differs from it stepped alone"
+            assert torch.allclose(opt.state[p]["trust_ratio"].double(), o.state[q]["trust_ratio"].double(), rtol=1e-6)

@@ -40,7 +40,8 @@ from .device import synchronize
 __all__ = ["Timing", "time_fn", "Throughput", "train_throughput", "inference_throughput",
            "measure_throughput", "MemoryPrediction", "parameter_bytes", "buffer_bytes", "grad_bytes",
            "optimizer_state_bytes", "counted_state_bytes", "activation_bytes", "predict_memory",
-           "measure_memory", "TimedLoader", "SlowDataset", "SimulatedGPU", "format_bytes", "format_table"]
+           "measure_memory", "TimedLoader", "SlowDataset", "SimulatedGPU", "format_bytes", "format_table",
+           "count_syncs", "amp_step_costs"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -94,8 +95,9 @@ class Timing:
 def time_fn(fn, *, warmup: int = 3, repeats: int = 10, number: int = 1, device=None, sync=None) -> Timing:
     """Time ``fn()`` (no arguments): seconds per call, per repeat, as a :class:`Timing`.
 
-    device: where ``fn`` queues its work. On ``cuda`` the repeats are timed with CUDA events on
-        the current stream; otherwise with ``perf_counter`` between two synchronisations.
+    device: where ``fn`` queues its work. On ``cuda`` (``cuda:N``) the repeats are timed with
+        CUDA events of that device, on its current stream; otherwise with ``perf_counter``
+        between two synchronisations.
     sync: a callable that waits for all queued work (default: ``utils.device.synchronize(device)``,
         a no-op on the CPU). Pass your own for other asynchronous back-ends.
     """
@@ -120,14 +122,18 @@ def time_fn(fn, *, warmup: int = 3, repeats: int = 10, number: int = 1, device=N
 
     seconds = []
     if use_events:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(repeats):
-            start.record()
-            for _ in range(number):
-                fn()
-            end.record()
-            end.synchronize()                        # sync point: wait for this repeat's work
-            seconds.append(start.elapsed_time(end) / 1e3 / number)   # elapsed_time is in ms
+        # The events belong to the measured device and are recorded on ITS current stream: on
+        # cuda:1, events of the current device (often cuda:0) would time cuda:0's idle stream.
+        with torch.cuda.device(device):
+            stream = torch.cuda.current_stream(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(repeats):
+                start.record(stream)
+                for _ in range(number):
+                    fn()
+                end.record(stream)
+                end.synchronize()                    # sync point: wait for this repeat's work
+                seconds.append(start.elapsed_time(end) / 1e3 / number)   # elapsed_time is in ms
     else:
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -513,6 +519,7 @@ class TimedLoader:
         self.loader = loader
         self.wait_s = 0.0
         self.batches = 0
+        self.waits = []               # seconds waited for each batch (a median ignores a hiccup)
 
     def __len__(self):
         return len(self.loader)
@@ -524,7 +531,7 @@ class TimedLoader:
                 return
 
     def reset(self) -> None:
-        self.wait_s, self.batches = 0.0, 0
+        self.wait_s, self.batches, self.waits = 0.0, 0, []
 
     def __iter__(self):
         it = iter(self.loader)
@@ -535,7 +542,8 @@ class TimedLoader:
             except StopIteration:
                 self.wait_s += time.perf_counter() - t0
                 return
-            self.wait_s += time.perf_counter() - t0
+            self.waits.append(time.perf_counter() - t0)
+            self.wait_s += self.waits[-1]
             self.batches += 1
             yield batch
 
@@ -615,6 +623,83 @@ class SimulatedGPU:
 
     def __exit__(self, *exc):
         self.close()
+
+
+# ----------------------------------------------------------------------------------------
+# Mixed precision: what fp16's GradScaler costs in host synchronisations
+# ----------------------------------------------------------------------------------------
+
+def count_syncs(fn) -> int:
+    """How many times ``fn()`` made the host wait for the GPU (``.item()``, ``.cpu()``, a
+    blocking copy...): CUDA's sync debug mode reports each one; we count the reports. CUDA only."""
+    import warnings
+    if not torch.cuda.is_available():
+        raise RuntimeError("count_syncs needs a CUDA GPU: there is nothing to synchronise with on a CPU")
+    before = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(before)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+def amp_step_costs(model: nn.Module, batch_size: int = 256, *, device="cuda", input_shape=(3, 32, 32),
+                   steps: int = 20, repeats: int = 5) -> dict:
+    """fp16 with ``GradScaler`` against bf16 without one, on a CUDA ``device``: host syncs per
+    step and median seconds per step (:func:`time_fn`), plus the steps when fp16 is run *without*
+    the scaler's check (for the timing only: unsafe to train with).
+
+    Why the scaler synchronises: ``scaler.step(optimizer)`` must skip the step when the scaled
+    gradients overflowed, and that decision is taken on the host, so it reads the GPU's
+    found-inf flag with ``.item()`` every step. The host then waits for the whole backward pass
+    before it can queue the next step's kernels; the GPU idles for the host's launch time of
+    the next forward. bf16 has fp32's exponent range, needs no scaler and has no such sync."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"amp_step_costs measures CUDA synchronisations; got device {device}")
+    net = copy.deepcopy(model).to(device).train()
+    x = torch.randn(batch_size, *input_shape, device=device)
+    y = torch.randint(0, 10, (batch_size,), device=device)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    scaler = torch.amp.GradScaler("cuda")
+
+    def fp16_scaled():
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(net(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)                              # sync point: reads found_inf with .item()
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    def fp16_unscaled():
+        with torch.autocast("cuda", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def bf16():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    from .device import bf16_supported
+    variants = [("fp16 + GradScaler", fp16_scaled), ("fp16, no scaler", fp16_unscaled)]
+    if bf16_supported(device):                        # pre-Ampere GPUs only emulate bf16
+        variants.append(("bf16", bf16))
+    out = {}
+    for name, fn in variants:
+        fn()                                          # warm-up (cuDNN autotuning, allocation)
+        torch.cuda.synchronize(device)
+        syncs = count_syncs(lambda: [fn() for _ in range(steps)]) / steps
+        t = time_fn(fn, warmup=1, repeats=repeats, number=steps, device=device)
+        out[name] = {"syncs_per_step": syncs, "step_s": t.median, "iqr_s": t.iqr}
+    return out
 
 
 # ----------------------------------------------------------------------------------------

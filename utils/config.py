@@ -63,7 +63,8 @@ TABLE: dict[str, tuple] = {
     "pipeline_workers": ((0, 2, 4), (0, 2, 4), (0, 2, 4)),  # DataLoader workers compared
     "pipeline_epochs": (1, 1, 2),                         # epochs per input-pipeline run
     "pipeline_n_train": (640, 5_000, 10_000),             # training images per input-pipeline run
-    "pipeline_item_cost_s": (5e-4, 5e-4, 5e-4),           # host work per image (decode + augment), seconds
+    "pipeline_item_cost_s": (2e-3, 5e-4, 5e-4),           # host work per image (decode + augment), seconds
+                                                          # (smoke: 128 ms per batch, far above a busy 2-core box's hiccups)
     "monitor_interval": (0.05, 0.1, 0.1),                 # seconds between GPU samples
     # --- stage 3: data parallelism ---
     "ddp_nprocs": (2, 2, 0),                              # processes (0 = one per GPU)
@@ -95,6 +96,35 @@ TABLE: dict[str, tuple] = {
     "lb_resnet_width": (4, 16, 64),                       # ResNet9 width of the ghost-BN experiment
     "lb_smith_batch": (32, 64, 256),                      # first batch of the grow-the-batch run
     "lb_smith_factor": (4, 4, 5),                         # batch x this (or lr / this) at each third
+    # --- stage 5: memory and model parallelism (05_memory_and_model_parallel, lab5) ---
+    "mem_width": (128, 256, 1024),                        # block MLP width of the memory budget
+    "mem_depth": (4, 8, 16),                              # blocks (Linear-GELU-Linear, 4x expansion)
+    "mem_batch": (128, 512, 2048),                        # rows per step of the budget
+    "ckpt_width": (64, 128, 1024),                        # checkpointing sweep: block MLP width
+    "ckpt_depth": (8, 16, 16),                            # blocks; segments cut these
+    "ckpt_batch": (256, 2048, 8192),                      # rows: activations dominate the parameters
+    "ckpt_segments": ((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)),   # blocks per checkpoint
+    "ckpt_repeats": (3, 5, 10),                           # timed steps per segment size (median)
+    "shard_nprocs": ((1, 2, 4), (1, 2, 4), (1, 2, 4)),    # ranks compared under DDP, ZeRO-1, FSDP2
+    "shard_width": (64, 256, 1024),                       # model of the sharding runs
+    "shard_depth": (3, 3, 6),                             # blocks (odd: ZeRO-1's whole-parameter split shows)
+    "shard_batch": (32, 64, 256),                         # global rows per step; divisible by the ranks
+    "shard_steps": (4, 6, 10),                            # Adam steps per strategy (checkpoint after half)
+    "tp_width": (32, 256, 1024),                          # d of the tensor-parallel MLP (hidden 4d)
+    "tp_batch": (8, 64, 1024),                            # rows (every rank sees all of them)
+    "pp_width": (256, 512, 1024),                         # pipeline: block MLP width (compute >> send)
+    "pp_depth": (4, 8, 8),                                # blocks, split evenly over 2 stages
+    "pp_batch": (512, 1024, 4096),                        # rows per step; divisible by every m
+    "pp_micro_batches": ((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16, 32)),  # m swept
+    "pp_repeats": (2, 3, 5),                              # hand GPipe steps per m
+    # --- stage 6: clusters and profiling (06_clusters_and_profiling) ---
+    "prof_batch_size": (64, 64, 256),                     # images per profiled step
+    "prof_item_cost_s": (2e-3, 1e-3, 2e-4),               # host work per image of the slow input pipeline (s)
+    "prof_steps": ((1, 1, 3), (1, 2, 5), (2, 3, 10)),     # profiler schedule: (wait, warmup, active) steps
+    "prof_ddp_width": (512, 1024, 4096),                  # MLP layer width of the DDP trace (1 MiB grads at 512)
+    "prof_ddp_depth": (4, 4, 6),                          # MLP layers (one bucket each with small buckets)
+    "prof_bucket_caps_mb": ((0.25, 100), (1, 100), (25, 1000)),   # small vs one-bucket DDP caps (MB)
+    "rdzv_timeout_s": (2, 5, 10),                         # seconds the failure demos wait before giving up
     # --- stage 5: assessment: its sizes live in the spec files (labs/assessment/spec_*.toml) ---
 }
 

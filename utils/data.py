@@ -231,7 +231,7 @@ def load_fashion_mnist(n_train=None, n_val=None, seed=0, root=None, download=Tru
     try:
         paths = [fetch(f, d, download=download) for f in FASHION_MNIST_FILES]
     except DatasetUnavailable as e:
-        raise DatasetUnavailable(f"Fashion-MNIST is not available: {e}\nAll four files:\n"
+        raise DatasetUnavailable(f"Fashion-MNIST is not available: {str(e).splitlines()[0]}\nAll four files:\n"
                                  + _by_hand(FASHION_MNIST_FILES, d)) from None
     xtr, ytr, xte, yte = (read_idx(p) for p in paths)
     x_tr, y_tr = _subset(xtr[:, None], ytr.astype(np.int64), n_train, seed)
@@ -325,6 +325,48 @@ class DeviceLoader:
             yield self.x[b], self.y[b]
 
 
+def usable_cores() -> int:
+    """CPU cores this process may run on (its affinity mask: taskset, cgroups, SLURM
+    ``--cpus-per-task``), which can be far fewer than ``os.cpu_count()`` on a shared server."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):          # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+SHM_DIR = "/dev/shm"
+
+
+def _shm_free_bytes(path: str = SHM_DIR) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except (AttributeError, OSError):
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _check_shm(dataset, batch_size: int, workers: int, prefetch: int = 2) -> None:
+    """Workers hand batches to the trainer through shared memory (/dev/shm). Docker gives a
+    container 64 MB by default: a few batches of images fill it, and the workers then die with a
+    bus error that names nothing useful. Check first, and say what to do."""
+    free = _shm_free_bytes()
+    if free is None:
+        return
+    try:
+        sample = dataset[0]
+        item = sum(t.numel() * t.element_size() for t in sample if isinstance(t, torch.Tensor))
+    except Exception:                         # noqa: BLE001 - an unusual dataset: no estimate
+        return
+    need = item * batch_size * workers * prefetch       # batches in flight through shared memory
+    if need > free:
+        raise RuntimeError(
+            f"{SHM_DIR} has {free / 2**20:,.0f} MiB free, but {workers} DataLoader workers keep about "
+            f"{need / 2**20:,.0f} MiB of batches in it ({prefetch} batches of {batch_size} x "
+            f"{item / 2**10:,.1f} KiB each per worker). In Docker, start the container with a bigger "
+            f"--shm-size (e.g. --shm-size=8g) or --ipc=host; or use fewer workers, num_workers=0, or "
+            f"kind='device' (no workers at all).")
+
+
 def make_loader(dataset: TensorDataset, batch_size: int, *, kind: str = "device", shuffle: bool = True,
                 device=None, rank: int = 0, world_size: int = 1, seed: int = 0,
                 num_workers: int = 0, pin_memory: bool | None = None, drop_last: bool = False,
@@ -332,9 +374,19 @@ def make_loader(dataset: TensorDataset, batch_size: int, *, kind: str = "device"
     """A loader of either kind, sharded for ``rank`` of ``world_size``.
 
     ``kind="device"``: :class:`DeviceLoader`. ``kind="dataloader"``: ``DataLoader`` over a
-    ``DistributedSampler`` (worker processes, pinned memory when the device is CUDA).
-    ``multiprocessing_context``: the workers' start method; default ``spawn`` once CUDA is
-    initialised in this process (never fork after CUDA init), else the platform default.
+    ``DistributedSampler``, with:
+
+    * at most as many workers as the cores this process may use (:func:`usable_cores`; more
+      only queue for the same cores) -- the loader's ``num_workers`` says how many it got;
+    * ``persistent_workers``: the workers live across epochs instead of restarting every epoch;
+    * pinned memory only where there is CUDA to copy to (``pin_memory`` default: the device is CUDA);
+    * the platform's start method (fork on Linux). Workers index a CPU dataset and collate on
+      the CPU; they never call CUDA, so fork is safe even after this process initialised CUDA
+      (what is unsafe is *using* CUDA in a forked child), and it starts workers without
+      re-importing everything and pickling the dataset as spawn does. A dataset whose tensors
+      live on a GPU would make the workers use CUDA: that is refused with a message.
+      ``multiprocessing_context`` overrides the start method.
+    * a clear error, before any worker starts, when /dev/shm is too small for the batches.
     """
     if kind == "device":
         return DeviceLoader(dataset, batch_size, shuffle=shuffle, drop_last=drop_last, device=device,
@@ -344,8 +396,15 @@ def make_loader(dataset: TensorDataset, batch_size: int, *, kind: str = "device"
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
     if pin_memory is None:
         pin_memory = device is not None and torch.device(device).type == "cuda"
-    if num_workers > 0 and multiprocessing_context is None and torch.cuda.is_initialized():
-        multiprocessing_context = "spawn"
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=num_workers,
-                      pin_memory=pin_memory, drop_last=drop_last, persistent_workers=num_workers > 0,
-                      multiprocessing_context=multiprocessing_context if num_workers > 0 else None)
+    pin_memory = bool(pin_memory) and torch.cuda.is_available()
+    workers = max(0, min(int(num_workers), usable_cores()))
+    if workers > 0:
+        tensors = getattr(dataset, "tensors", None) or getattr(getattr(dataset, "dataset", None), "tensors", ())
+        if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors):
+            raise ValueError("this dataset's tensors are on the GPU, so DataLoader workers would have to use "
+                             "CUDA in child processes; use kind='device' (batches are slices on the GPU, no "
+                             "workers needed) or num_workers=0")
+        _check_shm(dataset, batch_size, workers)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
+                      pin_memory=pin_memory, drop_last=drop_last, persistent_workers=workers > 0,
+                      multiprocessing_context=multiprocessing_context if workers > 0 else None)

@@ -6,9 +6,9 @@ From a notebook (each rank's result comes back as a dict)::
 
 From a shell, on one node or several (the same function, through :func:`main`)::
 
-    torchrun --nproc-per-node 2 -m utils.ddp_train --epochs 2 --ckpt run.pt --out final.pt
-    torchrun --nnodes 2 --node-rank R --nproc-per-node 1 --rdzv-backend c10d \\
-             --rdzv-endpoint HOST:PORT -m utils.ddp_train --epochs 2      # on each node R
+    torchrun --nproc-per-node 2 -m utils.ddp_train --epochs 10 --ckpt run.pt --out final.pt
+    torchrun --nnodes 2 --nproc-per-node 1 --rdzv-backend c10d --rdzv-id JOB \\
+             --rdzv-endpoint HOST:PORT -m utils.ddp_train      # the same line on every node
 
 It is the serial recipe plus a small diff: ``setup()`` the group, a loader sharded by rank,
 the model wrapped in DDP, the same ``utils.train.fit``, a checkpoint written by rank 0 after
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import data, dist, models
+from . import data, device, dist, models
 from .train import Callback, fit
 
 
@@ -56,6 +56,8 @@ class TrainConfig:
     fail_mode: str = "kill"        # "kill" (SIGKILL, like a lost node) or "raise"
     backend: str = ""              # "", "gloo" or "nccl" ("" = NCCL when there is a GPU per rank)
     device: str = ""               # "" = cuda:LOCAL_RANK with NCCL, else CPU; "cuda": gloo ranks share a GPU
+    channels_last: bool = False    # NHWC weights and inputs (converted before the DDP wrap)
+    deterministic: bool = True     # cuDNN/cuBLAS settings for bit-identical GPU runs (utils.device.set_deterministic)
     evaluate: bool = True          # validation after every epoch
     progress: bool = False         # fit's progress bar (rank 0 only)
     return_state: bool = True      # send the final state_dict back (launch)
@@ -116,6 +118,8 @@ def build(cfg: TrainConfig, ctx: dist.DistContext):
 def train(config=None, **overrides) -> dict:
     """Train with DDP on this process's rank; returns a dict (history, final weights, resume info)."""
     cfg = make_config(config, **overrides)
+    if cfg.deterministic:
+        device.set_deterministic()    # before any GPU work: a resumed run repeats the uninterrupted one
     ctx = dist.setup(cfg.backend or None, device=cfg.device or None)
     net = None
     try:
@@ -126,7 +130,7 @@ def train(config=None, **overrides) -> dict:
             start_epoch, start_step = ck["epoch"], ck["step"]
             if ctx.is_main:
                 print(f"resumed from {cfg.ckpt}: epoch {start_epoch}, step {start_step}", flush=True)
-        net = dist.ddp(model, ctx, bucket_cap_mb=cfg.bucket_cap_mb)
+        net = dist.ddp(model, ctx, channels_last=cfg.channels_last, bucket_cap_mb=cfg.bucket_cap_mb)
         callbacks = []
         if cfg.ckpt:
             callbacks.append(dist.Checkpointer(cfg.ckpt, optimizer, scheduler, start_epoch=start_epoch,
@@ -137,6 +141,7 @@ def train(config=None, **overrides) -> dict:
         if start_epoch < cfg.epochs:
             hist = fit(net, dist.EpochOffset(loader, start_epoch), optimizer, epochs=cfg.epochs - start_epoch,
                        scheduler=scheduler, grad_accum=cfg.grad_accum, callbacks=callbacks,
+                       channels_last=cfg.channels_last,
                        val_loader=val if cfg.evaluate else None,
                        progress=cfg.progress and ctx.is_main, desc=f"ddp x{ctx.world_size}")
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
@@ -158,15 +163,33 @@ def train(config=None, **overrides) -> dict:
         dist.teardown()
 
 
+# From a shell a run should train to a useful accuracy: 10 epochs of the default digits subset
+# reach about 0.99 validation accuracy (2 epochs: about 0.3). Notebooks pass their own epochs.
+CLI_DEFAULTS = {"epochs": 10}
+_MORE_HELP = {"momentum": "SGD momentum", "fail_rank": "the rank that --fail-at-step crashes",
+              "return_state": "(notebook use) send the final state_dict back"}
+
+
+def _field_help() -> dict:
+    """Each TrainConfig field's help: the comment after it in the source (one place for both)."""
+    import inspect
+    import re
+    found = dict(re.findall(r"^\s+(\w+): [^#\n]*#\s*(.+)$", inspect.getsource(TrainConfig), re.M))
+    return {**_MORE_HELP, **{k: v.strip() for k, v in found.items()}}
+
+
 def parse_args(argv=None) -> TrainConfig:
-    ap = argparse.ArgumentParser(prog="python -m utils.ddp_train", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m utils.ddp_train", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    helps = _field_help()
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
+        default = CLI_DEFAULTS.get(f.name, f.default)
         if f.type in ("bool", bool):
-            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
+            ap.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=helps.get(f.name))
         else:
             typ = {"int": int, "float": float, "str": str}.get(f.type, f.type)
-            ap.add_argument(flag, type=typ, default=f.default)
+            ap.add_argument(flag, type=typ, default=default, help=helps.get(f.name))
     args = ap.parse_args(argv)
     return make_config(return_state=False, **{k: v for k, v in vars(args).items() if k != "return_state"})
 

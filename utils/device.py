@@ -24,6 +24,19 @@ def get_device(prefer: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
+def bf16_supported(device=None) -> bool:
+    """True where bf16 runs natively: any CPU, and NVIDIA GPUs from Ampere on (compute
+    capability 8.0: A100, RTX 30xx, H100). Older GPUs (V100, T4, RTX 20xx) only emulate it,
+    slower than fp32, and cuDNN has no bf16 convolutions there; use fp16 with a GradScaler."""
+    device = torch.device(device) if device is not None else get_device()
+    if device.type != "cuda":
+        return device.type == "cpu"
+    try:
+        return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+    except TypeError:                         # torch < 2.5: no emulation argument
+        return bool(torch.cuda.is_bf16_supported())
+
+
 def synchronize(device: torch.device | str | None = None) -> None:
     """Wait for queued work on ``device`` (a no-op on the CPU). Every caller is a sync point."""
     device = torch.device(device) if device is not None else None
@@ -32,6 +45,33 @@ def synchronize(device: torch.device | str | None = None) -> None:
             torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+CUBLAS_WORKSPACE = ":4096:8"     # cuBLAS's deterministic workspace setting (see CUDA's docs)
+
+
+def set_deterministic() -> dict:
+    """Make GPU training repeat bit for bit (what a checkpoint resume is compared against).
+
+    * ``torch.backends.cudnn.deterministic = True``: cuDNN picks only deterministic
+      convolution algorithms (some fast backward ones add in a run-dependent order);
+    * ``torch.backends.cudnn.benchmark = False``: no autotuning, which may pick a different
+      algorithm in each process;
+    * ``CUBLAS_WORKSPACE_CONFIG=:4096:8``: cuBLAS reductions in a fixed order. cuBLAS reads it
+      when it starts, so call this before the first matrix multiply on the GPU (a fresh
+      process: each DDP rank calls it first thing).
+
+    ``torch.use_deterministic_algorithms(True)`` is not switched on: it makes every op without
+    a deterministic kernel raise (e.g. NLL loss on CUDA), where these settings suffice for the
+    layers of this series. On the CPU these settings change nothing; CPU training repeats
+    exactly anyway. Returns the settings as they were before."""
+    before = {"cudnn.deterministic": torch.backends.cudnn.deterministic,
+              "cudnn.benchmark": torch.backends.cudnn.benchmark,
+              "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    return before
 
 
 def cpu_model() -> str:

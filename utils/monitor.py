@@ -20,7 +20,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-__all__ = ["GPUMonitor", "MonitorResult", "monitor", "plot", "FIELDS"]
+__all__ = ["GPUMonitor", "MonitorResult", "monitor", "plot", "FIELDS", "cuda_to_nvml", "visible_entries"]
 
 # sample key -> (unit, what it is, the matching nvidia-smi --query-gpu field)
 FIELDS = {
@@ -38,13 +38,14 @@ FIELDS = {
 @dataclass
 class MonitorResult:
     """What a monitor saw. ``samples``: one dict per GPU per tick with ``t`` (seconds since
-    start), ``gpu`` (NVML index), ``name`` and the keys of :data:`FIELDS` (None where the GPU
+    start), ``gpu`` (the CUDA index, as in ``cuda:0``), ``name`` and the keys of :data:`FIELDS` (None where the GPU
     does not report a value)."""
     available: bool
     reason: str = ""
     interval: float = 0.0
     samples: list = field(default_factory=list)
-    gpus: list = field(default_factory=list)       # [(nvml index, name)]
+    gpus: list = field(default_factory=list)       # [(CUDA index, name)]
+    devices: list = field(default_factory=list)    # [{cuda, nvml, uuid, mig}]: the CUDA -> NVML mapping
     errors: list = field(default_factory=list)     # sampling errors, at most a few
 
     def series(self, key: str, gpu: int | None = None):
@@ -84,31 +85,101 @@ def _load_nvml():
     return pynvml, ""
 
 
-def _visible_indices(nvml, count: int):
-    """NVML handles of the GPUs this process may use: CUDA_VISIBLE_DEVICES (indices or UUIDs)
-    when it is set, else all of them."""
-    env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if env is None or env.strip() == "":
-        return [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+def visible_entries(env: str | None = None) -> list[str] | None:
+    """CUDA_VISIBLE_DEVICES as CUDA reads it: a list of entries (indices, ``GPU-...`` UUIDs or
+    prefixes of them, ``MIG-...`` UUIDs), cut at the first entry that is not valid, as CUDA
+    does (``0,2,-1,1`` shows GPUs 0 and 2). None when the variable is not set: every GPU."""
+    env = os.environ.get("CUDA_VISIBLE_DEVICES") if env is None else env
+    if env is None:
+        return None
     out = []
     for item in env.split(","):
         item = item.strip()
-        if not item:
-            continue
-        if item.isdigit():
-            i = int(item)
-            if i < count:
-                out.append((i, nvml.nvmlDeviceGetHandleByIndex(i)))
+        if item.isdigit() or item.startswith(("GPU-", "MIG-")):
+            out.append(item)
         else:
-            h = nvml.nvmlDeviceGetHandleByUUID(item)
-            out.append((nvml.nvmlDeviceGetIndex(h), h))
+            break                          # "-1", "", "none": CUDA sees nothing from here on
+    return out
+
+
+def _text(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _torch_uuid(cuda_index: int) -> str | None:
+    """The UUID torch reports for cuda:i, only if this process has already initialised CUDA
+    (the monitor never initialises CUDA itself). Exact whatever CUDA_DEVICE_ORDER says."""
+    try:
+        import torch
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return str(torch.cuda.get_device_properties(cuda_index).uuid)
+    except Exception:                      # noqa: BLE001 - fall back to CUDA_VISIBLE_DEVICES
+        pass
+    return None
+
+
+def cuda_to_nvml(nvml, cuda_indices=None) -> list[dict]:
+    """Map CUDA device numbers (``cuda:i`` as torch numbers them) to NVML devices.
+
+    NVML numbers every GPU of the machine, in PCI order, and knows nothing of
+    CUDA_VISIBLE_DEVICES; CUDA numbers only the devices that variable lists, in its order. So
+    ``cuda:0`` under ``CUDA_VISIBLE_DEVICES=2,3`` is NVML's GPU 2. Entries are matched by index,
+    by UUID (``GPU-...``, or a unique prefix of it, as CUDA allows) or as a MIG slice
+    (``MIG-...``: its own NVML handle; a slice reports memory but not utilisation). When torch
+    has initialised CUDA, its device UUIDs decide (exact even under CUDA_DEVICE_ORDER=FASTEST_FIRST).
+    Returns one dict per device: ``cuda`` (index), ``nvml`` (NVML index, None for a MIG
+    slice), ``uuid``, ``mig`` (bool), ``handle``."""
+    count = nvml.nvmlDeviceGetCount()
+    entries = visible_entries()
+    if entries is None:
+        entries = [str(i) for i in range(count)]
+    if cuda_indices is None:
+        cuda_indices = range(len(entries))
+    all_uuids = None
+
+    def uuids():
+        nonlocal all_uuids
+        if all_uuids is None:
+            all_uuids = [_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+        return all_uuids
+
+    out = []
+    for c in cuda_indices:
+        if not 0 <= c < len(entries):
+            raise ValueError(f"cuda:{c} does not exist: this process sees {len(entries)} CUDA device(s) "
+                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+        entry = entries[c]
+        tu = _torch_uuid(c)
+        if tu:
+            entry = tu if tu.startswith(("GPU-", "MIG-")) else (
+                "MIG-" + tu if entry.startswith("MIG-") else "GPU-" + tu)
+        if entry.startswith("MIG-"):
+            h = nvml.nvmlDeviceGetHandleByUUID(entry)
+            out.append({"cuda": c, "nvml": None, "uuid": entry, "mig": True, "handle": h})
+            continue
+        if entry.isdigit():
+            i = int(entry)
+            if i >= count:
+                raise ValueError(f"CUDA_VISIBLE_DEVICES names GPU {i} but NVML sees {count} GPU(s)")
+        else:
+            matches = [i for i, u in enumerate(uuids()) if u.startswith(entry)]
+            if len(matches) != 1:
+                raise ValueError(f"CUDA_VISIBLE_DEVICES entry {entry!r} matches {len(matches)} GPU(s) of "
+                                 f"this machine; NVML sees {uuids()}")
+            i = matches[0]
+        h = nvml.nvmlDeviceGetHandleByIndex(i)
+        out.append({"cuda": c, "nvml": i, "uuid": uuids()[i] if all_uuids is not None else None,
+                    "mig": False, "handle": h})
     return out
 
 
 class GPUMonitor:
     """Sample GPU counters every ``interval`` seconds in a background thread.
 
-    gpus: NVML indices to watch (default: those CUDA_VISIBLE_DEVICES names, else all).
+    gpus: the CUDA devices to watch, numbered as torch numbers them (``[0]`` is ``cuda:0``);
+        default every device this process can see. They are mapped to NVML's devices through
+        CUDA_VISIBLE_DEVICES (indices, UUIDs, MIG slices): see :func:`cuda_to_nvml`. Samples
+        and ``result.gpus`` use the CUDA numbers; ``result.devices`` holds the mapping.
     nvml: the NVML module (default ``pynvml``); tests pass a fake one.
     ``start()`` then ``stop()`` (returns the :class:`MonitorResult`), or use it as a context
     manager; the thread is always joined by ``stop``. Where NVML cannot start (no NVIDIA
@@ -150,17 +221,12 @@ class GPUMonitor:
                                   "power and clocks, as nvidia-smi --query-gpu ... --loop does.")
             return self
         try:
-            count = nvml.nvmlDeviceGetCount()
-            if self.gpus is None:
-                handles = _visible_indices(nvml, count)
-            else:
-                bad = [i for i in self.gpus if not 0 <= i < count]
-                if bad:
-                    raise ValueError(f"GPU indices {bad} do not exist; NVML sees {count} GPU(s)")
-                handles = [(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in self.gpus]
-            if not handles:
+            devices = cuda_to_nvml(nvml, self.gpus)
+            if not devices:
+                count = nvml.nvmlDeviceGetCount()
                 nvml.nvmlShutdown()
-                self.result.reason = f"NVML started but found no GPU to watch (it sees {count})"
+                self.result.reason = (f"NVML started but this process sees no GPU to watch (NVML sees {count}; "
+                                      f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
                 return self
         except ValueError:
             nvml.nvmlShutdown()
@@ -169,6 +235,7 @@ class GPUMonitor:
             nvml.nvmlShutdown()
             self.result.reason = f"NVML could not list the GPUs: {e}"
             return self
+        handles = [(d["cuda"], d["handle"]) for d in devices]
         names = []
         for i, h in handles:
             try:
@@ -179,6 +246,7 @@ class GPUMonitor:
         self._nvml_active = nvml
         self._handles = handles
         self.result = MonitorResult(True, "", self.interval, [], names)
+        self.result.devices = [{k: v for k, v in d.items() if k != "handle"} for d in devices]
         self._stop.clear()
         self._t0 = time.perf_counter()
         self._thread = threading.Thread(target=self._run, name="GPUMonitor", daemon=True)

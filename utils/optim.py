@@ -23,6 +23,37 @@ and normalisation parameters usually go there, without weight decay
 
 No host synchronisation: norms, the zero tests and the ratio stay on the device
 (``torch.where``, never ``.item()`` or a Python ``if`` on a tensor).
+
+Multi-tensor: a step costs a fixed number of calls per parameter group, not per parameter.
+``torch._foreach_norm`` gives every weight and gradient norm of a group at once, they are
+stacked into one tensor, the trust ratios are computed as one tensor, and the updates are
+``torch._foreach_*`` ops (``mul_``, ``addcmul_`` with the ratios as 0-d tensors, ``add_``): no
+Python per parameter. On a GPU, PyTorch fuses the norms and the plain updates into a few
+kernels over all tensors; the ``addcmul_`` with a different 0-d ratio per tensor takes its
+per-tensor path (one kernel per tensor, launched from C++; PyTorch has no fused for-each op
+with per-tensor scalars on the device, and reading them on the host would be a sync). On the
+CPU every for-each op is a C++ loop. ``trust * (g + wd * w)`` is never materialised (two fused
+multiply-adds instead), so LARS needs no memory beyond its momentum buffers. Tensors on different devices
+(or dtypes) in one group are stepped kind by kind. (``benchmarks/optimizer_step.py`` measures the cost
+against ``torch.optim.SGD(foreach=True)``.)
+
+How this relates to two well-known implementations:
+
+* timm's ``timm.optim.Lars`` (``trust_coeff``, ``trust_clip``, ``always_adapt``): the same
+  update with ``dampening=0``. timm adapts a group only when its ``weight_decay != 0``, unless
+  ``always_adapt=True``; we adapt every group unless it says ``adapt=False``, i.e. our default
+  is timm's ``always_adapt=True``, and the exclusion of biases and norm parameters is explicit
+  (:func:`lars_param_groups`) instead of implied by a zero weight decay. Our ``clip=True`` is
+  timm's ``trust_clip=True``. One difference at the edges: timm sets the ratio to 1 for a zero
+  norm *before* clipping (so with ``lr > 1`` it applies ``1 / lr``); we clip first and then
+  set 1, so a zero-norm tensor always gets exactly the plain SGD step.
+* NVIDIA apex's ``apex.parallel.LARC`` (``trust_coefficient=0.02, clip=True`` by default): a
+  wrapper that rescales ``p.grad`` in place, then calls the wrapped optimizer, so the momentum
+  and ``lr`` sit outside the scaling exactly as here; ``clip=True`` gives the effective rate
+  ``min(trust, lr)``, ``clip=False`` scales by ``trust``. Differences: apex adapts every
+  parameter (no exclusion groups), modifies ``p.grad`` (we never do), and where a norm is 0 it
+  skips both the scaling *and* the weight decay it took over from the optimizer; we apply
+  ``d = g + wd * w`` with factor 1 there, as timm does.
 """
 from __future__ import annotations
 
@@ -102,58 +133,98 @@ class LARS(Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            lr, m, wd = group["lr"], group["momentum"], group["weight_decay"]
-            eta, eps, adapt, clip = group["trust_coefficient"], group["eps"], group["adapt"], group["clip"]
+            params, grads = [], []
             for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad
-                if g.is_sparse:
-                    raise RuntimeError("LARS does not support sparse gradients")
-                state = self.state[p]                        # created lazily, on first use
-                if not adapt:                                # plain SGD with momentum
-                    d = g.add(p, alpha=wd) if wd != 0 else g     # never modifies p.grad
-                    if m != 0:
-                        buf = state.get("momentum_buffer")
-                        if buf is None:
-                            buf = state["momentum_buffer"] = d.detach().clone()
-                        else:
-                            buf.mul_(m).add_(d)
-                        d = d.add(buf, alpha=m) if group["nesterov"] else buf
-                    p.add_(d, alpha=-lr)
-                    continue
-                w_norm = torch.linalg.vector_norm(p)
-                g_norm = torch.linalg.vector_norm(g)
-                ratio = eta * w_norm / (g_norm + wd * w_norm + eps)
-                if clip:
-                    ratio = torch.clamp(ratio / lr, max=1.0)
-                # 1 where either norm is 0 (fresh zero-initialised layer, or no gradient):
-                # on the device, no .item() and no Python branch on a tensor.
-                ratio = torch.where((w_norm > 0) & (g_norm > 0), ratio, torch.ones_like(ratio))
-                state["trust_ratio"] = ratio
-                ratio_wd = ratio * wd
-                # ratio * (g + wd * w) is never materialised: two fused multiply-adds with the
-                # 0-d ratio (addcmul) instead, so LARS costs SGD's memory passes plus two norms.
-                if m != 0:
-                    buf = state.get("momentum_buffer")
-                    if buf is None:                          # first step: buf = ratio * d
-                        buf = state["momentum_buffer"] = torch.mul(g, ratio)
-                    else:
-                        buf.mul_(m).addcmul_(g, ratio)       # buf = m * buf + ratio * d
-                    if wd != 0:
-                        buf.addcmul_(p, ratio_wd)
-                    if group["nesterov"]:                    # step = ratio * d + m * buf
-                        step = buf.mul(m).addcmul_(g, ratio)
-                        if wd != 0:
-                            step.addcmul_(p, ratio_wd)
-                        p.add_(step, alpha=-lr)
-                    else:
-                        p.add_(buf, alpha=-lr)
-                else:                                        # w = w - lr * ratio * (g + wd * w)
-                    if wd != 0:
-                        p.mul_(1 - lr * ratio_wd)
-                    p.addcmul_(g, ratio, value=-lr)
+                if p.grad is not None:
+                    params.append(p)
+                    grads.append(p.grad)
+            if not params:
+                continue
+            if any(g.is_sparse for g in grads):
+                raise RuntimeError("LARS does not support sparse gradients")
+            kinds = {(p.device, p.dtype) for p in params}
+            if len(kinds) == 1:                         # the usual case: one list for the group
+                self._step_tensors(group, params, grads)
+            else:       # stacked norms need one device; the 0-d scalars one dtype (see scalar())
+                for kind in kinds:
+                    idx = [i for i, p in enumerate(params) if (p.device, p.dtype) == kind]
+                    self._step_tensors(group, [params[i] for i in idx], [grads[i] for i in idx])
         return loss
+
+    def _step_tensors(self, group: dict, params: list, grads: list) -> None:
+        """One step of ``group``'s rule for ``params`` (one device, one dtype), every tensor at once."""
+        lr, m, wd, nesterov = group["lr"], group["momentum"], group["weight_decay"], group["nesterov"]
+        on_cpu = params[0].device.type == "cpu"
+
+        def scalar(v):
+            # PyTorch's CPU for-each ops turn a Python number into a tensor once per list entry,
+            # which costs more than the op itself on a small tensor; a 0-d tensor is made once.
+            # It has the parameters' dtype, as the number would be cast to. (On a GPU the number
+            # is a kernel argument; a tensor there would need a copy.)
+            return torch.tensor(v, dtype=params[0].dtype) if on_cpu else v
+
+        if not group["adapt"]:                          # SGD with momentum, as torch.optim.SGD
+            d = grads                                   # d = g + wd * w, never written into p.grad
+            if wd != 0:
+                d = torch._foreach_mul(params, scalar(wd))
+                torch._foreach_add_(d, grads)
+            if m == 0:
+                torch._foreach_add_(params, d, alpha=-lr)
+                return
+            bufs = self._momentum_buffers(params)
+            torch._foreach_mul_(bufs, scalar(m))
+            torch._foreach_add_(bufs, d)                # buf = m * buf + d
+            if nesterov:                                # w -= lr * (d + m * buf)
+                torch._foreach_add_(params, d, alpha=-lr)
+                torch._foreach_add_(params, bufs, alpha=-lr * m)
+            else:                                       # w -= lr * buf
+                torch._foreach_add_(params, bufs, alpha=-lr)
+            return
+
+        # The trust ratios: every weight and gradient norm at once, then one tensor of ratios.
+        n = len(params)
+        norms = torch.stack(torch._foreach_norm(params + grads))
+        w_norm, g_norm = norms[:n], norms[n:]
+        ratio = (group["trust_coefficient"] * w_norm) / (g_norm + wd * w_norm + group["eps"])
+        if group["clip"]:                               # LARC: local rate min(trust, lr)
+            ratio = torch.clamp(ratio / lr, max=1.0)
+        # 1 where either norm is 0 (a fresh zero-initialised layer, or no gradient): torch.where
+        # on the device, never .item() or a Python branch on a tensor
+        ratio = torch.where(torch.minimum(w_norm, g_norm) > 0, ratio, 1.0)
+        ratios = ratio.unbind(0)                        # 0-d views, one per parameter
+        # trust * d = trust * g + (trust * wd) * w: two fused multiply-adds, d never materialised
+        ratios_wd = (ratio * wd).unbind(0) if wd != 0 else None
+        for p, r in zip(params, ratios):
+            self.state[p]["trust_ratio"] = r            # state created lazily, on first use
+        if m == 0:                                      # w -= lr * trust * (g + wd * w)
+            if ratios_wd is not None:                   # the decay term first: it reads the old w
+                torch._foreach_addcmul_(params, params, ratios_wd, value=-lr)
+            torch._foreach_addcmul_(params, grads, ratios, value=-lr)
+            return
+        bufs = self._momentum_buffers(params)
+        torch._foreach_mul_(bufs, scalar(m))            # buf = m * buf + trust * d
+        torch._foreach_addcmul_(bufs, grads, ratios)
+        if ratios_wd is not None:
+            torch._foreach_addcmul_(bufs, params, ratios_wd)
+        if nesterov:                                    # w -= lr * (trust * d + m * buf)
+            if ratios_wd is not None:
+                torch._foreach_addcmul_(params, params, ratios_wd, value=-lr)
+            torch._foreach_addcmul_(params, grads, ratios, value=-lr)
+            torch._foreach_add_(params, bufs, alpha=-lr * m)
+        else:                                           # w -= lr * buf
+            torch._foreach_add_(params, bufs, alpha=-lr)
+
+    def _momentum_buffers(self, params: list) -> list:
+        """Each parameter's momentum buffer, created (zeros) on its first step: m * 0 + d = d,
+        the first buffer of torch.optim.SGD."""
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            buf = state.get("momentum_buffer")
+            if buf is None:
+                buf = state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs.append(buf)
+        return bufs
 
     def trust_ratios(self, model: nn.Module | None = None) -> dict:
         """{name: last applied factor (0-d device tensor)} for every adapted parameter that has

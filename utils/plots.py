@@ -51,3 +51,55 @@ def throughput_bars(results: dict, title: str = "Training throughput", ax=None, 
     ax.grid(axis="x", alpha=0.3)
     ax.figure.tight_layout()
     return ax.figure
+
+
+def _plain(value, pos=None) -> str:
+    """A tick label a reader reads at a glance: 2, 64, 1,024, 0.5, 0.02 (never 10^k or 2x10^1)."""
+    if value == 0:
+        return "0"
+    if abs(value) >= 1000:
+        return f"{value:,.0f}"
+    if float(value).is_integer():
+        return f"{value:.0f}"
+    return f"{value:.3g}"
+
+
+def _log_ticks(lo: float, hi: float) -> list:
+    """1-2-5 ticks between lo and hi (all nine per decade when that gives too few)."""
+    import math
+    lo, hi = min(lo, hi), max(lo, hi)
+    if lo <= 0:
+        return []
+    for subs in ((1, 2, 5), (1, 2, 3, 4, 5, 6, 7, 8, 9)):
+        ticks = [m * 10.0 ** k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+                 for m in subs if lo <= m * 10.0 ** k <= hi]
+        if len(ticks) >= 3:
+            return ticks
+    return ticks
+
+
+def plain_ticks(ax, axis: str = "x", values=None):
+    """Plain-number tick labels on a linear or log axis; call it after plotting.
+
+    ``values``: exactly these ticks (batch sizes, widths, process counts: an axis of counts then
+    shows only whole numbers, never "1.5 processes"). Without them a log axis gets 1-2-5 ticks
+    inside the current limits and a linear one keeps matplotlib's ticks, with minor labels off."""
+    import matplotlib.ticker as mticker
+    import numpy as np
+    a = ax.xaxis if axis == "x" else ax.yaxis
+    log = (ax.get_xscale() if axis == "x" else ax.get_yscale()) == "log"
+    if values is not None:
+        ticks = sorted({float(v) for v in values})
+    elif log:
+        ticks = _log_ticks(*(ax.get_xlim() if axis == "x" else ax.get_ylim()))
+        if len(ticks) < 2:            # less than a factor 2 in view: evenly spaced plain ticks
+            lo, hi = ax.get_xlim() if axis == "x" else ax.get_ylim()
+            ticks = list(mticker.MaxNLocator(4).tick_values(lo, hi))
+            ticks = [t for t in ticks if min(lo, hi) <= t <= max(lo, hi)] or [float(np.sqrt(lo * hi))]
+    else:
+        ticks = None
+    if ticks is not None:
+        a.set_major_locator(mticker.FixedLocator(ticks))
+    a.set_major_formatter(mticker.FuncFormatter(_plain))
+    a.set_minor_formatter(mticker.NullFormatter())
+    return ax

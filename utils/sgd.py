@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from . import data as _data
+from . import plots as _plots
 from . import models as _models
 from . import train as _train
 from .device import get_device
@@ -221,10 +222,11 @@ def trajectory_panel(x, y, w0, b0, *, lr=0.1, steps=60, batch_size=16, seed=0, s
     except ImportError:
         return None
     sizes = sorted({2 ** k for k in range(int(math.log2(n)) + 1)} | {batch_size})
-    bs = widgets.SelectionSlider(options=sizes, value=batch_size, description="batch size")
+    full = {"description_width": "initial"}     # the default width cuts "learning rate" to "learning..."
+    bs = widgets.SelectionSlider(options=sizes, value=batch_size, description="batch size", style=full)
     lr_w = widgets.FloatSlider(value=lr, min=0.005, max=max_lr, step=0.005, description="learning rate",
-                               readout_format=".3f")
-    st = widgets.IntSlider(value=steps, min=1, max=max_steps or 4 * steps, description="steps")
+                               readout_format=".3f", style=full)
+    st = widgets.IntSlider(value=steps, min=1, max=max_steps or 4 * steps, description="steps", style=full)
 
     def on_change(_):
         draw(bs.value, lr_w.value, st.value)
@@ -289,6 +291,8 @@ def plot_gradient_variance(result: dict, ax=None, title="Minibatch gradient vari
     ax.loglog(bs, result["measured"], "o-", label=f"measured (slope {loglog_slope(bs, result['measured']):.2f})")
     ax.loglog(bs, result["theory"], "k--", label=r"theory tr($\Sigma$)/B (slope -1)")
     ax.set(title=title, xlabel="batch size B (examples)", ylabel=r"E|g$_B$ - G|$^2$ ((loss/param)$^2$)")
+    _plots.plain_ticks(ax, "x", bs)
+    _plots.plain_ticks(ax, "y")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     return ax.figure
@@ -513,6 +517,8 @@ def plot_steps_to_target(rows, b_simple: float | None = None, ax=None, regime_fa
     ax.set_xlim(lo, hi)
     ax.set_ylim(S.min() / 3, S.max() * 3)
     ax.set(title=title, xlabel="batch size B (images)", ylabel="optimizer steps to target")
+    _plots.plain_ticks(ax, "x", B)
+    _plots.plain_ticks(ax, "y")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper right")
     return ax.figure, {"s_min": s_min, "b_crit": b_crit}
@@ -532,6 +538,9 @@ def plot_fixed_epoch_sweep(rows, title="Fixed epoch budget: what batch size buys
         ax.grid(alpha=0.3, which="both")
     for ax in axes[:2]:
         ax.set_yscale("log")            # throughput spans orders of magnitude on a GPU
+        _plots.plain_ticks(ax, "y")
+    for ax in axes:
+        _plots.plain_ticks(ax, "x", B)
     fig.suptitle(title)
     fig.tight_layout()
     return fig

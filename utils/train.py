@@ -38,9 +38,32 @@ class History:
     train_time: float = 0.0      # seconds spent training (evaluation excluded)
     wall_time: float = 0.0       # seconds from start to end of fit, everything included
 
+    def _steady(self) -> list:
+        """The epochs that measure speed: all but the first when there are several. Epoch 0
+        pays the warm-up (allocation, cuDNN autotuning, compilation, DataLoader workers)."""
+        return self.epochs[1:] if len(self.epochs) > 1 else self.epochs
+
     @property
     def images_per_s(self) -> float:
-        return self.images / self.train_time if self.train_time > 0 else float("nan")
+        """Training throughput after the warm-up: epochs 1.. (epoch 0 alone if there is one)."""
+        ep = self._steady()
+        images, seconds = sum(e["images"] for e in ep), sum(e["time_s"] for e in ep)
+        if not ep:
+            images, seconds = self.images, self.train_time
+        return images / seconds if seconds > 0 else float("nan")
+
+    @property
+    def warmup_images_per_s(self) -> float:
+        """Throughput of epoch 0, the warm-up, reported on its own (nan without epochs)."""
+        return self.epochs[0]["images_per_s"] if self.epochs else float("nan")
+
+    @property
+    def step_s(self) -> float:
+        """Seconds per optimizer step after the warm-up (same epochs as ``images_per_s``)."""
+        ep = self._steady()
+        first = self.epochs.index(ep[0]) if ep else 0
+        steps = (ep[-1]["step"] - (self.epochs[first - 1]["step"] if first > 0 else 0)) if ep else 0
+        return sum(e["time_s"] for e in ep) / steps if steps > 0 else float("nan")
 
     def last(self, key: str, default=None):
         """The latest per-epoch value of ``key`` (e.g. ``"val_acc"``)."""
@@ -63,6 +86,8 @@ class History:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["images_per_s"] = self.images_per_s
+        d["warmup_images_per_s"] = self.warmup_images_per_s
+        d["step_s"] = self.step_s
         return d
 
     def save(self, path) -> None:
@@ -101,6 +126,9 @@ class StopAtAccuracy(Callback):
     on_epoch_end = on_step_end
 
 
+_NULL = contextlib.nullcontext()      # reusable: entering it does nothing
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)     # DDP / DataParallel / torch.compile wrappers
 
@@ -120,7 +148,8 @@ def _set_epoch(loader, epoch: int) -> None:
 
 
 def _to(x, device, channels_last):
-    x = x.to(device, non_blocking=True)
+    if x.device != device:                  # a batch already there (DeviceLoader) skips the call
+        x = x.to(device, non_blocking=True)
     if channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     return x
@@ -191,8 +220,13 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
     else:
         device = _param_device(model)
     if channels_last:
+        if hasattr(model, "no_sync") and any(p.dim() == 4 and not p.is_contiguous(memory_format=torch.channels_last)
+                                             for p in model.parameters()):
+            raise ValueError("channels_last=True on a model already wrapped in DistributedDataParallel: DDP "
+                             "built its gradient buckets for the old layout. Convert before wrapping: "
+                             "utils.dist.ddp(model, ctx, channels_last=True)")
         model.to(memory_format=torch.channels_last)
-    loss_fn = loss_fn or nn.CrossEntropyLoss()
+    loss_fn = loss_fn or nn.functional.cross_entropy     # a function: no module-call overhead per step
     scaler = None
     if amp_dtype == torch.float16 and device.type == "cuda":
         scaler = torch.amp.GradScaler("cuda")
@@ -209,7 +243,9 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
     total = steps if steps is not None else (per_epoch * epochs if per_epoch else None)
     if steps is not None and epochs is not None and per_epoch:
         total = min(steps, per_epoch * epochs)
-    bar = tqdm(total=total, desc=desc, disable=not progress, leave=True, unit="step")
+    bar = tqdm(total=total, desc=desc, disable=not progress, leave=True, unit="step", mininterval=0.1)
+    bar_every, bar_next, bar_pending = 0.1, 0.0, 0      # the bar is told at most every 0.1 s
+    amp_ctx = contextlib.nullcontext() if amp_dtype is None else None   # reused: no object per step
 
     def run_eval():
         return evaluate(model, val_loader, loss_fn=loss_fn, device=device, amp_dtype=amp_dtype,
@@ -230,12 +266,15 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
         synchronize(device)                                   # sync point: start the clock
         t0 = time.perf_counter()
         for x, y in train_loader:
-            x, y = _to(x, device, channels_last), y.to(device, non_blocking=True)
+            # The hot loop: no host synchronisation, and as little Python per step as we can.
+            x = _to(x, device, channels_last)
+            if y.device != device:
+                y = y.to(device, non_blocking=True)
             micro += 1
             last_micro = micro == grad_accum
-            sync_ctx = model.no_sync() if (has_no_sync and not last_micro) else contextlib.nullcontext()
+            sync_ctx = model.no_sync() if (has_no_sync and not last_micro) else _NULL
             with sync_ctx:
-                with _autocast(device, amp_dtype):
+                with amp_ctx or _autocast(device, amp_dtype):
                     out = model(x)
                     loss = loss_fn(out, y)
                 scaled = loss / grad_accum if grad_accum > 1 else loss
@@ -246,7 +285,7 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
             mb_n.append(y.shape[0])
             classify = classify and out.dim() == 2 and not y.is_floating_point()
             if classify:
-                mb_correct.append((out.detach().argmax(1) == y).sum())
+                mb_correct.append(out.argmax(1) == y)   # summed once per epoch; argmax has no graph
             seen += y.shape[0]
             if not last_micro:
                 continue
@@ -268,7 +307,12 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
             step_loss = None
             state.step += 1
             state.loss = loss
-            bar.update(1)
+            bar_pending += 1
+            if progress:
+                now = time.perf_counter()
+                if now >= bar_next:
+                    bar.update(bar_pending)
+                    bar_pending, bar_next = 0, now + bar_every
             if val_loader is not None and eval_every and state.step % eval_every == 0:
                 synchronize(device)                           # sync point: pause the clock
                 tp = time.perf_counter()
@@ -287,7 +331,7 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
         hist.step_loss.extend(torch.stack(losses).float().tolist() if losses else [])   # sync point
         weights = torch.tensor(mb_n, device=device, dtype=torch.float32)
         train_loss = (torch.stack(mb_loss).float() * weights).sum().item() / seen   # sync point
-        train_acc = torch.stack(mb_correct).sum().item() / seen if classify else None   # sync point
+        train_acc = torch.cat(mb_correct).sum().item() / seen if classify else None   # sync point
         rec = {"epoch": epoch, "step": state.step, "train_loss": train_loss, "train_acc": train_acc,
                "time_s": elapsed, "images": seen, "images_per_s": seen / elapsed if elapsed > 0 else float("nan"),
                "val_loss": None, "val_acc": None}
@@ -307,10 +351,17 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
         post = {"loss": f"{rec['train_loss']:.3f}"}
         if rec["val_acc"] is not None:
             post["val_acc"] = f"{rec['val_acc']:.3f}"
+        if bar_pending:                                       # the steps not yet shown
+            bar.update(bar_pending)
+            bar_pending = 0
         bar.set_postfix(post)
         for cb in callbacks:
             cb.on_epoch_end(state)
         epoch += 1
+    if not bar.disable and bar.total and bar.n < bar.total:   # stopped early on purpose (a callback):
+        bar.total = bar.n                                      # not an error, so no red notebook bar
+        if hasattr(bar, "container"):                          # tqdm.notebook: the widget's length too
+            bar.container.children[-2].max = bar.n
     bar.close()
     hist.steps = state.step
     hist.wall_time = time.perf_counter() - t_start

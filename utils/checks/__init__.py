@@ -5,3 +5,4 @@ from .stage1 import *  # noqa: F401,F403
 from .stage2 import *  # noqa: F401,F403
 from .stage3 import *  # noqa: F401,F403
 from .stage4 import *  # noqa: F401,F403
+from .stage5 import *  # noqa: F401,F403

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import traceback
+import types
 
 import torch
 
@@ -21,23 +22,57 @@ class CheckFailed(AssertionError):
     """A self-check found a mistake; the message says what to fix."""
 
 
+def _student_frames_only(tb):
+    """The traceback without the frames of utils.checks: a student needs the line that called the
+    check, and the check's one-line diagnosis, not the check's internals."""
+    kept = []
+    while tb is not None:
+        if not tb.tb_frame.f_globals.get("__name__", "").startswith(__name__.rsplit(".", 1)[0]):
+            kept.append(tb)
+        tb = tb.tb_next
+    new = None
+    for t in reversed(kept):
+        new = types.TracebackType(new, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    return new
+
+
+def _show_check_failed(shell, etype, value, tb, tb_offset=None):
+    """IPython's handler for CheckFailed: the usual traceback, minus the checks' own frames."""
+    shell.showtraceback((etype, value, _student_frames_only(tb)), tb_offset=tb_offset)
+
+
+def _install_ipython_handler() -> None:
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return
+    shell = get_ipython()
+    if shell is not None and not shell.custom_exceptions:
+        shell.set_custom_exc((CheckFailed,), _show_check_failed)
+
+
+_install_ipython_handler()
+
+
 def _call(name: str, fn, *args, **kwargs):
     """Run the student's ``fn``; turn the placeholder and crashes into readable failures."""
     try:
         return fn(*args, **kwargs)
     except NotImplementedError:
-        raise CheckFailed(f"{name}: not implemented yet. Replace the `raise NotImplementedError(...)` "
-                          f"line in the exercise cell with your code, run that cell, then this one.") from None
+        raise CheckFailed(f"{name}: not implemented yet. Try: replace the `raise NotImplementedError(...)` "
+                          f"line in the exercise cell with your code, run that cell, then this one") from None
     except CheckFailed:
         raise
     except Exception as e:  # the student's code crashed: show where
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
-        raise CheckFailed(f"{name}: your code raised {tb}. Run it on the small example in the "
-                          f"exercise's text and read the traceback above the check.") from e
+        raise CheckFailed(f"{name}: your code raised {tb}. Try: read the traceback of your code above "
+                          f"(the last line in your cell is where it failed), fix it, rerun both cells"
+                          ) from e.with_traceback(_student_frames_only(e.__traceback__))
 
 
 def _fail(name: str, problem: str, hint: str):
-    raise CheckFailed(f"{name}: {problem}\n  Hint: {hint}")
+    """Raise the diagnosis as ONE line: what is wrong, then what to try."""
+    raise CheckFailed(f"{name}: {problem.rstrip('.')}. Try: {hint}") from None
 
 
 def _close(got, want, rtol=1e-4, atol=1e-6) -> bool:

@@ -24,6 +24,8 @@ def check_accuracy(accuracy) -> None:
     if _close(got, 2):
         _fail(name, "returned 2, the number of correct predictions, not the fraction",
               "divide by the number of examples (or use .float().mean())")
+    if _close(got, 50):
+        _fail(name, "returned 50, a percentage", "return the fraction in [0, 1]: do not multiply by 100")
     if _close(got, 0.25):
         _fail(name, "returned 0.25: the arg-max seems to be taken over the batch dimension",
               "the class scores are along dim=1: logits.argmax(dim=1)")

@@ -10,8 +10,9 @@ from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
 
 __all__ = ["check_gd_step", "check_sgd", "check_noise_scale"]
 
-# A tiny dataset for hand computation: mean((w x + b - y)^2) at w=0.5, b=0 has gradient
-# dw = 2 mean(r x) = -32/3 and db = 2 mean(r) = -14/3, with r = (-1.5, -2, -3.5).
+# A tiny dataset for hand computation: mean((w x + b - y)^2) at w=0.5, b=0.5 has gradient
+# dw = 2 mean(r x) = -26/3 and db = 2 mean(r) = -11/3, with r = (-1, -1.5, -3). b is not 0, so a
+# residual that forgets b (r = w x - y: dw = -32/3, db = -14/3) gives a different step.
 _X = torch.tensor([1.0, 2.0, 3.0], dtype=torch.float64)
 _Y = torch.tensor([2.0, 3.0, 5.0], dtype=torch.float64)
 
@@ -32,8 +33,8 @@ def check_gd_step(gd_step) -> None:
     """``gd_step(x, y, w, b, lr)``: one full-batch gradient-descent step on mean((w x + b - y)^2),
     returning the new (w, b)."""
     name = "gd_step"
-    w, b, lr = 0.5, 0.0, 0.1
-    dw, db = -32 / 3, -14 / 3
+    w, b, lr = 0.5, 0.5, 0.1
+    dw, db = -26 / 3, -11 / 3
     got = _pair(name, _call(name, gd_step, _X.clone(), _Y.clone(), w, b, lr))
     want = (w - lr * dw, b - lr * db)
     if not (_close(got[0], want[0]) and _close(got[1], want[1])):
@@ -50,6 +51,10 @@ def check_gd_step(gd_step) -> None:
              "the slope's gradient is 2 * mean(r * x); update w too"),
             ((w - lr * db, b - lr * dw), "the two gradients are swapped",
              "dL/dw = 2 mean(r * x) (it has the x), dL/db = 2 mean(r)"),
+            ((w - lr * -32 / 3, b - lr * -14 / 3), "the residual leaves out b",
+             "the prediction is w * x + b: r = w * x + b - y"),
+            ((w - lr * dw, b - lr * dw), "b moved by w's gradient",
+             "b's gradient has no x in it: 2 * mean(r), not 2 * mean(r * x)"),
         ]
         for cand, problem, hint in mistakes:
             if _close(got[0], cand[0]) and _close(got[1], cand[1]):

@@ -120,6 +120,10 @@ def check_time_step(time_step) -> None:
     if len(calls) < warmup + repeats:
         _fail(name, f"called step() {len(calls)} times; expected warmup + repeats = {warmup + repeats}",
               "run `warmup` untimed calls first, then `repeats` timed ones")
+    total = (repeats - 1) * normal + outlier
+    if abs(got - total) < 0.15 * total:
+        _fail(name, f"returned {got * 1e3:.0f} ms: about the TOTAL of the {repeats} timed repeats",
+              "keep one time per repeat in a list and return their median, not the sum")
     if got > 5:
         _fail(name, f"returned {got:.1f}; the step takes about {normal * 1e3:.0f} ms",
               "return seconds (time.perf_counter() differences), not milliseconds")

@@ -57,8 +57,10 @@ def _launch(name, worker, nprocs, *args):
         return udist.launch(worker, nprocs, *args, timeout=90, stream=False)
     except udist.LaunchTimeout:
         _fail(name, "your function hung (the processes waited for each other until the timeout)",
-              "every send needs a matching receive on the neighbour: post the send with tdist.isend, "
-              "then tdist.recv, then wait() on the send; and make every rank run the same number of steps")
+              "every send needs a matching receive on the neighbour: post each step's send and receive "
+              "together, ops = [tdist.P2POp(tdist.isend, chunk, right), tdist.P2POp(tdist.irecv, buf, left)], "
+              "then wait() on every request of tdist.batch_isend_irecv(ops); and make every rank run the "
+              "same number of steps")
     except udist.LaunchError as e:
         text = str(e)
         if "Timed out" in text:
@@ -96,7 +98,8 @@ def _ring_expected(n, world):
 
 def check_ring_all_reduce(ring_all_reduce, world_size: int = 3) -> None:
     """``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place (like
-    ``tdist.all_reduce``), with N-1 reduce-scatter and N-1 all-gather steps of isend/recv.
+    ``tdist.all_reduce``), with N-1 reduce-scatter and N-1 all-gather steps, each one send and
+    one receive posted together with ``tdist.batch_isend_irecv`` (the form that works on NCCL too).
     Run on 3 real processes, for tensors of 12, 7 and 2 elements."""
     name = "ring_all_reduce"
     src = _source(name, ring_all_reduce)
@@ -210,6 +213,9 @@ def check_shard_batches(shard_batches) -> None:
     if len(flat[(0, 0)]) == n:
         _fail(name, f"rank 0 got all {n} examples: the data is not sharded",
               "pass num_replicas=world_size and rank=rank to DistributedSampler")
+    if flat[(0, 0)] == flat[(1, 0)]:
+        _fail(name, "ranks 0 and 1 got the same indices", "pass rank=rank to DistributedSampler, so each "
+              "rank takes its own share")
     if set(flat[(0, 0)]) & set(flat[(1, 0)]):
         _fail(name, "ranks 0 and 1 share examples in the same epoch",
               "every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank")

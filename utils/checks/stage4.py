@@ -58,6 +58,10 @@ def check_trust_ratio(trust_ratio):
     wd, tc, eps = 0.01, 0.02, 1e-9
     got = _call(name, trust_ratio, w.clone(), g.clone(), wd, tc, eps)
     want = _ref_ratio(w, g, wd, tc, eps)
+    if not isinstance(got, torch.Tensor):
+        _fail(name, f"returned a Python {type(got).__name__}, not a tensor",
+              "keep it a tensor: torch.linalg.vector_norm and torch.where, no .item() or float() "
+              "(on a GPU each would wait for the device)")
     if not _close(got, want):
         no_wd = float(tc * w.norm() / (g.norm() + eps))
         inverted = float(tc * g.norm() / (w.norm() + wd * g.norm() + eps))
@@ -93,8 +97,14 @@ def check_lars_step(lars_step):
     for i, g in enumerate(grads):
         p.grad = g.clone()
         ref.step()
-        out = _call(name, lars_step, w.clone(), g.clone(), None if buf is None else buf.clone(), hp["lr"],
+        w_in, g_in, buf_in = w.clone(), g.clone(), None if buf is None else buf.clone()
+        out = _call(name, lars_step, w_in, g_in, buf_in, hp["lr"],
                     hp["momentum"], hp["weight_decay"], hp["trust_coefficient"], hp["eps"])
+        for label, before, after in (("w", w, w_in), ("g", g, g_in), ("buf", buf, buf_in)):
+            if before is not None and not torch.equal(before, after):
+                _fail(name, f"step {i}: your function changed its input {label} in place",
+                      "build new tensors (w - lr * buf, momentum * buf + d) instead of in-place "
+                      "updates (-=, mul_, add_) on the arguments")
         if not (isinstance(out, tuple) and len(out) == 2):
             _fail(name, f"returned {type(out).__name__}, not a pair (new_w, new_buf)",
                   "return new_w, new_buf")

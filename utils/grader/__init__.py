@@ -1,9 +1,11 @@
-"""The assessment grader: ``python -m utils.grader run|batch|calibrate`` (see labs/assessment/README.md).
+"""The assessment grader: ``python -m utils.grader run|batch|gradescope|zip|calibrate|data``.
 
-A submission runs under ``torchrun --standalone --nproc-per-node N`` in a fresh directory, in
-its own session (and, where the OS allows, its own PID and network namespaces), with only the
-training split; the grader measures its time, the ranks that really joined the process group,
-and, in its own process, the accuracy of the state dict it wrote on held-out data.
+A submission runs under ``torchrun --standalone --nproc-per-node N`` in a sandbox of its own
+(bubblewrap, or unshare: user, PID, IPC, UTS, mount and network namespaces; read-only system
+and project; a private job dir and tmpfs; cleared environment; cgroup and rlimits), with only
+the training split. The grader measures its time, verifies over a channel it owns that every
+rank trained with synchronised gradients, and evaluates the saved state dict in its own
+process on held-out data. Threat model and limits: utils/grader/README.md.
 
     from utils.grader import load_spec, grade
     report = grade("student.py", load_spec("labs/assessment/spec_ci.toml"))

@@ -1,86 +1,166 @@
-"""The first process of a graded submission (standard library only, run as a script).
+"""The first process of a graded job inside its sandbox (standard library only, run as a script).
 
-    python _sandbox_init.py [--status FILE] [--pidns] [--lo-up] [--fsize BYTES] [--pdeathsig] -- COMMAND...
+    python -I _sandbox_init.py [--fsize B] [--nproc N] [--cpu S] [--as B] [--setup JSON] -- COMMAND...
 
-It makes itself a child subreaper (so that processes the submission starts and abandons, even
-double-forked or in their own session, stay in its tree), brings the loopback interface up when
-it runs in a fresh network namespace (torchrun's rendezvous needs localhost), runs COMMAND,
-and waits for it. When COMMAND exits, anything still running below it is a straggler: its
-command lines go into FILE, it is killed (SIGKILL) and reaped, and this process exits with
-COMMAND's status. On SIGTERM it kills the whole tree first. With ``--pdeathsig`` it gets that
-SIGTERM when the grader that started it dies, so a killed grader leaves nothing running (the
-grader starts one outside ``unshare`` for this, and one inside as the namespace's first process).
+With ``--setup`` (the ``unshare`` fallback, where bubblewrap is missing) it first builds the
+sandbox's file system itself, as bwrap would: a tmpfs root holding read-only binds of the
+system, Python and the project's package, a fresh /proc, a minimal /dev, private tmpfs /tmp,
+/var/tmp and /dev/shm, the job dir on /job; then pivot_root, loopback up, and every
+capability dropped for good (bounding set, securebits, no_new_privs).
+
+Then, in both cases: the resource limits, non-dumpable (so nothing of the job can ptrace it or
+read its memory), child subreaper; it runs COMMAND with the evidence channel's fd inherited, and
+waits. When COMMAND exits, whatever still runs in the job is a straggler: the init names them on
+its own status socket (one the job never holds), kills them, and exits with COMMAND's status, which the grader gets by waiting on
+the sandbox's outermost process (never from a file).
 """
 import ctypes
+import ctypes.util
 import json
 import os
+import resource
 import signal
+import socket
 import sys
 import time
 
-PR_SET_CHILD_SUBREAPER = 36
-PR_SET_PDEATHSIG = 1
+PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECUREBITS = 1, 4, 24, 28
+PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 36, 38, 47, 4
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+MNT_DETACH = 2
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
 
-def _host_pid():
-    with open("/proc/self/stat") as f:
-        return int(f.read().split(None, 1)[0])
+def _check(ret, what):
+    if ret != 0:
+        e = ctypes.get_errno()
+        raise OSError(e, f"{what}: {os.strerror(e)}")
+
+
+def mount(src, dst, fstype=None, flags=0, data=None):
+    _check(_LIBC.mount(src.encode() if src else None, dst.encode(), fstype.encode() if fstype else None,
+                       ctypes.c_ulong(flags), data.encode() if data else None), f"mount {src} on {dst}")
+
+
+def _bind(src, dst, writable=False):
+    if os.path.isdir(src):
+        os.makedirs(dst, exist_ok=True)
+    else:
+        os.makedirs(os.path.dirname(dst), exist_ok=True)
+        open(dst, "a").close()
+    mount(src, dst, None, MS_BIND | MS_REC)
+    if not writable:             # a bind's read-only flag needs a remount, keeping the locked flags
+        st = os.statvfs(dst)
+        keep = st.f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
+
+
+def build_root(plan):
+    """The same file system bwrap builds (sandbox.bwrap_command), by hand, then pivot_root."""
+    mount(None, "/", None, MS_REC | MS_PRIVATE)
+    new = plan["newroot"]
+    mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+    for d in ("/tmp", "/var/tmp"):               # first: the binds below may live under /tmp
+        os.makedirs(new + d, exist_ok=True)
+        mount("tmpfs", new + d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={plan['tmpfs_bytes']}")
+    for kind, src, dst in plan["layout"]:
+        target = new + dst
+        if kind == "symlink":
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            os.symlink(src, target)
+        elif os.path.exists(src):
+            _bind(src, target)
+    os.makedirs(new + "/proc")
+    mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    for d in plan["proc_read_only"]:             # global sysctls and friends: read-only, as bwrap
+        if os.path.exists(new + d):
+            mount(new + d, new + d, None, MS_BIND | MS_REC)
+            mount(None, new + d, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
+    os.makedirs(new + "/dev")
+    mount("tmpfs", new + "/dev", "tmpfs", MS_NOSUID, "mode=0755,size=64k")
+    for src, dst in plan["dev_nodes"] + [(n, n) for n in plan["devices"]]:
+        if os.path.exists(src):
+            _bind(src, new + dst, writable=True)
+    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
+                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+        os.symlink(target, f"{new}/dev/{name}")
+    os.makedirs(new + "/dev/shm")
+    mount("tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={plan['tmpfs_bytes']}")
+    if plan.get("sys"):
+        _bind("/sys", new + "/sys")
+    _bind(plan["job"], new + plan["job_dest"], writable=True)
+    os.chdir(new)
+    _check(_LIBC.syscall(155 if os.uname().machine == "x86_64" else 41, b".", b"."), "pivot_root")
+    _check(_LIBC.umount2(b".", MNT_DETACH), "umount old root")
+    os.chdir("/")
+    mount(None, "/", None, MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+    os.chdir(plan["job_dest"])
+
+
+def lo_up():
+    import fcntl
+    import struct
+    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        req = struct.pack("16sh", b"lo", 0)
+        flags = struct.unpack("16sh", fcntl.ioctl(s, siocgifflags, req))[1]
+        fcntl.ioctl(s, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+
+
+def drop_capabilities():
+    """No capability now or after any exec, in this user namespace or any other."""
+    for cap in range(64):
+        _LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    _LIBC.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
+    _LIBC.prctl(PR_SET_SECUREBITS, 0x2f, 0, 0, 0)       # NOROOT, NO_SETUID_FIXUP, each locked
+    _check(_LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+                    ("inheritable", ctypes.c_uint32)]
+
+    _check(_LIBC.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()), "capset")
 
 
 def _table():
-    """{pid: (ppid, cmdline)} for every process, as /proc shows them."""
+    """{pid: cmdline} of every live process this init can see, itself excluded."""
     out = {}
     for name in os.listdir("/proc"):
-        if not name.isdigit():
+        if not name.isdigit() or int(name) == os.getpid():
             continue
         try:
             with open(f"/proc/{name}/stat") as f:
                 raw = f.read()
-            state, ppid = raw[raw.rindex(")") + 2:].split()[:2]
-            if state in ("Z", "X"):                 # dead, waiting to be reaped: not running
+            if raw[raw.rindex(")") + 2:].split()[0] in ("Z", "X"):
                 continue
-            ppid = int(ppid)
             with open(f"/proc/{name}/cmdline", "rb") as f:
-                cmd = f.read(300).replace(b"\0", b" ").decode(errors="replace").strip()
+                out[int(name)] = f.read(200).replace(b"\0", b" ").decode(errors="replace").strip()
         except (OSError, ValueError, IndexError):
             continue
-        out[int(name)] = (ppid, cmd)
     return out
 
 
-def descendants(root):
-    table = _table()
-    children = {}
-    for pid, (ppid, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = {}, [root]
-    while todo:
-        for c in children.get(todo.pop(), []):
-            if c not in found:
-                found[c] = table[c][1]
-                todo.append(c)
-    return found
+def _mine(table):
+    """Processes of the job: all but the PID namespace's own init (bwrap's pid 1), which is not ours."""
+    return {p: c for p, c in table.items() if p != 1 or os.getpid() == 1}
 
 
-def kill_tree(me, pidns):
-    """SIGKILL everything below this process until nothing is left; return what was found."""
+def kill_all():
+    """SIGKILL every other process of the job until none is left; return their command lines."""
     seen = {}
-    for _ in range(50):
-        alive = descendants(me)
+    for _ in range(100):
+        alive = _mine(_table())
         if not alive:
             break
         seen.update(alive)
-        if pidns:
-            try:
-                os.kill(-1, signal.SIGKILL)    # every process of this PID namespace but its init
-            except ProcessLookupError:
-                pass
-        else:
-            for pid in alive:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):
-                    pass
+        try:
+            os.kill(-1, signal.SIGKILL)     # every process of this PID namespace we may signal
+        except OSError:
+            pass
         reap()
         time.sleep(0.02)
     reap()
@@ -97,69 +177,50 @@ def reap():
             return
 
 
-def lo_up():
-    import fcntl
-    import socket
-    import struct
-    siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        req = struct.pack("16sh", b"lo", 0)
-        flags = struct.unpack("16sh", fcntl.ioctl(s, siocgifflags, req))[1]
-        fcntl.ioctl(s, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
+def _opt(opts, name, default=None):
+    return opts[opts.index(name) + 1] if name in opts else default
 
 
 def main(argv):
     if "--" not in argv:
-        print("usage: _sandbox_init.py --status FILE [--pidns] [--lo-up] -- COMMAND...", file=sys.stderr)
+        print("usage: _sandbox_init.py [options] -- COMMAND...", file=sys.stderr)
         return 2
     opts, cmd = argv[:argv.index("--")], argv[argv.index("--") + 1:]
-    status_file = opts[opts.index("--status") + 1] if "--status" in opts else None
-    pidns, want_lo = "--pidns" in opts, "--lo-up" in opts
-    if "--fsize" in opts:                       # cap every file the submission writes
-        import resource
-        cap = int(opts[opts.index("--fsize") + 1])
-        resource.setrlimit(resource.RLIMIT_FSIZE, (cap, cap))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-    status = {"subreaper": False, "loopback_up": None, "rc": None, "stragglers": []}
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        status["subreaper"] = libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-        if "--pdeathsig" in opts:
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    except OSError:
-        pass
-    if want_lo:
+    setup = _opt(opts, "--setup")
+    if setup:
         try:
+            plan = json.loads(setup)
+            build_root(plan)
+            socket.sethostname(plan["hostname"])
             lo_up()
-            status["loopback_up"] = True
+            drop_capabilities()
         except OSError as e:
-            status["loopback_up"] = f"failed: {e}"
-    me = _host_pid()
-
-    def write_status():
-        if status_file:
-            tmp = status_file + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(status, f)
-            os.replace(tmp, status_file)
+            print(f"sandbox setup failed: {e}", file=sys.stderr)
+            return 125
+    for flag, which in (("--fsize", resource.RLIMIT_FSIZE), ("--nproc", resource.RLIMIT_NPROC),
+                        ("--cpu", resource.RLIMIT_CPU), ("--as", resource.RLIMIT_AS)):
+        value = _opt(opts, flag)
+        if value is not None:
+            resource.setrlimit(which, (int(value), int(value)))
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    # A fresh, empty session keyring: the grader's (inherited across fork) stays out of reach.
+    _LIBC.syscall({"x86_64": 250, "aarch64": 219}.get(os.uname().machine, -1), 1, None)
+    _LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)          # the job cannot ptrace or read this process
+    _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)   # orphans (double forks, setsid) come here
+    chan_fd = os.environ.get("SCALING_LABS_GRADER_FD")
+    if chan_fd:                                   # the probes' channel: for the job's processes
+        os.set_inheritable(int(chan_fd), True)
+    status_fd = _opt(opts, "--status-fd")         # the init's own: closed on exec, never the job's
+    status = socket.socket(fileno=int(status_fd)) if status_fd else None
+    if status is not None:
+        os.set_inheritable(status.fileno(), False)
 
     def on_term(signum, frame):
-        status["killed_by_grader"] = True
-        kill_tree(me, pidns)
-        write_status()
+        kill_all()
         os._exit(128 + signum)
 
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    if "--pdeathsig" in opts and os.getppid() != parent:     # the grader died before prctl
-        on_term(signal.SIGTERM, None)
-    if not cmd:            # probe mode: report what this sandbox can do
-        import socket
-        status["interfaces"] = sorted(name for _, name in socket.if_nameindex())
-        status["rc"] = 0
-        write_status()
-        return 0
     child = os.fork()
     if child == 0:
         try:
@@ -176,13 +237,14 @@ def main(argv):
         except InterruptedError:
             continue
         if pid == child:
-            rc = os.waitstatus_to_exitcode(st) if hasattr(os, "waitstatus_to_exitcode") else st >> 8
+            rc = os.waitstatus_to_exitcode(st)
     rc = 0 if rc is None else rc
-    status["rc"] = rc
-    found = kill_tree(me, pidns)
-    status["stragglers"] = sorted(set(found.values()))[:20]
-    status["n_stragglers"] = len(found)
-    write_status()
+    found = kill_all()
+    if status is not None:
+        try:
+            status.send(json.dumps({"rc": rc, "stragglers": sorted(set(found.values()))[:20]}).encode())
+        except OSError:
+            pass
     return rc if rc >= 0 else 128 - rc
 
 

@@ -13,11 +13,12 @@ import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from .core import grade, grader_info, write_json
+from . import sandbox
+from .core import grade, grader_info, prepare_data, write_json
 from .spec import REFERENCE_SOLUTION, Spec
 
 GRADEBOOK_FIELDS = ["student", "status", "accuracy", "target_val_acc", "time_s", "time_budget_s",
-                    "ranks_measured", "nprocs_required", "score", "reason"]
+                    "ranks_measured", "nprocs_required", "score", "reason", "sha256"]
 
 
 def find_submissions(folder) -> list[tuple[str, Path]]:
@@ -28,7 +29,7 @@ def find_submissions(folder) -> list[tuple[str, Path]]:
                                  "folder per student)")
     subs = []
     for p in sorted(folder.iterdir()):
-        if p.name.startswith((".", "_")):
+        if p.name.startswith((".", "_")) or p.is_symlink():      # a link could point anywhere
             continue
         if p.is_dir() or p.suffix == ".py":
             subs.append((p.stem if p.is_file() else p.name, p))
@@ -56,6 +57,12 @@ def score(report: dict, spec: Spec) -> float:
 
 def grade_many(subs: list[tuple[str, Path]], spec: Spec, *, jobs: int = 1, report_dir=None,
                workroot=None, progress=print) -> list[dict]:
+    """Grade every submission, ``jobs`` at a time. Before the first job: the sandbox is probed
+    (grading is refused without one) and the data prepared; every grader module is already
+    imported (core imports them at its top). The per-student reports are written only after
+    every job has ended, each atomically."""
+    sandbox.probe_isolation()
+    prepare_data(spec)
     slots = _gpu_slots(spec, max(1, jobs))
     free: queue.Queue = queue.Queue()
     for s in slots:
@@ -69,14 +76,16 @@ def grade_many(subs: list[tuple[str, Path]], spec: Spec, *, jobs: int = 1, repor
         finally:
             free.put(gpus)
         r["score"] = score(r, spec)
-        if report_dir:
-            write_json(r, Path(report_dir) / f"{student}.json")
         if progress:
             progress(f"{student:<24} {r['status']:<7} {r['reason'][:110]}")
         return r
 
     with ThreadPoolExecutor(max_workers=len(slots)) as pool:
-        return list(pool.map(one, subs))
+        reports = list(pool.map(one, subs))
+    if report_dir:
+        for r in reports:
+            write_json(r, Path(report_dir) / f"{r['student']}.json")
+    return reports
 
 
 def _fmt(key, v):
@@ -96,48 +105,57 @@ def write_gradebook(reports: list[dict], path) -> None:
     _atomic(path, buf.getvalue())
 
 
+RUN_CODES = {"no_entry", "syntax_error", "too_large_submission", "crashed", "timeout", "output_limit",
+             "grader_error"}
+MODEL_CODES = {"no_output", "bad_checkpoint", "unsafe_checkpoint", "too_large", "wrong_keys", "wrong_shapes",
+               "nan_weights"}
+
+
 def gradescope_tests(report: dict, spec: Spec) -> list[dict]:
-    """One Gradescope test per requirement of the assessment."""
-    codes = {r["code"] for r in report["reasons"]}
-    ran = not (codes & {"no_entry", "syntax_error", "too_large_submission", "crashed", "timeout",
-                        "output_limit", "grader_error"})
-    model_ok = ran and not (codes & {"no_output", "bad_checkpoint", "unsafe_checkpoint", "too_large",
-                                     "wrong_keys", "wrong_shapes", "nan_weights"})
-
-    def test(name, ok, output):
-        return {"name": name, "status": "passed" if ok else "failed", "output": output}
-
+    """The overall result (it carries the points), then one zero-point line per requirement.
+    A requirement that could not be checked says so, and what stopped it, never 'passed'."""
     msg = {r["code"]: r["message"] for r in report["reasons"]}
+    codes = set(msg)
+    ran = not codes & RUN_CODES
+    first_run_failure = next((msg[c] for c in msg if c in RUN_CODES), "")
+    model_ok = ran and not codes & MODEL_CODES
     acc, t = report.get("accuracy"), report.get("time_s")
-    return [
-        test("runs under torchrun to completion", ran,
-             "; ".join(m for c, m in msg.items() if c in {"syntax_error", "crashed", "timeout", "output_limit",
-                                                           "no_entry", "too_large_submission", "grader_error"})
-             or f"exit code {report.get('exit_code')}"),
-        test("writes a valid state dict of the assessment's model", model_ok,
-             "; ".join(m for c, m in msg.items() if c in {"no_output", "bad_checkpoint", "unsafe_checkpoint",
-                                                           "too_large", "wrong_keys", "wrong_shapes",
-                                                           "nan_weights"}) or "loaded with weights_only=True"),
-        test(f"{spec.nprocs} ranks train data-parallel (measured by the grader)",
-             not codes & {"not_distributed", "not_data_parallel"} and report["ranks_measured"] == spec.nprocs,
-             msg.get("not_distributed") or msg.get("not_data_parallel")
-             or f"{report['ranks_measured']} ranks joined the process group"),
-        test(f"held-out accuracy >= {spec.target_val_acc}", acc is not None and acc >= spec.target_val_acc,
-             f"accuracy {acc:.4f}" if acc is not None else "no accuracy (no gradable model)"),
-        test(f"within the {spec.time_budget_s:g} s budget", t is not None and not codes & {"timeout", "time"},
-             f"{t:.1f} s, launch to exit" if t is not None else "not run"),
-    ]
+    ev = report.get("rank_evidence") or {}
+    steps = (ev.get("optimizer_steps") or {}).get("0")
+
+    def test(name, ok, output, points=0.0):
+        return {"name": name, "score": points if ok else 0.0, "max_score": points,
+                "status": "passed" if ok else "failed", "output": output, "visibility": "visible"}
+
+    not_checked = "not checked: the script did not run to completion"
+    tests = [test("assessment passed (every requirement below)", report["status"] == "passed",
+                  report["reason"], float(spec.points))]
+    tests.append(test("runs under torchrun to completion", ran,
+                      first_run_failure or f"exit code {report.get('exit_code')}"))
+    tests.append(test("writes a valid state dict of the assessment's model", model_ok,
+                      "; ".join(m for c, m in msg.items() if c in MODEL_CODES)
+                      or ("loaded with torch.load(weights_only=True); keys and shapes match" if ran else not_checked)))
+    dp_ok = ran and not codes & {"not_distributed", "not_data_parallel"} and report["ranks_measured"] == spec.nprocs
+    tests.append(test(f"{spec.nprocs} ranks train data-parallel (measured by the grader)", dp_ok,
+                      msg.get("not_distributed") or msg.get("not_data_parallel")
+                      or (f"{report['ranks_measured']} ranks joined; every rank took {steps} optimizer steps "
+                          "with the same synchronised gradients" if ran else not_checked)))
+    tests.append(test(f"held-out accuracy >= {spec.target_val_acc}", acc is not None and acc >= spec.target_val_acc,
+                      f"held-out accuracy {acc:.4f}" if acc is not None else "not checked: no gradable model"))
+    tests.append(test(f"within the {spec.time_budget_s:g} s budget", t is not None and not codes & {"timeout", "time"},
+                      msg.get("timeout") or msg.get("time") or (f"{t:.1f} s, launch to exit" if t is not None
+                                                                else "not run")))
+    return tests
 
 
 def gradescope_result(report: dict, spec: Spec) -> dict:
     """Gradescope's autograder results.json for ONE submission (the file Gradescope reads from
-    /autograder/results/results.json): the score, then one test per requirement."""
-    lines = [f"Status: {report['status']}. {report['reason']}"]
+    /autograder/results/results.json): the score, then the tests."""
+    lines = [f"{report['status'].upper()}: {report['reason']}"]
     lines += [f"Note: {w}" for w in report.get("static_warnings", [])]
     return {"score": score(report, spec), "output": "\n".join(lines),
             "execution_time": round(report.get("grading_s") or 0),
-            "tests": gradescope_tests(report, spec),    # status only: the score is the top-level one
-            "visibility": "visible", "stdout_visibility": "hidden"}
+            "tests": gradescope_tests(report, spec), "visibility": "visible", "stdout_visibility": "hidden"}
 
 
 def gradescope_batch(reports: list[dict], spec: Spec) -> dict:
@@ -148,7 +166,8 @@ def gradescope_batch(reports: list[dict], spec: Spec) -> dict:
             "execution_time": round(sum(r.get("grading_s") or 0 for r in reports)),
             "tests": [{"name": r["student"], "score": score(r, spec), "max_score": float(spec.points),
                        "status": "passed" if r["status"] == "passed" else "failed",
-                       "output": f"{r['status']}: {r['reason']}"} for r in reports],
+                       "output": f"{r['status']}: {r['reason']}", "visibility": "after_published"}
+                      for r in reports],
             "visibility": "after_published", "stdout_visibility": "hidden"}
 
 

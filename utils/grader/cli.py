@@ -1,4 +1,9 @@
-"""``python -m utils.grader run|batch|calibrate|data``: the command line of the grader."""
+"""``python -m utils.grader run|batch|gradescope|zip|calibrate|data``: the grader's command line.
+
+Exit status: 0 when the submission(s) were graded, whatever the grade (a failing grade is a
+result, written to the report, not an error of the command); 2 for a usage or spec error;
+3 when no sandbox can isolate a submission on this machine (nothing was run). ``run --strict``
+exits 1 when the one submission did not pass, for scripts that want that."""
 from __future__ import annotations
 
 import argparse
@@ -13,21 +18,24 @@ def _spec(args):
     overrides = {}
     if getattr(args, "budget", None) is not None:
         overrides["time_budget_s"] = args.budget
-    return load_spec(args.spec, **overrides)
+    spec = load_spec(args.spec, **overrides)
+    if spec.secret_missing():
+        raise SpecError(spec.secret_missing())
+    return spec
 
 
 def cmd_run(args) -> int:
     from .batch import gradescope_result, score, write_gradescope
     from .core import grade, write_json
     spec = _spec(args)
-    r = grade(args.submission, spec, keep=args.keep)
+    r = grade(args.submission, spec, keep=args.keep, workroot=args.workroot)
     r["score"] = score(r, spec)
     if args.json:
         write_json(r, args.json)
     if args.gradescope:
         write_gradescope(gradescope_result(r, spec), args.gradescope)
     print(summary(r, verbose=args.verbose))
-    return 0 if r["status"] == "passed" else 1      # so scripts (and make grade) see a failure
+    return 1 if args.strict and r["status"] != "passed" else 0
 
 
 def summary(r: dict, verbose: bool = False) -> str:
@@ -35,13 +43,16 @@ def summary(r: dict, verbose: bool = False) -> str:
     t = f"{r['time_s']:.1f} s" if r["time_s"] is not None else "-"
     lines = [f"{r['student']}: {r['status'].upper()}",
              f"  accuracy {acc} (target {r['target_val_acc']}), time {t} (budget {r['time_budget_s']:g} s), "
-             f"ranks measured {r['ranks_measured']} of {r['nprocs_required']}",
-             f"  {r['reason']}"]
+             f"ranks measured {r['ranks_measured']} of {r['nprocs_required']}"]
+    lines += [f"  - {x['message']}" for x in r["reasons"]] or [f"  {r['reason']}"]
     lines += [f"  note: {w}" for w in r.get("static_warnings", [])]
     iso = r.get("isolation") or {}
     if iso:
-        lines.append("  isolation in force: " + "; ".join(iso.get("in_force", [])))
-        lines.append("  NOT in force: " + "; ".join(iso.get("not_in_force", [])))
+        lines.append("  sandbox in force:")
+        lines += [f"    {x}" for x in iso.get("in_force", [])]
+        if iso.get("not_in_force"):
+            lines.append("  sandbox NOT in force:")
+            lines += [f"    {x}" for x in iso["not_in_force"]]
     if verbose:
         for rank, logs in sorted((r.get("logs") or {}).items()):
             if isinstance(logs, dict):
@@ -61,7 +72,7 @@ def cmd_batch(args) -> int:
               file=sys.stderr)
         return 2
     print(f"grading {len(subs)} submission(s) with {spec.name}, {args.jobs} at a time", flush=True)
-    reports = grade_many(subs, spec, jobs=args.jobs, report_dir=args.reports,
+    reports = grade_many(subs, spec, jobs=args.jobs, report_dir=args.reports, workroot=args.workroot,
                          progress=lambda s: print(s, flush=True))
     write_gradebook(reports, args.csv)
     print(f"gradebook: {args.csv}")
@@ -70,6 +81,28 @@ def cmd_batch(args) -> int:
         print(f"Gradescope results: {args.gradescope}")
     passed = sum(r["status"] == "passed" for r in reports)
     print(f"{passed} of {len(reports)} passed")
+    return 0
+
+
+def cmd_gradescope(args) -> int:
+    from .gradescope import run
+    spec_path = args.spec or (Path(args.root) / "source" / "spec.toml")
+    spec = load_spec(spec_path if Path(spec_path).exists() or args.spec else None)
+    if spec.secret_missing():
+        raise SpecError(spec.secret_missing())
+    doc = run(args.root, spec)
+    print(f"{Path(args.root) / 'results' / 'results.json'}: score {doc['score']:g}")
+    return 0 if doc.get("tests") else 3
+
+
+def cmd_zip(args) -> int:
+    from .gradescope import build_zip
+    spec = load_spec(args.spec)                # validated before it is packed
+    names = build_zip(args.out, spec.path)
+    print(f"wrote {args.out} ({len(names)} files; setup.sh and run_autograder at its root, spec "
+          f"{spec.path} as spec.toml): upload it as the assignment's autograder on Gradescope")
+    if spec.secret_missing():
+        print(f"warning: {spec.secret_missing()}", file=sys.stderr)
     return 0
 
 
@@ -119,7 +152,9 @@ def main(argv=None) -> int:
     r.add_argument("--gradescope", help="write Gradescope's results.json here")
     r.add_argument("--budget", type=float, help="override the spec's time budget (seconds)")
     r.add_argument("--keep", action="store_true", help="keep the working directory")
+    r.add_argument("--workroot", help="where job dirs go (default: the system temp dir)")
     r.add_argument("-v", "--verbose", action="store_true", help="print the tail of each rank's log")
+    r.add_argument("--strict", action="store_true", help="exit 1 when the submission did not pass")
     r.set_defaults(fn=cmd_run)
 
     b = sub.add_parser("batch", help="grade a folder of submissions (one .py or folder per student)")
@@ -130,7 +165,19 @@ def main(argv=None) -> int:
     b.add_argument("--reports", help="folder for one JSON report per student")
     b.add_argument("--jobs", type=int, default=1, help="submissions graded at once (GPUs are divided)")
     b.add_argument("--budget", type=float, help="override the spec's time budget (seconds)")
+    b.add_argument("--workroot", help="where job dirs go (default: the system temp dir)")
     b.set_defaults(fn=cmd_batch)
+
+    g = sub.add_parser("gradescope", help="inside a Gradescope autograder: grade ROOT/submission, "
+                       "write ROOT/results/results.json")
+    g.add_argument("--root", default="/autograder")
+    g.add_argument("--spec", help="default: ROOT/source/spec.toml, else " + default_spec_path().name)
+    g.set_defaults(fn=cmd_gradescope)
+
+    z = sub.add_parser("zip", help="build the Gradescope autograder zip (make gradescope)")
+    z.add_argument("--spec", help=spec_help)
+    z.add_argument("--out", default="build/gradescope-autograder.zip")
+    z.set_defaults(fn=cmd_zip)
 
     c = sub.add_parser("calibrate", help="time the reference solution and propose a budget")
     c.add_argument("--spec", help=spec_help)
@@ -148,8 +195,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if getattr(args, "jobs", 1) < 1:
         p.error("--jobs must be >= 1")
+    from .sandbox import SandboxUnavailable
     try:
         return args.fn(args)
     except (SpecError, NotADirectoryError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SandboxUnavailable as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3

@@ -1,31 +1,55 @@
-"""Grading one submission: prepare, run under torchrun in the sandbox, measure, evaluate, report.
+"""Grading one submission: snapshot it, run it under torchrun in its own sandbox, verify from the
+grader's side what ran, evaluate its model in the grader's own process, report.
 
 The report is a plain dict (JSON): ``status`` is ``passed``, ``failed`` (it ran and produced a
 model, but missed a requirement) or ``error`` (nothing gradable came out); ``reasons`` lists
 ``{"code", "message"}`` for every requirement missed, in words that say what to fix.
+
+Nothing the job could write is trusted: its model file and its logs are read after every
+process of the job is gone, never through a link, the model from a grader-owned copy; its
+evidence arrives over a socket the grader created and is cross-checked (:func:`verify_ranks`).
 """
 from __future__ import annotations
 
-import atexit
+import base64
+import binascii
 import datetime
+import hashlib
 import json
+import math
 import os
 import re
 import shutil
+import stat
 import sys
 import tempfile
 import threading
 import time
 import traceback
-import uuid
 from pathlib import Path
 
-from . import sandbox, static
+# Every module grading uses is imported here, before any job runs (nothing is imported later
+# from a place a job could have touched).
+import numpy as np
+import torch
+from torch.utils.data import TensorDataset
+
+import utils
+import utils.data
+import utils.models
+import utils.train
+
+from . import checkpoint, sandbox, static
 from .spec import ROOT, Spec
 
 PROBE_SITE = Path(__file__).with_name("_probe")
-MAX_SUBMISSION_BYTES = 20 << 20        # a submission folder larger than this is refused
+# torchrun, started so that nothing in the job dir can stand in for it: `python -m` would put the
+# working directory (the submission's files: a torch/ folder, say) first on sys.path.
+LAUNCHER = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', '/job')]; import runpy; "
+            "sys.argv[0] = 'torchrun'; runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)")
 LOG_TAIL_BYTES = 3000
+MAX_FILES = 200                          # files in a submission folder
+MAX_STEPS = 200_000                      # optimizer steps per rank the grader looks at
 
 # Reasons after which there is no model to grade: the status is "error", not "failed".
 ERROR_CODES = {"no_entry", "syntax_error", "too_large_submission", "crashed", "timeout", "output_limit",
@@ -41,203 +65,363 @@ _DATA_LOCK = threading.Lock()
 _DATA: dict = {}
 
 
+def split_secret(x, y, n_val: int, n_train: int, secret: int):
+    """(train indices, held-out indices) of a pool, drawn with the spec's secret seed: without
+    the secret no public code knows which images the grader keeps."""
+    order = np.random.default_rng(secret).permutation(len(y))
+    held, rest = order[:n_val], order[n_val:]
+    return (rest[:n_train] if n_train else rest), held
+
+
 def prepare_data(spec: Spec):
     """(path of train.npz in a grader-owned cache, held-out TensorDataset), once per process."""
-    import numpy as np
-    import torch
-    from torch.utils.data import TensorDataset
-
-    import utils.data
-    key = (spec.dataset, spec.n_train, spec.n_val, spec.seed, spec.data_dir, spec.heldout)
+    why = spec.secret_missing()
+    if why:
+        raise ValueError(why)
+    key = (spec.dataset, spec.n_train, spec.n_val, spec.seed, spec.data_dir, spec.heldout, spec.heldout_seed)
     with _DATA_LOCK:
         if key in _DATA and _DATA[key][0].exists():
             return _DATA[key]
         kw = {"root": spec.data_dir} if spec.data_dir and spec.dataset != "digits" else {}
-        splits = utils.data.load(spec.dataset, n_train=spec.n_train or None, n_val=spec.n_val or None,
-                                 seed=spec.seed, **kw)
-        x, y = splits.train.tensors
-        cache = Path(tempfile.mkdtemp(prefix="grader-data-"))
+        if spec.heldout == "secret_split":
+            splits = utils.data.load(spec.dataset, **kw)
+            x = torch.cat([splits.train.tensors[0], splits.val.tensors[0]])
+            y = torch.cat([splits.train.tensors[1], splits.val.tensors[1]])
+            tr, held = split_secret(x, y, spec.n_val or len(splits.val), spec.n_train, spec.heldout_seed)
+            train = TensorDataset(x[tr], y[tr])
+            heldout = TensorDataset(x[held], y[held])
+        else:
+            splits = utils.data.load(spec.dataset, n_train=spec.n_train or None, n_val=spec.n_val or None,
+                                     seed=spec.seed, **kw)
+            train, heldout = splits.train, splits.val
+            if spec.heldout != "val":
+                with np.load(spec.heldout) as f:
+                    hx, hy = torch.from_numpy(f["x"]).float(), torch.from_numpy(f["y"]).long()
+                if tuple(hx.shape[1:]) != tuple(train.tensors[0].shape[1:]):
+                    raise ValueError(f"held-out images {tuple(hx.shape[1:])} differ from the training "
+                                     f"images {tuple(train.tensors[0].shape[1:])}: fix heldout in {spec.path}")
+                heldout = TensorDataset(hx, hy)
+        x, y = train.tensors
+        cache = Path(tempfile.mkdtemp(prefix="grader-data-"))      # 0700, the grader's own
+        import atexit
         atexit.register(shutil.rmtree, cache, True)      # CIFAR-10's split is 600 MB: never leave it
         train_npz = cache / "train.npz"
         np.savez(train_npz, x=x.numpy(), y=y.numpy())
-        if spec.heldout == "val":
-            heldout = splits.val
-        else:
-            with np.load(spec.heldout) as f:
-                hx, hy = torch.from_numpy(f["x"]).float(), torch.from_numpy(f["y"]).long()
-            if tuple(hx.shape[1:]) != tuple(x.shape[1:]):
-                raise ValueError(f"held-out images {tuple(hx.shape[1:])} differ from the training "
-                                 f"images {tuple(x.shape[1:])}: fix heldout in {spec.path}")
-            heldout = TensorDataset(hx, hy)
         _DATA[key] = (train_npz, heldout)
         return _DATA[key]
 
 
 # ----------------------------------------------------------------------------------------
-# Helpers
+# The submission, snapshotted
 # ----------------------------------------------------------------------------------------
 
-def find_entry(submission: Path) -> Path:
-    """The script to run: the file itself, or in a folder assessment.py, else its only .py."""
+class Refused(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def find_entry(submission: Path) -> str:
+    """The script to run, relative to the snapshot: the file itself (as assessment.py), or in a
+    folder assessment.py, else its only .py."""
     if submission.is_file():
-        return submission
+        return "assessment.py"
     if (submission / "assessment.py").is_file():
-        return submission / "assessment.py"
-    scripts = sorted(submission.glob("*.py"))
+        return "assessment.py"
+    scripts = sorted(p.name for p in submission.glob("*.py"))
     if len(scripts) == 1:
+        if not re.fullmatch(r"[A-Za-z0-9_][\w.-]*\.py", scripts[0]):
+            raise Refused("no_entry", f"{scripts[0]!r} is not a plain file name: name the script assessment.py")
         return scripts[0]
-    raise FileNotFoundError(f"{submission} holds {len(scripts)} .py files and no assessment.py: "
-                            "name the training script assessment.py")
+    raise Refused("no_entry", f"{submission.name} holds {len(scripts)} .py files and no assessment.py: "
+                  "name the training script assessment.py")
 
 
-def _size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file() and not p.is_symlink())
+def snapshot(submission: Path, dest: Path, max_bytes: int) -> dict:
+    """Copy the submission's regular files into ``dest`` (each read once: what is hashed is
+    what runs), refusing it past ``max_bytes``. Links are not followed or copied."""
+    if submission.is_file():
+        files = [(submission, "assessment.py")]
+    else:
+        files = []
+        for root, dirs, names in os.walk(submission):        # os.walk does not follow links
+            dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+            for n in sorted(names):
+                p = Path(root) / n
+                if p.is_file() and not p.is_symlink():
+                    files.append((p, str(p.relative_to(submission))))
+                if len(files) > MAX_FILES:
+                    raise Refused("too_large_submission", f"more than {MAX_FILES} files: submit the script")
+    h, total = hashlib.sha256(), 0
+    dest.mkdir(mode=0o700)
+    for src, rel in files:
+        with open(src, "rb") as f:
+            data = f.read(max_bytes + 1 - total)
+        total += len(data)
+        if total > max_bytes:
+            raise Refused("too_large_submission", f"the submission is over {max_bytes >> 10} KiB "
+                          "(submit the script, not data or models)")
+        h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
+        out = dest / rel
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_bytes(data)
+    return {"sha256": h.hexdigest(), "bytes": total, "files": [rel for _, rel in files]}
 
 
-def tail(path: Path, n: int = LOG_TAIL_BYTES) -> str:
+# ----------------------------------------------------------------------------------------
+# Reading what the job left, after every process of it is gone
+# ----------------------------------------------------------------------------------------
+
+def _inside(root: Path, path: Path) -> bool:
+    real = os.path.realpath(path)
+    return real.startswith(os.path.realpath(root) + os.sep) and real == os.path.abspath(path)
+
+
+def read_job_file(root: Path, path: Path, max_bytes: int, tail: bool = False) -> bytes | None:
+    """A regular file of the job dir, never through a link (any component), at most ``max_bytes``
+    (the last ones with ``tail``); None when it is not there or not a plain file."""
+    if not _inside(root, path):
+        return None
     try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            f.seek(max(0, size - n))
-            data = f.read(n)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     except OSError:
-        return ""
-    text = data.decode(errors="replace")
-    return (f"[... {size - n} bytes not shown]\n" if size > n else "") + text
+        return None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            return None
+        if tail and st.st_size > max_bytes:
+            f.seek(st.st_size - max_bytes)
+        return f.read(max_bytes)
 
 
-def rank_logs(log_dir: Path, nprocs: int) -> dict:
+def rank_logs(work: Path, nprocs: int) -> dict:
     out = {}
+    logs = work / ".logs"
     for r in range(nprocs):
-        files = {kind: sorted(log_dir.glob(f"*/attempt_*/{r}/{kind}.log")) for kind in ("stdout", "stderr")}
-        out[str(r)] = {kind: tail(paths[-1]) if paths else "" for kind, paths in files.items()}
+        out[str(r)] = {}
+        for kind in ("stdout", "stderr"):
+            found = sorted(logs.glob(f"*/attempt_*/{r}/{kind}.log"))[-1:] if logs.is_dir() else []
+            data = read_job_file(work, found[0], LOG_TAIL_BYTES + 1, tail=True) if found else None
+            text = (data or b"").decode(errors="replace")
+            if len(text) > LOG_TAIL_BYTES:
+                text = "[... earlier output not shown]\n" + text[-LOG_TAIL_BYTES:]
+            out[str(r)][kind] = printable(text.replace("\r", "\n"))
     return out
 
 
-_ERR_LINE = re.compile(r"^\s*([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$")
+_ERR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$")
+_FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:[ ]?", re.M)
 
 
-def last_error(text: str) -> str | None:
-    lines = [l for l in text.splitlines() if _ERR_LINE.match(l)]
-    return lines[-1].strip()[:300] if lines else None
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
-def read_probe(probe_dir: Path, spec: Spec, workers: list) -> dict:
-    """Ranks that joined the process group, as measured: a record from the probe counts only if
-    its all-reduce summed to the world size the spec requires AND it matches a worker process
-    the grader itself saw (same pid and start time, and torchrun gave it that RANK)."""
-    seen = {(w.pid, w.start_ticks): w for w in workers}
-    joined, exits, problems = {}, {}, []
-    files = sorted(probe_dir.glob("*.json"))[: 8 * spec.nprocs + 8]
-    for f in files:
+def printable(text: str) -> str:
+    """The job's text without control characters (no terminal escapes reach the instructor)."""
+    return _CONTROL.sub("?", text)
+
+
+def rank_error(text: str) -> str | None:
+    """The rank's own error, first line of it: 'ValueError: ... (assessment.py, line 12)'."""
+    text = _RANK_PREFIX.sub("", text)          # torch.distributed's excepthook prefixes "[rank0]: "
+    if "Traceback" not in text:
+        return None
+    block = text[text.rindex("Traceback"):].splitlines()
+    where = None
+    for line in block:
+        m = _FRAME.match(line)
+        if m and m.group(1).startswith(sandbox.JOB_DIR + "/"):
+            where = f"{m.group(1)[len(sandbox.JOB_DIR) + 1:]}, line {m.group(2)}"
+    errs = [l.strip() for l in block if _ERR_LINE.match(l.strip()) and not l.startswith(" ")]
+    if not errs:
+        return None
+    return printable(errs[-1][:240] + (f" ({where})" if where else ""))
+
+
+def failing_rank(launcher_log: str, logs: dict) -> tuple[str | None, str | None]:
+    """(rank, its error) of the first failure: torchrun's 'Root Cause' names the rank."""
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", launcher_log, re.S)
+    order = ([m.group(1)] if m else []) + sorted(k for k in logs if k.isdigit())
+    for r in order:
+        err = rank_error(logs.get(r, {}).get("stderr", "")) or rank_error(logs.get(r, {}).get("stdout", ""))
+        if err:
+            return r, err
+    if m:                                       # no traceback: what torchrun says of that rank
+        block = launcher_log[m.start():]
+        code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
+        if code and int(code.group(1)) < 0:
+            import signal as _signal
+            try:
+                name = _signal.Signals(-int(code.group(1))).name
+            except ValueError:
+                name = f"signal {-int(code.group(1))}"
+            return m.group(1), f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+        if code:
+            return m.group(1), f"exited with code {code.group(1)} without a Python traceback"
+    return None, None
+
+
+# ----------------------------------------------------------------------------------------
+# Evidence: did every rank train, on its own data, with gradients synchronised every step?
+# ----------------------------------------------------------------------------------------
+
+def verify_ranks(messages: list, workers: list, spec: Spec, loopback_octets: int, model_bytes: int = 0) -> dict:
+    """Checks on the probe's messages, each accepted only from the worker process torchrun
+    started for that rank (the kernel names the sender). ``model_bytes``: the size of the
+    assessment model's parameters, computed here: every step must all-reduce about that much.
+    Returns the evidence and its problems."""
+    n = spec.nprocs
+    rank_of = {w.pid: w.env_rank for w in workers}
+    joined, exits, problems, wrap = {}, {}, [], {}
+    for pid, rec in messages:
+        kind = rec.get("kind")
+        if kind == "error":
+            problems.append(f"probe: {str(rec.get('error'))[:150]}")
+            continue
+        if kind not in ("rank", "exit", "wrap"):
+            continue
         try:
-            if f.stat().st_size > 65536:
-                continue
-            rec = json.loads(f.read_text())
-        except (OSError, ValueError):
-            continue
-        if not isinstance(rec, dict):
-            continue
-        if f.name.startswith("error."):
-            problems.append(str(rec.get("error"))[:200])
-            continue
-        try:
-            key = (int(rec["pid"]), int(rec["start_ticks"]))
             rank = int(rec["rank"])
         except (KeyError, TypeError, ValueError):
             continue
-        w = seen.get(key)
-        if w is None or w.env_rank != str(rank):
-            problems.append(f"a record for rank {rank} matches no worker process the grader saw")
+        if rank_of.get(pid) != str(rank):
+            problems.append(f"a message for rank {rank} came from a process that is not rank {rank}")
             continue
-        if f.name.startswith("rank"):
-            if rec.get("world_size") == spec.nprocs and rec.get("all_reduce_sum") == spec.nprocs:
+        if kind == "wrap":
+            try:
+                if rank == 0 and 0 <= int(rec["part"]) < int(rec["parts"]) <= 64:
+                    wrap[int(rec["part"])] = (int(rec["parts"]), base64.b64decode(str(rec["data"])[:1 << 18]))
+            except (KeyError, TypeError, ValueError, binascii.Error):
+                problems.append("a malformed record of the weights DDP wrapped")
+            continue
+        if kind == "rank":
+            if rec.get("world_size") == n and rec.get("all_reduce_sum") == n:
                 joined[rank] = rec
             else:
-                problems.append(f"rank {rank}: world size {rec.get('world_size')}, all-reduce of ones "
-                                f"gave {rec.get('all_reduce_sum')} (needs {spec.nprocs})")
-        elif f.name.startswith("exit"):
-            exits[rank] = rec
-    dp = [r for r in joined if r in exits and (int(exits[r].get("collectives") or 0) > 0
-                                               or int(exits[r].get("ddp_iterations") or 0) > 0)]
-    return {"ranks_joined": sorted(joined), "ranks_with_gradient_sync": sorted(dp),
-            "backend": next((r.get("backend") for r in joined.values()), None),
-            "ddp_iterations": {str(r): exits[r].get("ddp_iterations") for r in exits},
-            "ddp_fingerprints": [str(f) for f in (exits.get(0, {}).get("fingerprints") or [])][:8],
-            "collectives": {str(r): exits[r].get("collectives") for r in exits},
-            "problems": problems[:10]}
-
-
-def _env(spec: Spec, job: Path, probe_dir: Path, gpus) -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SCALING_LABS_", "TORCHELASTIC_", "PYTHON")) and k not in (
-               "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_WORLD_SIZE")}
-    env["PYTHONPATH"] = os.pathsep.join([str(PROBE_SITE), str(ROOT)])
-    env["SCALING_LABS_GRADER_PROBE"] = str(probe_dir)
-    env["PYTHONUNBUFFERED"] = "1"
-    env["DATA_DIR"] = str(job / "work" / "data")
-    env["HOME"] = str(job / "home")
-    env["TMPDIR"] = str(job / "tmp")
-    env["MPLCONFIGDIR"] = str(job / "tmp")
-    if spec.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    elif gpus is not None:
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpus)
-    return env
-
-
-def _reason(code: str, message: str) -> dict:
-    return {"code": code, "message": message}
-
-
-def grader_info() -> dict:
-    import torch
-
-    import utils
-    return {"version": utils.__version__, "torch": torch.__version__, "python": sys.version.split()[0],
-            "host": os.uname().nodename, "cpu_cores": os.cpu_count(),
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if torch.cuda.is_available() else []}
+                problems.append(f"rank {rank}: world size {rec.get('world_size')}, all-reduce of ones gave "
+                                f"{rec.get('all_reduce_sum')} (needs {n})")
+        else:
+            e = exits.setdefault(rank, {"steps": {}, "total": 0, "grad_bytes": 0, "fingerprints": []})
+            try:
+                first = int(rec.get("first_step", 0))
+                for i, s in enumerate(list(rec.get("steps") or [])[:1000]):
+                    if 0 <= first + i < MAX_STEPS:
+                        e["steps"][first + i] = [float(s[0]), float(s[1]), int(s[2]), int(s[3])]
+                e["total"] = min(int(rec.get("total_steps", 0)), MAX_STEPS)
+                e["grad_bytes"] = int(rec.get("grad_bytes", 0))
+                if first == 0:
+                    e["fingerprints"] = [str(f) for f in (rec.get("fingerprints") or [])][:8]
+            except (TypeError, ValueError, IndexError, OverflowError):
+                problems.append(f"rank {rank}: a malformed record")
+    ranks = sorted(r for r in joined if 0 <= r < n)
+    steps = {r: [exits[r]["steps"].get(k) for k in range(exits[r]["total"])] if r in exits else [] for r in range(n)}
+    counts = {r: len(s) for r, s in steps.items()}
+    complete = all(None not in s for s in steps.values())
+    ev = {"ranks_joined": ranks, "backend_expected": "nccl" if spec.device == "cuda" else "gloo",
+          "backend_reported": next((joined[r].get("backend") for r in ranks), None),
+          "optimizer_steps": {str(r): c for r, c in counts.items()},
+          "grad_bytes": max([exits[r]["grad_bytes"] for r in exits] or [0]),
+          "reduced_bytes": {str(r): sum(s[2] for s in steps[r] if s) for r in range(n)},
+          "loopback_bytes": loopback_octets,
+          "ddp_fingerprints": exits.get(0, {}).get("fingerprints", []), "problems": problems[:10],
+          "data_parallel": False}
+    parts = {p for p, _ in wrap.values()}
+    ev["_wrapped_weights"] = b"".join(wrap[i][1] for i in range(len(wrap))) \
+        if len(parts) == 1 and set(wrap) == set(range(parts.pop())) else None
+    if len(ranks) < n:
+        return ev
+    dp = []
+    idle = [r for r in range(n) if counts[r] == 0]
+    reported = {str(joined[r].get("backend")) for r in ranks}
+    if spec.device == "cpu" and reported != {"gloo"}:
+        dp.append(f"backend {', '.join(sorted(reported))} reported on a CPU-only job, where only gloo "
+                  "can run: the records were not the probe's")
+    elif not complete:
+        dp.append("the probe's records are incomplete (a rank did not exit normally)")
+    elif idle:
+        dp.append(f"rank {idle[0]} took no optimizer step (rank 0 took {counts[0]}): every rank must "
+                  "train, not only rank 0")
+    elif len(set(counts.values())) > 1:
+        dp.append("the ranks took different numbers of optimizer steps: "
+                  + ", ".join(f"rank {r}: {c}" for r, c in counts.items()))
+    else:
+        m = counts[0]
+        unsynced = sum(1 for k in range(m) if any(not math.isclose(steps[r][k][0], steps[0][k][0], rel_tol=1e-6,
+                                                                   abs_tol=1e-9) for r in range(1, n)))
+        grad_bytes = max(ev["grad_bytes"], model_bytes)
+        short = sum(1 for r in range(n) for k in range(m) if steps[r][k][2] < 0.45 * grad_bytes)
+        same = sum(1 for k in range(m) if all(math.isclose(steps[r][k][1], steps[0][k][1], rel_tol=1e-9,
+                                                           abs_tol=1e-12) for r in range(1, n)))
+        if unsynced:
+            dp.append(f"the gradients differed between ranks at {unsynced} of {m} optimizer steps: "
+                      "they were not synchronised before every step")
+        elif short:
+            dp.append(f"{short} of {n * m} rank-steps all-reduced less than the assessment model's "
+                      f"gradients ({grad_bytes} bytes): synchronise every gradient before every step")
+        elif same > m / 2:
+            dp.append(f"every rank contributed the same gradients at {same} of {m} steps: each rank "
+                      "must train on its own shard of the data")
+        claimed = sum(s[2] for s in steps[0])
+        if not dp and spec.device == "cpu" and loopback_octets < 0.5 * claimed:
+            dp.append(f"the job's loopback traffic, measured by the grader ({loopback_octets >> 10} KiB), "
+                      f"is less than the gradients the ranks report synchronising ({claimed >> 10} KiB)")
+    ev["problems"] = (dp + problems)[:10]
+    ev["data_parallel"] = not dp
+    return ev
 
 
 # ----------------------------------------------------------------------------------------
 # Grading
 # ----------------------------------------------------------------------------------------
 
+def _reason(code: str, message: str) -> dict:
+    return {"code": code, "message": message}
+
+
+def grader_info() -> dict:
+    return {"version": utils.__version__, "torch": torch.__version__, "python": sys.version.split()[0],
+            "host": os.uname().nodename, "cpu_cores": os.cpu_count(),
+            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+            if torch.cuda.is_available() else []}
+
+
+def limits_for(spec: Spec) -> sandbox.Limits:
+    return sandbox.Limits(memory_bytes=spec.max_memory_mb << 20, processes=spec.max_processes,
+                          file_bytes=spec.max_output_mb << 20,
+                          cpu_seconds=int(spec.time_budget_s * max(1, os.cpu_count() or 1)) + 30,
+                          tmpfs_bytes=max(spec.max_output_mb, 64) << 20, address_space=spec.device == "cpu")
+
+
 def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, keep: bool = False,
           gpus=None) -> dict:
-    """Grade one submission (a .py file or a folder) against ``spec``; never raises."""
+    """Grade one submission (a .py file or a folder) against ``spec``; never raises except
+    :class:`sandbox.SandboxUnavailable` (nothing can be graded safely on this machine)."""
+    iso = sandbox.probe_isolation()                      # refuses before anything runs
     submission = Path(submission)
     t_start = time.perf_counter()
     report = {
-        "student": student or submission.stem, "submission": str(submission), "spec": spec.name,
-        "spec_path": spec.path, "status": "error", "reasons": [], "accuracy": None,
+        "student": student or submission.stem, "submission": str(submission), "sha256": None,
+        "spec": spec.name, "spec_path": spec.path, "status": "error", "reasons": [], "accuracy": None,
         "target_val_acc": spec.target_val_acc, "time_s": None, "time_budget_s": spec.time_budget_s,
         "ranks_measured": 0, "nprocs_required": spec.nprocs, "workers_seen": 0, "data_parallel": None,
-        "exit_code": None, "timed_out": False, "static_warnings": [], "review": [], "logs": {}, "rank_evidence": {},
-        "isolation": {}, "leftover_processes": [], "started": datetime.datetime.now(
-            datetime.timezone.utc).isoformat(timespec="seconds"),
+        "exit_code": None, "timed_out": False, "error_excerpt": None, "static_warnings": [], "review": [],
+        "logs": {}, "rank_evidence": {}, "isolation": {}, "resources": {}, "leftover_processes": [],
+        "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    token = uuid.uuid4().hex
-    report["job_token"] = token                          # in the environment of its every process
     job = None
     try:
-        _grade(submission, spec, report, token, workroot, gpus)
+        job = Path(tempfile.mkdtemp(prefix=f"grade-{re.sub(r'[^A-Za-z0-9_.-]', '_', report['student'])[:40]}-",
+                                    dir=workroot))
+        _grade(submission, spec, report, job, iso, gpus)
+    except Refused as e:
+        report["reasons"].append(_reason(e.code, str(e)))
     except Exception as e:                               # the grader never crashes on a submission
         report["reasons"].append(_reason("grader_error", f"the grader failed: {type(e).__name__}: {e}. "
                                          "Tell the instructor; this is not your fault."))
         report["grader_traceback"] = traceback.format_exc()[-3000:]
     finally:
-        for pid in sandbox.processes_with_token(token):  # belt and braces: nothing may survive
-            try:
-                os.kill(pid, 9)
-                report["leftover_processes"].append(sandbox._cmdline(pid))
-            except OSError:
-                pass
-        job = report.pop("_job", None)
         if job and not keep:
             shutil.rmtree(job, ignore_errors=True)
         elif job:
@@ -249,7 +433,7 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
                         "error" if any(c in ERROR_CODES for c in codes) else "failed")
     report["reason"] = "; ".join(r["message"] for r in report["reasons"]) or \
         f"passed: accuracy {report['accuracy']:.4f} >= {spec.target_val_acc} in {report['time_s']:.1f} s " \
-        f"<= {spec.time_budget_s} s with {report['ranks_measured']} ranks"
+        f"<= {spec.time_budget_s:g} s with {report['ranks_measured']} ranks"
     report["grading_s"] = round(time.perf_counter() - t_start, 2)
     try:
         report["grader"] = grader_info()
@@ -258,88 +442,74 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
     return report
 
 
-def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpus):
+def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpus):
     reasons = report["reasons"]
     if not submission.exists():
-        reasons.append(_reason("no_entry", f"{submission} does not exist"))
-        return
-    try:
-        entry = find_entry(submission)
-    except FileNotFoundError as e:
-        reasons.append(_reason("no_entry", str(e)))
-        return
-    if _size(submission) > MAX_SUBMISSION_BYTES:
-        reasons.append(_reason("too_large_submission", f"the submission is {_size(submission) >> 20} MiB; "
-                               f"over {MAX_SUBMISSION_BYTES >> 20} MiB (submit the script, not data or models)"))
-        return
-    found = static.check_file(entry)
+        raise Refused("no_entry", f"{submission} does not exist")
+    entry = find_entry(submission)
+    work = job / "work"                                  # /job in the sandbox: the one writable dir
+    snap = snapshot(submission, work, spec.max_submission_kb << 10)
+    report["sha256"], report["submission_bytes"] = snap["sha256"], snap["bytes"]
+    found = static.check_source((work / entry).read_text(errors="replace"), entry)
     report["static_warnings"] = found["warnings"]
     if found["syntax_error"]:
-        reasons.append(_reason("syntax_error", f"syntax error, nothing was run: {found['syntax_error']}"))
-        return
-
+        raise Refused("syntax_error", f"syntax error, nothing was run: {found['syntax_error']}")
     if spec.device == "cuda":
-        have = len(gpus) if gpus is not None else (torch_cuda_count())
+        have = len(gpus) if gpus is not None else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
         if have < spec.nprocs:
-            reasons.append(_reason("grader_error", f"the spec runs {spec.nprocs} ranks on GPUs but this job has "
-                                   f"{have} GPU(s): grade on a machine with enough GPUs, lower --jobs, or "
-                                   "use a device = \"cpu\" spec. Not the student's fault."))
-            return
+            raise Refused("grader_error", f"the spec runs {spec.nprocs} ranks on GPUs but this job has "
+                          f"{have} GPU(s): grade on a machine with enough GPUs, lower --jobs, or use a "
+                          "device = \"cpu\" spec. Not the student's fault.")
+        if gpus is None:
+            gpus = list(range(spec.nprocs))
+    else:
+        gpus = None
     train_npz, heldout = prepare_data(spec)
-    job = Path(tempfile.mkdtemp(prefix=f"grade-{re.sub(r'[^A-Za-z0-9_.-]', '_', report['student'])[:40]}-",
-                                dir=workroot))
-    report["_job"] = job
-    work, probe_dir, log_dir = job / "work", job / "probe", job / "logs"
-    for d in (probe_dir, log_dir, job / "home", job / "tmp"):
-        d.mkdir(parents=True)
-    if submission.is_dir():
-        shutil.copytree(submission, work, symlinks=True)
-    else:                       # one file: run it as assessment.py (a student's torch.py must not shadow torch)
-        work.mkdir()
-        shutil.copy2(submission, work / "assessment.py")
-    data = work / "data"
-    if data.is_symlink() or data.exists():
-        shutil.rmtree(data) if data.is_dir() and not data.is_symlink() else data.unlink()
-    data.mkdir()
-    shutil.copy(train_npz, data / "train.npz")
-    (data / "assessment.json").write_text(json.dumps(spec.public(), indent=1))
-    out = work / "model.pt"
-    if out.exists():
-        out.unlink()                                     # a model must come from this run
+    for d in ("data", "home", ".logs"):
+        p = work / d
+        if p.is_symlink() or p.is_file():
+            p.unlink()
+        elif p.is_dir():
+            shutil.rmtree(p)
+        p.mkdir(mode=0o700)
+    shutil.copy(train_npz, work / "data" / "train.npz")
+    (work / "data" / "assessment.json").write_text(json.dumps(spec.public(), indent=1))
+    for name in ("model.pt",):                           # a model must come from this run
+        (work / name).unlink(missing_ok=True)
 
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+    cmd = [sys.executable, "-c", LAUNCHER, "--standalone",
            "--nproc-per-node", str(spec.nprocs), "--monitor-interval", "0.2",
-           "--log-dir", str(log_dir), "--redirects", "3",
-           str(entry.relative_to(submission) if submission.is_dir() else "assessment.py"),
-           "--data-dir", "data", "--out", "model.pt"]
-    iso = sandbox.probe_isolation()
-    report["isolation"] = sandbox.isolation_summary(iso, spec.device)
-    res = sandbox.run(cmd, cwd=work, env=_env(spec, job, probe_dir, gpus), log_path=job / "launcher.log",
-                      budget_s=spec.time_budget_s, max_bytes=spec.max_output_mb << 20, token=token,
-                      status_path=job / "init.json")
+           "--log-dir", f"{sandbox.JOB_DIR}/.logs", "--redirects", "3",
+           entry, "--data-dir", "data", "--out", "model.pt"]
+    env = {"PYTHONPATH": f"{PROBE_SITE}:{ROOT}", "PYTHONSAFEPATH": "1", "DATA_DIR": f"{sandbox.JOB_DIR}/data",
+           "CUDA_VISIBLE_DEVICES": "" if gpus is None else ",".join(map(str, gpus))}
+    limits = limits_for(spec)
+    launcher_log = job / "launcher.log"                  # grader-owned: the job's stdout/stderr
+    res = sandbox.run(cmd, job_dir=work, log_path=launcher_log, env=env, budget_s=spec.time_budget_s,
+                      limits=limits, tool=iso["tool"], gpus=gpus, channel=True,
+                      name=job.name)
+    cg_desc = next((s.cgroup for s in res.seen if s.cgroup and "grader-" in s.cgroup), "")
+    report["isolation"] = sandbox.isolation_summary(iso, res.cgroup, limits, spec.device)
+    report["resources"] = {"processes_seen": len(res.seen), "outside_job_cgroup": res.cgroup_escapes[:5],
+                           "cgroup": _cgroup_line(cg_desc), "cgroup_limits": (res.cgroup or {}).get("applied", []),
+                           "rank_rlimits": res.rlimits}
     report["time_s"] = round(res.wall_s, 3)
     report["exit_code"] = res.returncode
     report["timed_out"] = res.timed_out
     report["workers_seen"] = len({w.env_rank for w in res.workers})
     report["leftover_processes"] = res.leftovers + res.remaining
-    logs = rank_logs(log_dir, spec.nprocs)
-    logs["launcher"] = tail(job / "launcher.log")
+    # From here on no process of the job exists: what it left can be read without races.
+    logs = rank_logs(work, spec.nprocs)
+    logs["launcher"] = printable((read_job_file(job, launcher_log, LOG_TAIL_BYTES, tail=True) or b"")
+                                 .decode(errors="replace").replace("\r", "\n"))
     report["logs"] = logs
 
-    # What ran, measured here.
-    evidence = read_probe(probe_dir, spec, res.workers)
-    evidence["tcp_links"] = res.links
-    linked = {r for r in evidence["ranks_joined"] if res.links.get(str(r))}
-    evidence["ranks_linked"] = sorted(linked)
-    if evidence["backend"] == "gloo" and spec.nprocs > 1:
-        # gloo connects every pair of ranks over TCP: a rank that claims to have joined but held
-        # no connection to another worker the grader saw did not really join.
-        for r in sorted(set(evidence["ranks_joined"]) - linked):
-            evidence["problems"].append(f"rank {r} reported joining but held no TCP connection to another rank")
-        evidence["ranks_joined"] = sorted(linked)
+    model_bytes = sum(p.numel() * p.element_size() for p in utils.models.build(
+        spec.model, tuple(heldout.tensors[0].shape[1:]), **dict(spec.model_kwargs)).parameters())
+    evidence = verify_ranks(res.messages, res.workers, spec, res.loopback_octets, model_bytes)
     report["rank_evidence"] = evidence
     report["ranks_measured"] = len(evidence["ranks_joined"])
-    report["data_parallel"] = len(evidence["ranks_with_gradient_sync"]) == spec.nprocs
+    report["data_parallel"] = evidence["data_parallel"]
 
     limit_hit = any("File too large" in (v.get("stderr", "") + v.get("stdout", ""))
                     for k, v in logs.items() if isinstance(v, dict)) or "File too large" in logs["launcher"]
@@ -347,30 +517,38 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
         reasons.append(_reason("timeout", f"still running after the {spec.time_budget_s:g} s budget "
                                "(launch to exit, measured by the grader): all its processes were killed"))
     elif res.returncode != 0:
-        failed = [(r, last_error(v["stderr"]) or last_error(v["stdout"])) for r, v in logs.items()
-                  if isinstance(v, dict) and "Traceback" in v["stderr"] + v["stdout"]]
-        detail = "; ".join(f"rank {r}: {e}" for r, e in failed if e) or \
-            (last_error(logs["launcher"]) or "see the launcher log")
+        rank, err = failing_rank(logs["launcher"], logs)
+        detail = f"rank {rank}: {err}" if rank is not None and err else \
+            (rank_error(logs["launcher"]) or f"no error message; see the launcher log (exit code {res.returncode})")
+        report["error_excerpt"] = detail
         if limit_hit:
             reasons.append(_reason("output_limit", f"a file (a log or the model) grew past the "
                                    f"{spec.max_output_mb} MiB limit and the write failed: {detail}"))
         else:
-            reasons.append(_reason("crashed", f"torchrun exited with code {res.returncode}: {detail}"))
+            reasons.append(_reason("crashed", f"exit code {res.returncode}: {detail}"))
     if res.stragglers or res.leftovers or res.remaining:
         n = len(res.stragglers) or len(res.leftovers) or len(res.remaining)
         reasons.append(_reason("background_processes", f"{n} process(es) were still running after the "
-                               f"submission exited ({', '.join((res.stragglers or res.leftovers)[:3])[:200]}); "
+                               f"submission exited ({', '.join((res.stragglers or res.leftovers)[:2])[:160]}); "
                                "the grader killed them: wait for (join) every process you start"))
 
-    from . import checkpoint
-    if not out.exists() and not out.is_symlink():
+    model = read_job_file(work, work / "model.pt", (spec.max_output_mb << 20) + 1)
+    if model is None:
         if not res.timed_out and res.returncode == 0:
-            reasons.append(_reason("no_output", "the script exited without writing model.pt: save "
-                                   "model.state_dict() to the path given by --out (from rank 0)"))
+            if (work / "model.pt").is_symlink() or (work / "model.pt").exists():
+                reasons.append(_reason("bad_checkpoint", "model.pt must be a regular file written by "
+                                       "torch.save (not a link, a pipe or a folder)"))
+            else:
+                reasons.append(_reason("no_output", "the script exited without writing model.pt: save "
+                                       "model.state_dict() to the path given by --out (from rank 0)"))
     else:
+        own = job / "grader"                             # grader-owned copy: what is checked is what is loaded
+        own.mkdir(mode=0o700, exist_ok=True)
+        copy = own / "model.pt"                          # (named as the student wrote it, for the messages)
+        copy.write_bytes(model)
         try:
-            sd = checkpoint.load_state_dict(out, spec.max_output_mb << 20)
-            device = "cuda" if spec.device == "cuda" and _cuda() else "cpu"
+            sd = checkpoint.load_state_dict(copy, spec.max_output_mb << 20)
+            device = "cuda" if spec.device == "cuda" and torch.cuda.is_available() else "cpu"
             report["accuracy"] = round(checkpoint.evaluate(spec, sd, heldout, device), 5)
             prints = evidence.get("ddp_fingerprints") or []
             if prints and checkpoint.fingerprint(sd) not in prints:
@@ -379,13 +557,31 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
                                         "check where the weights came from")
         except checkpoint.CheckpointRejected as e:
             reasons.append(_reason(e.code, str(e)))
+    wrapped = evidence.pop("_wrapped_weights", None)
+    if wrapped and report["accuracy"] is not None:
+        # Where DDP started from, evaluated here: most of the learning must happen under DDP.
+        (job / "grader").mkdir(mode=0o700, exist_ok=True)
+        copy = job / "grader" / "weights-ddp-wrapped.pt"
+        copy.write_bytes(wrapped[: (spec.max_output_mb << 20) + 1])
+        try:
+            device = "cuda" if spec.device == "cuda" and torch.cuda.is_available() else "cpu"
+            acc0 = checkpoint.evaluate(spec, checkpoint.load_state_dict(copy, spec.max_output_mb << 20),
+                                       heldout, device)
+            evidence["accuracy_when_ddp_wrapped"] = round(acc0, 5)
+            chance = 1.0 / max(2, int(heldout.tensors[1].max()) + 1)
+            if report["accuracy"] - acc0 < 0.5 * (report["accuracy"] - chance) and report["data_parallel"]:
+                evidence["problems"].insert(0, f"the model already had held-out accuracy {acc0:.4f} when "
+                                            "DistributedDataParallel wrapped it: most of the training must "
+                                            "happen under DDP, on every rank")
+                evidence["data_parallel"] = report["data_parallel"] = False
+        except checkpoint.CheckpointRejected:
+            evidence["problems"].append("the weights DDP wrapped could not be read")
     if report["accuracy"] is not None and report["accuracy"] < spec.target_val_acc:
         reasons.append(_reason("accuracy", f"held-out accuracy {report['accuracy']:.4f} is below the target "
                                f"{spec.target_val_acc} (measured by the grader on data the script never had)"))
     if not res.timed_out and res.wall_s > spec.time_budget_s:
         reasons.append(_reason("time", f"took {res.wall_s:.1f} s, over the {spec.time_budget_s:g} s budget"))
-    crashed = not res.timed_out and res.returncode != 0
-    if crashed:
+    if res.timed_out or res.returncode != 0:
         return                                   # the crash is the thing to fix first
     if report["ranks_measured"] < spec.nprocs:
         why = " (the script never called torch.distributed.init_process_group)" \
@@ -395,24 +591,19 @@ def _grade(submission: Path, spec: Spec, report: dict, token: str, workroot, gpu
                                f"the process group, measured by the grader{why}: run as one data-parallel "
                                f"job over {spec.nprocs} processes"))
     elif not report["data_parallel"]:
-        reasons.append(_reason("not_data_parallel", "the ranks joined the process group but did not "
-                               "synchronise gradients (no DDP training step and no all-reduce was seen): "
-                               "wrap the model in DistributedDataParallel"))
+        reasons.append(_reason("not_data_parallel", f"not data-parallel training: {evidence['problems'][0]}. "
+                               "Wrap the model in DistributedDataParallel and give each rank its own shard"))
 
 
-def torch_cuda_count() -> int:
-    import torch
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _cuda() -> bool:
-    import torch
-    return torch.cuda.is_available()
+def _cgroup_line(text: str) -> str:
+    lines = [l for l in text.splitlines() if "grader-" in l]
+    return lines[0][:120] if lines else ""
 
 
 def write_json(report: dict, path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1, default=str))
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(report, indent=1, default=str))
     os.replace(tmp, path)

@@ -33,9 +33,13 @@ class Spec:
     n_train: int = 0                    # 0 = the whole training split
     n_val: int = 0                      # 0 = the dataset's whole held-out split
     device: str = "cpu"                 # cpu | cuda
-    heldout: str = "val"                # "val" or a path to an .npz (x, y)
+    heldout: str = "val"                # "val" | "secret_split" | a path to an .npz (x, y)
+    heldout_seed: int = 0               # secret_split: the secret seed (never leaves the grader)
     data_dir: str = ""                  # dataset cache ("" = utils.data default)
     max_output_mb: int = 512            # RLIMIT_FSIZE of the submission's processes
+    max_memory_mb: int = 4096           # the job's memory (cgroup; RLIMIT_AS per process on the CPU)
+    max_processes: int = 1024           # processes and threads of the job (pids.max, RLIMIT_NPROC)
+    max_submission_kb: int = 20480      # a larger submission is refused unrun
     points: float = 100.0
     seed: int = 0                       # subset seed for n_train / n_val
     path: str = ""                      # the file this came from (filled in by load_spec)
@@ -50,7 +54,18 @@ class Spec:
                 "time_budget_s": self.time_budget_s, "nprocs": self.nprocs, "device": self.device}
 
     def as_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Every field but the secret (for reports a student may see)."""
+        d = dataclasses.asdict(self)
+        d["heldout_seed"] = "(secret)" if self.heldout_seed else 0
+        return d
+
+    def secret_missing(self) -> str | None:
+        """Why this spec cannot be graded yet (a secret split without its secret), or None."""
+        if self.heldout == "secret_split" and not self.heldout_seed:
+            return (f"{self.path or 'the spec'} draws the held-out set with a secret seed, and "
+                    "heldout_seed is not set: put a secret in YOUR copy of the spec (python -c "
+                    "'import secrets; print(secrets.randbits(62))'), outside the repository")
+        return None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Spec) if f.name != "path"}
@@ -81,8 +96,13 @@ def validate(spec: Spec) -> Spec:
         problems.append(f"device must be 'cpu' or 'cuda', got {spec.device!r}")
     if spec.max_output_mb < 1:
         problems.append("max_output_mb must be >= 1")
-    if spec.heldout != "val" and not spec.heldout.endswith(".npz"):
-        problems.append(f"heldout must be 'val' or a path to an .npz, got {spec.heldout!r}")
+    if spec.heldout not in ("val", "secret_split") and not spec.heldout.endswith(".npz"):
+        problems.append(f"heldout must be 'val', 'secret_split' or a path to an .npz, got {spec.heldout!r}")
+    if not isinstance(spec.heldout_seed, int) or spec.heldout_seed < 0:
+        problems.append("heldout_seed must be an integer >= 0")
+    for name in ("max_memory_mb", "max_processes", "max_submission_kb"):
+        if not (isinstance(getattr(spec, name), int) and getattr(spec, name) >= 1):
+            problems.append(f"{name} must be an integer >= 1")
     if problems:
         raise SpecError(f"{spec.path or 'spec'}: " + "; ".join(problems))
     return spec
@@ -109,7 +129,7 @@ def load_spec(path: str | os.PathLike | None = None, **overrides) -> Spec:
     if missing:
         raise SpecError(f"{path}: missing field(s) {', '.join(missing)}")
     heldout = str(table.get("heldout", "val"))
-    if heldout != "val" and not os.path.isabs(heldout):
+    if heldout not in ("val", "secret_split") and not os.path.isabs(heldout):
         table["heldout"] = str((path.parent / heldout).resolve())
     try:
         spec = Spec(**table, path=str(path))

@@ -52,8 +52,8 @@ def check_source(source: str, filename: str = "submission.py") -> dict:
     except SyntaxError as e:
         where = f"line {e.lineno}" + (f", column {e.offset}" if e.offset else "")
         return {"syntax_error": f"{filename}, {where}: {e.msg}", "warnings": []}
-    except ValueError as e:              # e.g. null bytes
-        return {"syntax_error": f"{filename}: {e}", "warnings": []}
+    except (ValueError, RecursionError, MemoryError) as e:    # null bytes; absurdly deep nesting
+        return {"syntax_error": f"{filename}: {type(e).__name__}: {str(e)[:200]}", "warnings": []}
     parents = {c: p for p in ast.walk(tree) for c in ast.iter_child_nodes(p)}
     calls = _calls(tree)
     names = [_name(c.func) for c in calls]

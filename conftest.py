@@ -1,0 +1,27 @@
+"""nbval, stricter: a notebook cell that writes to stderr fails.
+
+In JupyterLab anything on stderr (a warning, a library's log line, a plain-text progress bar)
+is shown on a red background, so a clean run of a notebook must print nothing there. nbval
+already executes every notebook once under `make test`; this hook checks each cell's collected
+outputs after nbval ran it, so nothing is executed twice.
+
+A cell that is meant to write to stderr (a demonstration of an error message) says so with a
+line `# stderr expected: <why>`; then its stderr is allowed.
+"""
+import pytest
+
+STDERR_OK = "# stderr expected:"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    result = yield                      # nbval ran the cell (a failing cell raises here already)
+    outputs = getattr(item, "test_outputs", None)
+    if outputs is None or not hasattr(item, "cell") or STDERR_OK in item.cell.source:
+        return result
+    err = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream" and o.get("name") == "stderr")
+    if err.strip():
+        item.raise_cell_error(
+            "The cell wrote to stderr (JupyterLab shows this in red). Fix its cause, or mark the cell "
+            f"with `{STDERR_OK} <why>` if the output is the point of the cell", "\n" + err[-3000:])
+    return result

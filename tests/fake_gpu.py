@@ -1,0 +1,143 @@
+"""A faithful fake of a CUDA machine, for testing the GPU paths on a CPU-only CI box.
+
+``FakeCuda(n).install(setattr)`` makes ``torch.cuda`` look like a machine with ``n`` visible GPUs
+where the calls keep torch's real semantics where it matters:
+
+* ``set_device`` goes through torch's own ``_get_device_index``: an index is required (a bare
+  ``torch.device("cuda")`` raises ``ValueError``, as on a real GPU), a CPU device raises, and an
+  index beyond the visible GPUs raises "invalid device ordinal";
+* ``torch.cuda.device(d)`` is a context that switches the current device and restores it;
+* events remember the device current when they were made, and the stream they were recorded on;
+* ``get_device_properties(i).uuid`` is the GPU's own, so ranks that see different GPUs (a
+  per-rank CUDA_VISIBLE_DEVICES) can tell them apart.
+
+NCCL-only logic runs on gloo through the same code path: with ``nccl_on_gloo=True``,
+``dist.is_nccl_available()`` is True and ``init_process_group("nccl", ...)`` creates a gloo
+group, recording that NCCL was asked for. Use with pytest's ``monkeypatch.setattr`` in the test
+process, or with plain ``setattr`` in a spawned rank (``install_in_rank``).
+"""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as tdist
+from torch.cuda._utils import _get_device_index
+
+
+class FakeCuda:
+    def __init__(self, n: int = 1, *, uuids=None, capability=(9, 0), name="Fake H100"):
+        self.n = n
+        self.uuids = list(uuids or [f"fake-gpu-{i}" for i in range(n)])
+        self.capability, self.name = capability, name
+        self.current = 0
+        self.set_device_calls = []
+        self.backends_asked = []
+        self.events = []
+        self.synced = []
+
+    # -- torch.cuda -----------------------------------------------------------------------
+    def set_device(self, device):
+        idx = _get_device_index(device)            # torch's own check: ValueError without an index
+        if idx >= self.n:
+            raise RuntimeError("CUDA error: invalid device ordinal")
+        if idx >= 0:
+            self.current = idx
+        self.set_device_calls.append(idx)
+
+    def current_device(self):
+        return self.current
+
+    def get_device_properties(self, i):
+        i = _get_device_index(i, optional=True)
+        if not 0 <= i < self.n:
+            raise AssertionError("Invalid device id")
+        return SimpleNamespace(name=self.name, major=self.capability[0], minor=self.capability[1],
+                               total_memory=80 * 2**30, multi_processor_count=132, uuid=self.uuids[i])
+
+    def is_bf16_supported(self, including_emulation: bool = True):
+        return self.capability >= (8, 0) or including_emulation
+
+    def synchronize(self, device=None):
+        self.synced.append(_get_device_index(device, optional=True) if device is not None else self.current)
+
+    def make_device_class(self):
+        """``torch.cuda.device``: a class (torch checks ``isinstance(x, torch.cuda.device)``)
+        whose instances switch the current device for a ``with`` block."""
+        fake = self
+
+        class device:
+            def __init__(self, device):
+                self.idx = _get_device_index(device, optional=True)
+
+            def __enter__(self):
+                self.prev = fake.current
+                if self.idx >= 0:
+                    fake.current = self.idx
+                return self
+
+            def __exit__(self, *exc):
+                fake.current = self.prev
+                return False
+        return device
+
+    def current_stream(self, device=None):
+        idx = self.current if device is None else _get_device_index(device, optional=True)
+        return SimpleNamespace(device_index=idx, kind="stream")
+
+    def make_event_class(self):
+        fake = self
+
+        class FakeEvent:
+            def __init__(self, enable_timing=False):
+                assert enable_timing, "CUDA events need enable_timing=True to be timed"
+                self.device = fake.current           # a CUDA event belongs to the current device
+                self.stream = None
+                self.t = None
+                self.synced = False
+                fake.events.append(self)
+
+            def record(self, stream=None):
+                import time
+                self.stream = stream if stream is not None else fake.current_stream()
+                if self.stream.device_index != self.device:
+                    raise RuntimeError("Event device does not match recording stream's device")
+                self.t = time.perf_counter()
+
+            def synchronize(self):
+                self.synced = True
+
+            def elapsed_time(self, other):
+                assert other.synced, "read an event's time only after synchronising on it"
+                return (other.t - self.t) * 1e3        # milliseconds, as CUDA does
+        return FakeEvent
+
+    # -- installing -----------------------------------------------------------------------
+    def install(self, setattr_, *, nccl_on_gloo: bool = False):
+        """Patch torch.cuda (and optionally NCCL) with ``setattr_(obj, name, value)``."""
+        c = torch.cuda
+        setattr_(c, "is_available", lambda: True)
+        setattr_(c, "is_initialized", lambda: True)
+        setattr_(c, "device_count", lambda: self.n)
+        setattr_(c, "set_device", self.set_device)
+        setattr_(c, "current_device", self.current_device)
+        setattr_(c, "get_device_properties", self.get_device_properties)
+        setattr_(c, "is_bf16_supported", self.is_bf16_supported)
+        setattr_(c, "synchronize", self.synchronize)
+        setattr_(c, "device", self.make_device_class())
+        setattr_(c, "current_stream", self.current_stream)
+        setattr_(c, "Event", self.make_event_class())
+        if nccl_on_gloo:
+            real_init = tdist.init_process_group
+
+            def init_process_group(backend=None, *args, **kwargs):
+                self.backends_asked.append(backend)
+                return real_init("gloo" if backend == "nccl" else backend, *args, **kwargs)
+            setattr_(tdist, "is_nccl_available", lambda: True)
+            setattr_(tdist, "init_process_group", init_process_group)
+        return self
+
+
+def install_in_rank(n: int, uuids) -> FakeCuda:
+    """In a spawned rank: this process sees ``n`` fake GPUs with these UUIDs, NCCL runs on gloo."""
+    return FakeCuda(n, uuids=uuids).install(setattr, nccl_on_gloo=True)

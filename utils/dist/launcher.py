@@ -1,0 +1,384 @@
+"""``launch()``: spawn ranks from a notebook, relay their output, name the rank that failed; ``torchrun()``."""
+from __future__ import annotations
+
+
+import contextlib
+import importlib
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .group import choose_backend, teardown
+
+# ----------------------------------------------------------------------------------------
+# launch(): processes from a notebook
+# ----------------------------------------------------------------------------------------
+
+class LaunchError(RuntimeError):
+    """A rank failed; ``rank`` says which, ``remote_traceback`` holds its traceback."""
+
+    def __init__(self, message, rank=None, remote_traceback=""):
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+class LaunchTimeout(LaunchError):
+    """The ranks did not all finish within ``timeout`` seconds (usually a hang)."""
+
+
+class WorkerNotImportable(ValueError):
+    """The worker cannot be imported by a spawned process (defined in the notebook, a lambda...)."""
+
+
+_NOT_IMPORTABLE = (
+    "launch() cannot use {what}: the processes it starts are fresh Python interpreters (start method "
+    "'spawn'), and they find the worker by importing it by module and name. A function defined in a "
+    "notebook lives in its __main__, which a new process cannot import. Either put the worker in a file "
+    "and import it from there (in a notebook: a cell starting `%%writefile my_worker.py`, then "
+    "`from my_worker import worker`), or use a worker that ships with utils (e.g. utils.ddp_train.train).")
+
+
+def _check_worker(worker) -> None:
+    fn = getattr(worker, "func", worker)          # functools.partial
+    if not callable(fn):
+        raise TypeError(f"launch() needs a function, got {type(worker).__name__}")
+    module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+    if module in (None, "__main__", "__mp_main__"):
+        raise WorkerNotImportable(_NOT_IMPORTABLE.format(what=f"{qualname or fn!r}, defined in __main__"))
+    if "<lambda>" in qualname or "<locals>" in qualname:
+        raise WorkerNotImportable(_NOT_IMPORTABLE.format(
+            what=f"{qualname}, a lambda or a function defined inside another function"))
+    try:
+        obj = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError) as e:
+        raise WorkerNotImportable(_NOT_IMPORTABLE.format(
+            what=f"{module}.{qualname} (importing it failed: {e})")) from None
+
+
+def _to_cpu(obj):
+    """Tensors in a (nested) result moved to the CPU, so the notebook never touches CUDA."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return type(obj)((k, _to_cpu(v)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
+
+
+def _write_atomic_bytes(path: str, data: bytes) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit if the notebook that started us goes away (kernel restart): never an orphan."""
+    while True:
+        time.sleep(1.0)
+        if os.getppid() != parent_pid:
+            os._exit(3)
+
+
+def _entry(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, parent_pid, timeout):
+    """Runs in each spawned process: the environment torchrun would set, then the worker."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpgrp()            # own process group: the parent can stop our children too
+    log = open(os.path.join(workdir, f"rank{rank}.log"), "w", buffering=1)
+    os.dup2(log.fileno(), 1)    # the notebook's kernel cannot see our fds: the parent relays them
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
+                      LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), LAB_DIST_BACKEND=backend, LAB_DIST_PARENT_STORE="1",
+                      LAB_DIST_TIMEOUT=str(timeout), OMP_NUM_THREADS=str(threads))
+    torch.set_num_threads(threads)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
+    code = 0
+    result_path = os.path.join(workdir, f"rank{rank}.result")
+    try:
+        out = ("ok", _to_cpu(worker(*args, **kwargs)))
+        try:
+            payload = pickle.dumps(out)
+        except Exception as e:
+            raise TypeError(f"rank {rank}'s worker returned a value that cannot be sent back to the "
+                            f"notebook ({e}); return tensors, numbers, lists and dicts") from e
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the notebook
+        code = 1
+        tb = traceback.format_exc()     # goes back to the notebook inside the LaunchError
+        payload = pickle.dumps(("error", time.time(), type(e).__name__, str(e), tb))
+        # First the report, before the teardown (which can block, or wake the peers up with
+        # errors of their own): the parent reads this file and stops every rank at once.
+        _write_atomic_bytes(result_path, payload)
+        _write_atomic_bytes(os.path.join(workdir, f"rank{rank}.failed"), b"")   # the flag the parent polls
+    finally:
+        with contextlib.suppress(Exception):
+            teardown(timeout=5.0 if code else None)   # bounded: a stuck NCCL destroy cannot hang us
+    _write_atomic_bytes(result_path, payload)
+    log.flush()
+    if code:
+        os._exit(code)          # failed: exit now, whatever state the group and threads are in
+    sys.exit(0)                 # a normal exit: semaphores and temporary files are released
+
+
+class _LogRelay:
+    """Copies each rank's new output lines to the notebook, prefixed with the rank."""
+
+    def __init__(self, workdir, nprocs, enabled):
+        self.paths = [os.path.join(workdir, f"rank{r}.log") for r in range(nprocs)]
+        self.pos = [0] * nprocs
+        self.partial = [""] * nprocs
+        self.enabled = enabled
+
+    def pump(self, final=False):
+        if not self.enabled:
+            return
+        for r, path in enumerate(self.paths):
+            try:
+                with open(path, errors="replace") as f:
+                    f.seek(self.pos[r])
+                    text = f.read()
+                    self.pos[r] = f.tell()
+            except OSError:
+                continue
+            text = self.partial[r] + text
+            lines = text.split("\n")
+            self.partial[r] = "" if final else lines.pop()
+            for line in lines:
+                line = line.split("\r")[-1]           # progress bars: keep the last state
+                if line.strip():
+                    print(f"[rank {r}] {line}", flush=True)
+
+
+def _stop(procs, grace: float = 3.0) -> None:
+    """Terminate every process still running (and its children), then kill what is left."""
+    for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
+            break
+        for p in alive:
+            try:
+                os.killpg(p.pid, sig)               # the rank and its DataLoader workers
+            except (ProcessLookupError, PermissionError, AttributeError, OSError):
+                with contextlib.suppress(Exception):
+                    p.terminate() if sig == signal.SIGTERM else p.kill()
+        end = time.monotonic() + wait
+        for p in alive:
+            p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        # A rank that exited normally may have left a DataLoader worker in its group.
+        with contextlib.suppress(Exception):
+            os.killpg(p.pid, signal.SIGKILL)
+        p.join(1.0)
+
+
+def _reported_error(workdir, rank) -> bool:
+    """The rank wrote its error report (it may still be tearing down: no need to wait for it)."""
+    return os.path.exists(os.path.join(workdir, f"rank{rank}.failed"))
+
+
+def _read_result(workdir, rank):
+    path = os.path.join(workdir, f"rank{rank}.result")
+    try:
+        with open(path, "rb") as f:
+            return pickle.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def launch(worker, nprocs: int, *args, backend: str | None = None, timeout: float = 600.0,
+           threads: int | None = None, stream: bool = True, **kwargs) -> list:
+    """Run ``worker(*args, **kwargs)`` in ``nprocs`` new processes and return their results,
+    a list indexed by rank.
+
+    Each process is started with 'spawn' (safe after CUDA is initialised), gets the environment
+    torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free
+    port) and calls the worker, which calls :func:`setup`. The backend is NCCL when there are at
+    least ``nprocs`` GPUs (one per rank), gloo otherwise. Each rank's output is printed here
+    with a ``[rank N]`` prefix (``stream=False`` to hide it).
+
+    If a rank raises, :class:`LaunchError` names the rank and carries its traceback; if the
+    ranks have not all finished after ``timeout`` seconds (a hang), :class:`LaunchTimeout`.
+    Either way every process is stopped before this returns, so the next launch works.
+    ``threads``: torch (OpenMP) threads per process, default 1: with several ranks on a few
+    cores, more threads make every small operation wait for a descheduled thread.
+    """
+    _check_worker(worker)
+    if not isinstance(nprocs, int) or nprocs < 1:
+        raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
+    backend = (backend or choose_backend(nprocs)).lower()
+    if backend == "nccl":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n < nprocs:
+            raise ValueError(f"backend='nccl' needs one GPU per process: {nprocs} processes but {n} GPU(s). "
+                             f"Use nprocs <= {n}, or backend='gloo' (several processes may share a device).")
+    threads = threads or 1      # more would oversubscribe the cores: each rank is one busy process
+    ctx = mp.get_context("spawn")
+    workdir = tempfile.mkdtemp(prefix="launch-")
+    # The ranks meet in a store held here, on a port the OS assigns as it is bound: no window in
+    # which another program could take the port (as with "find a free port, pass it on").
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout + 60.0),
+                          wait_for_workers=False)
+    port = store.port
+    procs = []
+    relay = _LogRelay(workdir, nprocs, stream)
+    try:
+        for rank in range(nprocs):
+            p = ctx.Process(target=_entry, name=f"rank{rank}",
+                            args=(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir,
+                                  os.getpid(), timeout + 60.0))
+            p.start()
+            procs.append(p)
+        return _supervise(procs, workdir, timeout, relay)
+    finally:
+        _stop(procs)
+        relay.pump(final=True)
+        shutil.rmtree(workdir, ignore_errors=True)
+        del store
+
+
+EXIT_GRACE_S = 15.0   # a rank that sent its result but has not exited by then is stopped
+
+
+def _supervise(procs, workdir, timeout, relay) -> list:
+    deadline = time.monotonic() + timeout
+    all_reported = None
+    while True:
+        pending = [p for p in procs if p.exitcode is None]
+        # Failed: exited non-zero, or reported an error and is perhaps still stuck tearing down.
+        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) or _reported_error(workdir, r)]
+        if pending and not failed and all(
+                (res := _read_result(workdir, r)) is not None and res[0] == "ok" for r in range(len(procs))):
+            # Every rank has sent its result; one may still be stuck exiting (a process-group
+            # destructor can block at interpreter shutdown). Its work is done: don't wait forever.
+            all_reported = all_reported or time.monotonic()
+            if time.monotonic() - all_reported > EXIT_GRACE_S:
+                pending = []
+        if failed:
+            # The peers of a failed rank usually fail within moments (their connections close):
+            # give them a little time, so the report names the rank that failed FIRST.
+            grace = time.monotonic() + 2.0
+            while any(p.exitcode is None for p in procs) and time.monotonic() < grace:
+                mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
+            relay.pump()
+            raise _failure(procs, workdir, [r for r, p in enumerate(procs)
+                                            if p.exitcode not in (None, 0) or _reported_error(workdir, r)])
+        if not pending:
+            relay.pump()
+            out = []
+            for r in range(len(procs)):
+                res = _read_result(workdir, r)
+                if res is None or res[0] != "ok":
+                    raise LaunchError(f"rank {r} exited without sending a result back", rank=r)
+                out.append(res[1])
+            return out
+        left = deadline - time.monotonic()
+        if left <= 0:
+            relay.pump()
+            running = [r for r, p in enumerate(procs) if p.exitcode is None]
+            done = [r for r in range(len(procs)) if r not in running]
+            raise LaunchTimeout(
+                f"launch timed out after {timeout:g} s: rank(s) {running} were still running"
+                + (f" while rank(s) {done} had finished" if done else "")
+                + ". They were stopped. A hang usually means the ranks disagree on the collectives "
+                "they call: one rank has more batches than another (uneven inputs: pad them, or wrap "
+                "the loop in torch.distributed.algorithms.Join), or only some ranks call a barrier, "
+                "an all-reduce or a checkpoint save that synchronises.", rank=running[0] if running else None)
+        mp.connection.wait([p.sentinel for p in pending], timeout=min(0.25, max(left, 0.01)))
+        relay.pump()
+
+
+_CONSEQUENCES = ("connection closed", "connection reset", "broken pipe", "connection refused")
+
+
+def _failure(procs, workdir, failed) -> LaunchError:
+    """The error to show: the rank that failed first, judged by what each rank reported."""
+    errors = []
+    for r in range(len(procs)):                   # a rank still exiting may have reported already
+        res = _read_result(workdir, r)
+        if res is not None and res[0] == "error":
+            _, t, name, msg, tb = res
+            secondary = any(c in msg.lower() for c in _CONSEQUENCES)   # "my peer vanished"
+            errors.append((secondary, t, r, name, msg, tb))
+    reported = {e[2] for e in errors}
+    silent = [r for r in failed if r not in reported]       # killed or crashed: no Python exception
+    primary = [e for e in errors if not e[0]]
+    if silent and not primary:
+        r = silent[0]
+        code = procs[r].exitcode
+        how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        then = f" Rank(s) {sorted(reported)} lost their connection to it." if reported else ""
+        return LaunchError(f"rank {r} {how} without a Python exception (killed, out of memory, or a crash "
+                           f"in native code; its output is above).{then} The other ranks were stopped.", rank=r)
+    if errors:
+        _, t, r, name, msg, tb = min(errors)      # primary before secondary, then the earliest
+        others = sorted(e[2] for e in errors if e[2] != r) + silent
+        extra = f" (rank(s) {others} failed too, after it)" if others else ""
+        return LaunchError(f"rank {r} raised {name}: {msg}{extra}. The other ranks were stopped.\n\n"
+                           f"Traceback from rank {r}:\n{tb}", rank=r, remote_traceback=tb)
+    return LaunchError("a rank failed without reporting why; the other ranks were stopped", rank=None)
+
+
+def torchrun(args, *, timeout: float = 600.0, env: dict | None = None, cwd=None):
+    """Run ``python -m torch.distributed.run ARGS`` (torchrun) and return the CompletedProcess
+    (``stdout`` holds stdout and stderr). The agent and its workers get their own session, so a
+    timeout stops all of them, not only the agent; then ``subprocess.TimeoutExpired`` is raised."""
+    import subprocess
+    env = dict(os.environ if env is None else env)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "LAB_DIST_PARENT_STORE", "LAB_DIST_BACKEND", "LAB_DIST_TIMEOUT"):
+        env.pop(k, None)        # torchrun sets the first ones; launch()'s own must not leak into it
+    cmd = [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                         cwd=cwd, start_new_session=True)
+    try:
+        out, _ = p.communicate(timeout=timeout)
+    except BaseException:
+        workers = _descendants(p.pid)                 # torchrun puts workers in sessions of their own
+        p.terminate()                                 # SIGTERM: the agent stops its workers itself
+        try:
+            p.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            pass
+        for pid in [p.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        p.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, p.returncode, out, None)
+
+
+def _descendants(pid: int) -> list:
+    """PIDs of every process below ``pid`` (from /proc; empty where there is none)."""
+    children = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else []:
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                children.setdefault(ppid, []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out

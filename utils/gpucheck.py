@@ -1,0 +1,519 @@
+"""``make gpu-check OUT=dir``: the instructor's pre-class check of a GPU server, in one command.
+
+    python -m utils.gpucheck --out gpu-check            # what `make gpu-check OUT=gpu-check` runs
+    python -m utils.gpucheck --out DIR --only ddp,ring  # a subset (names contain these words)
+    python -m utils.gpucheck --list                     # the checks, one per line
+
+It prints the hardware (GPU names, compute capability, memory, driver, CUDA, cuDNN, NCCL,
+torch), then runs the checks one by one and records each in ``OUT/report.json``::
+
+    {"device": "NVIDIA H100 80GB HBM3 x 1" | "cpu", "mode": "gpu" | "cpu", "profile": ...,
+     "hardware": {...}, "checks": [{"name", "status": "pass|fail|skip", "seconds", "detail"}]}
+
+(rewritten atomically after every check, so a killed run keeps what it measured). Executed
+notebooks go to ``OUT/notebooks/``, benchmark output to ``OUT/bench/``. The exit status is 1
+when any check failed, else 0. A check that cannot run on this hardware is ``skip`` with the
+reason. With a GPU the notebooks run in the ``gpu`` profile; without one, in ``smoke``.
+
+It needs PyTorch, and nbclient + ipykernel for the notebooks: on a GPU server without Jupyter,
+install the wheels of ``/work/shared/gpu-wheels`` (see README, "Before class") into ``.site``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+STATUSES = ("pass", "fail", "skip")
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class Skip(Exception):
+    """Raised by a check that cannot run on this hardware; the message is the reason."""
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str                   # pass | fail | skip
+    seconds: float
+    detail: str
+
+
+@dataclass
+class Check:
+    name: str
+    fn: object                    # fn(ctx) -> detail string; raises Skip or fails by raising
+    what: str = ""
+
+
+# ----------------------------------------------------------------------------------------
+# Hardware
+# ----------------------------------------------------------------------------------------
+
+def hardware() -> dict:
+    """utils.device.describe_hardware() plus NCCL's version and the CPU cores we may use."""
+    from .device import describe_hardware
+    info = describe_hardware()
+    info["nccl"] = None
+    if torch.cuda.is_available():
+        try:
+            v = torch.cuda.nccl.version()
+            info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:                    # noqa: BLE001 - a build without NCCL
+            info["nccl"] = None
+    try:
+        info["usable_cores"] = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        info["usable_cores"] = os.cpu_count()
+    info["cuda_visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return info
+
+
+def device_label(info: dict) -> str:
+    gpus = info.get("gpus") or []
+    if not gpus:
+        return "cpu"
+    names = sorted({g["name"] for g in gpus})
+    return ", ".join(f"{n} x {sum(g['name'] == n for g in gpus)}" for n in names)
+
+
+def hardware_lines(info: dict) -> list[str]:
+    lines = [f"torch {info['torch']}  CUDA {info['cuda'] or '-'}  cuDNN {info['cudnn'] or '-'}  "
+             f"NCCL {info['nccl'] or '-'}  driver {info['driver'] or '-'}  python {info['python']}",
+             f"CPU {info['cpu']}: {info['cpu_cores']} cores, {info['usable_cores']} usable by this process"]
+    for g in info.get("gpus") or []:
+        lines.append(f"GPU {g['index']}: {g['name']}, compute capability {g['capability']}, "
+                     f"{g['memory_gib']} GiB, {g['multiprocessors']} SMs")
+    if not info.get("gpus"):
+        lines.append("GPU: none visible (CUDA not available): CPU mode, notebooks in the smoke profile")
+    return lines
+
+
+# ----------------------------------------------------------------------------------------
+# Running checks and writing the report
+# ----------------------------------------------------------------------------------------
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+class Report:
+    def __init__(self, out: Path, info: dict, mode: str, profile: str):
+        self.out, self.info, self.mode, self.profile = Path(out), info, mode, profile
+        self.results: list[CheckResult] = []
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def as_dict(self) -> dict:
+        return {"device": device_label(self.info), "mode": self.mode, "profile": self.profile,
+                "hardware": self.info, "checks": [asdict(r) for r in self.results]}
+
+    def write(self) -> None:
+        _write_json(self.out / "report.json", self.as_dict())
+
+    @property
+    def failed(self) -> list[CheckResult]:
+        return [r for r in self.results if r.status == "fail"]
+
+    def run(self, check: Check, ctx) -> CheckResult:
+        print(f"[....] {check.name}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            detail, status = str(check.fn(ctx) or ""), "pass"
+        except Skip as e:
+            detail, status = str(e), "skip"
+        except BaseException as e:          # noqa: BLE001 - a failing check is a result, not a crash
+            if isinstance(e, KeyboardInterrupt):
+                raise
+            tb = traceback.format_exc().strip().splitlines()
+            detail, status = f"{type(e).__name__}: {e}\n" + "\n".join(tb[-12:]), "fail"
+            detail = ANSI.sub("", detail)            # a notebook's traceback comes coloured
+        r = CheckResult(check.name, status, round(time.perf_counter() - t0, 2), detail)
+        self.results.append(r)
+        self.write()
+        first = detail.strip().splitlines()[0] if detail.strip() else ""
+        print(f"[{status.upper():4s}] {check.name} ({r.seconds:.1f} s){': ' + first[:160] if first else ''}",
+              flush=True)
+        return r
+
+
+def run_checks(checks, out, *, info=None, mode=None, profile=None, ctx_extra=None) -> tuple[Report, int]:
+    """Run ``checks`` (a list of :class:`Check`), write ``out/report.json``, return (report, exit code)."""
+    info = info if info is not None else hardware()
+    mode = mode or ("gpu" if info.get("gpus") else "cpu")
+    profile = profile or ("gpu" if mode == "gpu" else "smoke")
+    report = Report(out, info, mode, profile)
+    ctx = Context(Path(out), mode, profile, info, **(ctx_extra or {}))
+    report.write()
+    for check in checks:
+        report.run(check, ctx)
+    return report, 1 if report.failed else 0
+
+
+@dataclass
+class Context:
+    out: Path
+    mode: str                     # "gpu" or "cpu"
+    profile: str                  # the notebooks' LAB_PROFILE
+    info: dict
+
+    @property
+    def n_gpus(self) -> int:
+        return len(self.info.get("gpus") or [])
+
+    def need_gpus(self, n: int = 1, what: str = "this check") -> None:
+        if self.n_gpus < n:
+            raise Skip(f"{what} needs {n} GPU(s); this machine shows {self.n_gpus}"
+                       + (" (CUDA not available)" if not torch.cuda.is_available() else ""))
+
+
+# ----------------------------------------------------------------------------------------
+# The checks
+# ----------------------------------------------------------------------------------------
+
+def _env_for_children(profile: str) -> dict:
+    """Environment of notebooks' kernels and subprocesses: the checkout (and .site, where the
+    Jupyter wheels go on a server without Jupyter) importable, the profile set."""
+    env = dict(os.environ)
+    paths = [str(ROOT / ".site"), str(ROOT)] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in paths if p and Path(p).exists()))
+    env["LAB_PROFILE"] = profile
+    env.setdefault("MPLBACKEND", "Agg")
+    return env
+
+
+def notebook_paths() -> list[Path]:
+    return sorted((ROOT / "notebooks").glob("*.ipynb")) + sorted((ROOT / "solutions").glob("*.ipynb"))
+
+
+def execute_notebook(src: Path, dest: Path, profile: str, timeout: float = 1200) -> str:
+    """Run ``src`` top to bottom in a fresh kernel (nbclient), save it with outputs at ``dest``.
+    Raises on the first failing cell, after saving what ran."""
+    try:
+        import nbclient
+        import nbformat
+    except ImportError as e:
+        raise RuntimeError(
+            f"cannot execute notebooks: {e}. On a server without Jupyter, install the wheels first: "
+            "python3 -m pip install -q --no-index --no-deps --no-compile --target .site "
+            "/work/shared/gpu-wheels/*.whl (see README, 'Before class')") from None
+    nb = nbformat.read(str(src), as_version=4)
+    saved = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_env_for_children(profile))     # the kernel inherits this environment
+    client = nbclient.NotebookClient(nb, timeout=timeout, kernel_name="python3",
+                                      resources={"metadata": {"path": str(src.parent)}},
+                                      extra_arguments=["--IPKernelApp.log_level=ERROR"])   # no TCP notice
+    try:
+        client.execute()
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        nbformat.write(nb, str(dest))
+    stderr = sum(1 for c in nb.cells for o in c.get("outputs", [])
+                 if o.get("output_type") == "stream" and o.get("name") == "stderr")
+    code = sum(c.cell_type == "code" for c in nb.cells)
+    return f"{code} code cells ran in the {profile} profile; {stderr} stderr output(s); saved {dest}"
+
+
+def _notebook_check(path: Path) -> Check:
+    rel = path.relative_to(ROOT)
+
+    def fn(ctx):
+        dest = ctx.out / "notebooks" / f"{rel.parent.name}__{rel.name}"
+        return execute_notebook(path, dest, ctx.profile)
+    return Check(f"notebook {rel}", fn, "runs top to bottom (gpu profile on a GPU, smoke without)")
+
+
+def _run(cmd, ctx, timeout, log: Path) -> str:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    p = subprocess.run(cmd, cwd=ROOT, env=_env_for_children(ctx.profile), stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, timeout=timeout)
+    log.write_text(p.stdout)
+    if p.returncode != 0:
+        raise RuntimeError(f"{' '.join(map(str, cmd))} exited with {p.returncode}:\n{p.stdout[-2000:]}")
+    return p.stdout
+
+
+def check_bench_throughput(ctx):
+    out = ctx.out / "bench" / "throughput.json"
+    args = ["--quick"] if ctx.mode == "cpu" else []
+    text = _run([sys.executable, "benchmarks/throughput.py", *args, "--out", str(out)], ctx, 600,
+                ctx.out / "bench" / "throughput.txt")
+    res = json.loads(out.read_text())
+    if not res.get("rows"):
+        raise RuntimeError(f"{out} holds no rows")
+    last = [line for line in text.strip().splitlines() if line.startswith("speedup")]
+    return f"{len(res['rows'])} rows in {out}; {last[-1] if last else ''}"
+
+
+def check_bench_loop(ctx):
+    text = _run([sys.executable, "benchmarks/train_loop_overhead.py", "--steps", "10", "--repeats", "3"],
+                ctx, 600, ctx.out / "bench" / "train_loop_overhead.txt")
+    return text.strip().splitlines()[-1] if text.strip() else ""
+
+
+def check_bench_optimizer(ctx):
+    args = ["--width", "8", "--repeats", "3", "--number", "1"] if ctx.mode == "cpu" else ["--repeats", "5"]
+    text = _run([sys.executable, "benchmarks/optimizer_step.py", *args], ctx, 600,
+                ctx.out / "bench" / "optimizer_step.txt")
+    return text.strip().splitlines()[-1] if text.strip() else ""
+
+
+def _ddp_cfg(**kw):
+    cfg = dict(n_train=256, n_val=64, batch_size=32, epochs=2, hidden=8, evaluate=True)
+    cfg.update(kw)
+    return cfg
+
+
+def _same_replicas(res) -> bool:
+    states = [r["state"] for r in res]
+    return all(torch.equal(s[k], states[0][k]) for s in states for k in s)
+
+
+def check_ddp_nccl(ctx):
+    from . import ddp_train, dist
+    ctx.need_gpus(1, "DDP with NCCL")
+    if not torch.distributed.is_nccl_available():
+        raise Skip("this PyTorch build has no NCCL")
+    n = ctx.n_gpus
+    res = dist.launch(ddp_train.train, n, _ddp_cfg(n_train=64 * n * 4), backend="nccl", timeout=300, stream=False)
+    if not all(r["backend"] == "nccl" for r in res) or not _same_replicas(res):
+        raise RuntimeError(f"backends {[r['backend'] for r in res]}, replicas identical: {_same_replicas(res)}")
+    devs = sorted(r["device"] for r in res)
+    if len(set(devs)) != n:
+        raise RuntimeError(f"NCCL ranks must each own a GPU, got devices {devs}")
+    return f"{n} rank(s) on {devs}, replicas identical, val acc {res[0]['history']['epochs'][-1]['val_acc']:.3f}"
+
+
+def check_ddp_gloo_shared_gpu(ctx):
+    from . import ddp_train, dist
+    ctx.need_gpus(1, "gloo ranks sharing one GPU")
+    res = dist.launch(ddp_train.train, 2, _ddp_cfg(device="cuda:0"), backend="gloo", timeout=300, stream=False)
+    devs = [r["device"] for r in res]
+    if devs != ["cuda:0", "cuda:0"] or not _same_replicas(res):
+        raise RuntimeError(f"devices {devs}, replicas identical: {_same_replicas(res)}")
+    return "2 gloo ranks on cuda:0, replicas identical"
+
+
+def check_ddp_gloo_cpu(ctx):
+    from . import ddp_train, dist
+    res = dist.launch(ddp_train.train, 2, _ddp_cfg(device="cpu"), backend="gloo", timeout=300, stream=False)
+    if not _same_replicas(res):
+        raise RuntimeError("the two replicas differ after training")
+    return f"2 gloo ranks on the CPU, replicas identical, val acc {res[0]['history']['epochs'][-1]['val_acc']:.3f}"
+
+
+def ring_worker(sizes):
+    """A rank: the hand ring against torch's all_reduce, on this rank's device."""
+    from . import dist
+    ctx = dist.setup()
+    out = []
+    for n in sizes:
+        g = torch.Generator().manual_seed(1000 * ctx.rank + n)
+        x = torch.randn(n, generator=g).to(ctx.device)
+        ref = x.clone()
+        torch.distributed.all_reduce(ref)
+        dist.ring_all_reduce(x)
+        out.append((x - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12))
+    return {"backend": ctx.backend, "device": str(ctx.device), "rel_err": out}
+
+
+def check_ring(ctx):
+    from utils import dist
+    from utils.gpucheck import ring_worker      # by its module name, also when this runs as __main__
+    sizes = [1, 7, 1000, 1 << 20]
+    if ctx.n_gpus >= 2 and torch.distributed.is_nccl_available():
+        n, backend = ctx.n_gpus, "nccl"
+    else:
+        n, backend = 3, "gloo"
+    res = dist.launch(ring_worker, n, sizes, backend=backend, timeout=300, stream=False)
+    worst = max(max(r["rel_err"]) for r in res)
+    if worst > 1e-5:
+        raise RuntimeError(f"ring differs from all_reduce by {worst:.2e} (relative)")
+    note = "" if backend == "nccl" else f" (NCCL needs 2+ GPUs; {ctx.n_gpus} here)"
+    return f"{n} ranks, {backend}{note}, sizes {sizes}: max relative difference {worst:.1e}"
+
+
+def check_resume(ctx):
+    """Crash mid-run, resume from the checkpoint, compare with the uninterrupted run, bit for bit
+    (utils.ddp_train sets cuDNN/cuBLAS to deterministic; utils.device.set_deterministic)."""
+    from . import ddp_train
+    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+             if k in os.environ}
+    dev = "cuda" if ctx.n_gpus else "cpu"
+    cfg = dict(n_train=256, n_val=64, batch_size=32, epochs=3, hidden=16, evaluate=False, device=dev)
+    try:
+        full = ddp_train.train(cfg)["state"]
+        with tempfile.TemporaryDirectory() as d:
+            ck = os.path.join(d, "run.pt")
+            try:
+                ddp_train.train(cfg, ckpt=ck, fail_at_step=13, fail_rank=0, fail_mode="raise")
+            except RuntimeError as e:
+                if "injected failure" not in str(e):
+                    raise
+            res = ddp_train.train(cfg, ckpt=ck)
+    finally:
+        os.environ.update(saved)
+    diff = [k for k in full if not torch.equal(full[k], res["state"][k])]
+    if diff:
+        worst = max((full[k].float() - res["state"][k].float()).abs().max().item() for k in diff)
+        raise RuntimeError(f"resumed weights differ from the uninterrupted run in {diff} (max {worst:.2e})")
+    return f"on {res['device']}: resumed at epoch {res['start_epoch']}, weights bit-identical to the uninterrupted run"
+
+
+def _amp_fit(dev, amp_dtype):
+    from . import data, models
+    from .train import fit
+    torch.manual_seed(0)
+    ds = data.synthetic(256, shape=(3, 32, 32))
+    net = models.Net(32)
+    h = fit(net, data.make_loader(ds, 64, device=dev), torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+            epochs=2, device=dev, amp_dtype=amp_dtype, progress=False)
+    losses = h.step_loss
+    if not all(map(lambda v: v == v and abs(v) < 1e4, losses)):
+        raise RuntimeError(f"non-finite losses under {amp_dtype}: {losses}")
+    return h
+
+
+def check_amp_bf16(ctx):
+    from .device import bf16_supported
+    dev = torch.device("cuda", 0) if ctx.n_gpus else torch.device("cpu")
+    if not bf16_supported(dev):
+        cap = ctx.info["gpus"][0]["capability"]
+        raise Skip(f"{ctx.info['gpus'][0]['name']} (compute capability {cap}) has no native bf16 "
+                   "(Ampere, 8.0, and newer do); notebook 02 leaves bf16 out there")
+    h = _amp_fit(dev, torch.bfloat16)
+    return f"bf16 autocast on {dev}: {h.steps} steps, loss {h.step_loss[0]:.3f} -> {h.step_loss[-1]:.3f}"
+
+
+def check_amp_fp16(ctx):
+    from . import bench, models
+    ctx.need_gpus(1, "fp16 with GradScaler")
+    dev = torch.device("cuda", 0)
+    h = _amp_fit(dev, torch.float16)
+    costs = bench.amp_step_costs(models.Net(128), 256, device=dev, steps=10, repeats=5)
+    _write_json(ctx.out / "amp_costs.json", costs)
+    parts = [f"{k}: {v['syncs_per_step']:.1f} syncs/step, {v['step_s'] * 1e3:.2f} ms/step" for k, v in costs.items()]
+    if costs["fp16 + GradScaler"]["syncs_per_step"] < 1:
+        raise RuntimeError("expected GradScaler.step to synchronise every step; " + "; ".join(parts))
+    return f"fp16 + GradScaler on {dev}: {h.steps} steps, finite losses; " + "; ".join(parts)
+
+
+def check_monitor(ctx):
+    from . import monitor
+    ctx.need_gpus(1, "GPU monitoring")
+    dev = torch.device("cuda", 0)
+    x = torch.randn(4096, 4096, device=dev)
+    with monitor.GPUMonitor(interval=0.05, gpus=[0]) as mon:
+        t_end = time.perf_counter() + 1.5
+        while time.perf_counter() < t_end:
+            x = (x @ x).clamp_(-1, 1)
+        torch.cuda.synchronize(dev)
+    res = mon.result
+    if not res.available:
+        raise RuntimeError(f"the monitor could not sample the GPU: {res.reason}")
+    if not res.samples:
+        raise RuntimeError("the monitor started but took no samples")
+    mem = [s["mem_used_mib"] for s in res.samples if s["mem_used_mib"] is not None]
+    if not mem:
+        raise RuntimeError("no memory readings from NVML")
+    return res.summary() + f"; mapping {res.devices}"
+
+
+def check_grader(ctx):
+    spec = ROOT / "labs" / "assessment" / ("spec_gpu.toml" if ctx.mode == "gpu" else "spec_ci.toml")
+    out = ctx.out / "grader.json"
+    _run([sys.executable, "-m", "utils.grader", "run", "solutions/assessment/assessment.py", "--spec", str(spec),
+          "--json", str(out)], ctx, 900, ctx.out / "grader.txt")
+    rep = json.loads(out.read_text())
+    keys = [k for k in ("status", "accuracy", "target_val_acc", "time_s", "time_budget_s", "ranks_measured") if k in rep]
+    return f"reference solution graded with {spec.name}: " + ", ".join(f"{k}={rep[k]}" for k in keys)
+
+
+def check_datasets(ctx):
+    from . import data
+    if ctx.profile != "gpu":
+        data.load("digits", 64, 32)
+        return "smoke profile: digits (bundled with scikit-learn)"
+    missing = []
+    for name, loader in (("cifar10", data.load_cifar10), ("fashion_mnist", data.load_fashion_mnist)):
+        try:
+            loader(n_train=16, n_val=16)
+        except data.DatasetUnavailable as e:
+            missing.append(f"{name}: {str(e).splitlines()[0]}")
+    if missing:
+        raise RuntimeError("the gpu-profile notebooks need these datasets (set DATA_DIR, or allow the "
+                           "download):\n" + "\n".join(missing))
+    return f"cifar10 and fashion_mnist present in {data.data_dir()}"
+
+
+def all_checks() -> list[Check]:
+    """Quick checks first (their answer comes in seconds), then the benchmarks and notebooks."""
+    checks = [
+        Check("datasets", check_datasets, "the datasets the notebooks' profile needs"),
+        Check("ring all-reduce vs all_reduce", check_ring, "the hand ring (batched P2P) equals all_reduce"),
+        Check("resume bit-identical", check_resume, "crash, resume from checkpoint, same weights bit for bit"),
+        Check("amp bf16 step", check_amp_bf16, "bf16 autocast trains (native bf16 only)"),
+        Check("amp fp16 step", check_amp_fp16, "fp16 + GradScaler trains; its syncs counted and timed"),
+        Check("monitor samples the GPU", check_monitor, "NVML through CUDA_VISIBLE_DEVICES"),
+        Check("ddp nccl on all GPUs", check_ddp_nccl, "one rank per visible GPU, NCCL"),
+        Check("ddp gloo ranks sharing one GPU", check_ddp_gloo_shared_gpu, "2 gloo ranks on cuda:0"),
+        Check("ddp gloo on cpu", check_ddp_gloo_cpu, "2 gloo ranks on the CPU"),
+        Check("grader on the reference solution", check_grader, "python -m utils.grader run (spec by mode)"),
+        Check("bench throughput", check_bench_throughput, "benchmarks/throughput.py, JSON kept"),
+        Check("bench train loop overhead", check_bench_loop, "benchmarks/train_loop_overhead.py"),
+        Check("bench optimizer step", check_bench_optimizer, "benchmarks/optimizer_step.py"),
+    ]
+    return checks + [_notebook_check(p) for p in notebook_paths()]
+
+
+def select(checks, only: str | None) -> list[Check]:
+    if not only:
+        return checks
+    words = [w.strip().lower() for w in only.split(",") if w.strip()]
+    chosen = [c for c in checks if any(w in c.name.lower() for w in words)]
+    if not chosen:
+        raise SystemExit(f"--only {only!r} matches no check; see --list")
+    return chosen
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m utils.gpucheck", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", type=Path, default=Path("gpu-check"), help="folder for report.json, notebooks, logs")
+    ap.add_argument("--only", help="comma-separated words: run only the checks whose names contain one")
+    ap.add_argument("--list", action="store_true", help="list the checks and exit")
+    args = ap.parse_args(argv)
+    checks = select(all_checks(), args.only)
+    if args.list:
+        for c in checks:
+            print(f"{c.name:<40} {c.what}")
+        return 0
+    t0 = time.perf_counter()
+    info = hardware()
+    print("\n".join(["== hardware ==", *hardware_lines(info), "== checks =="]), flush=True)
+    report, code = run_checks(checks, args.out, info=info)
+    counts = {s: sum(r.status == s for r in report.results) for s in STATUSES}
+    print(f"== {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped in "
+          f"{time.perf_counter() - t0:.0f} s; report: {args.out / 'report.json'} ==", flush=True)
+    for r in report.failed:
+        print(f"FAILED {r.name}:\n  " + r.detail.replace("\n", "\n  ")[:3000], flush=True)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
