@@ -13,7 +13,9 @@ trailing comment:
 ``<...>`` marks a value the reader fills in (a host name, a folder of submissions); such a line
 must carry a tag. A bare ``python``, ``torchrun``, ``jupyter`` or ``pytest`` fails from a fresh
 shell (`torchrun: not found`, or the system Python without torch), so it is an error unless
-the block has activated an environment first (``conda activate``).
+the block has activated an environment first (``conda activate``) or the line is tagged
+``[gpu]`` (the GPU server's own Python). ``sbatch`` lines need a cluster: they are tagged
+``[server]`` and their job script must exist.
 """
 import importlib.util
 import os
@@ -74,7 +76,7 @@ def test_each_command_works_from_a_fresh_shell(line, tags, activated):
     while words and re.match(r"^[A-Z_]+=", words[0]):
         words = words[1:]
     prog = words[0]
-    if prog in BARE and not activated:
+    if prog in BARE and not activated and "gpu" not in tags:
         pytest.fail(f"`{prog}` is not on PATH in a fresh shell: use a make target or .venv/bin/{prog}")
     if "<" in line.split("#")[0]:
         assert tags, f"a line with a <placeholder> cannot be run: tag it [slow], [server] or [gpu]: {line}"
@@ -94,9 +96,13 @@ def test_each_command_works_from_a_fresh_shell(line, tags, activated):
             if "/" in value and not value.startswith("-") and "<" not in value:
                 assert (ROOT / value).exists(), f"{a}: {value} does not exist"
         return
+    if prog == "sbatch":
+        scripts = [w for w in words[1:] if w.endswith(".sbatch")]
+        assert scripts and (ROOT / scripts[0]).exists(), f"{line}: no job script in cluster/"
+        return
     if prog.startswith(".venv/bin/"):
         assert (ROOT / prog).exists(), f"{prog} is not installed by `make lab`"
-    elif prog not in ("conda", "ssh") and not (prog in BARE and activated):
+    elif prog not in ("conda", "ssh") and not (prog in BARE and (activated or "gpu" in tags)):
         pytest.fail(f"`{prog}`: not a make target or a .venv/bin program")
     for i, w in enumerate(words[1:], 1):
         if words[i - 1] == "-m":

@@ -242,7 +242,8 @@ def main(argv):
     found = kill_all()
     if status is not None:
         try:
-            status.send(json.dumps({"rc": rc, "stragglers": sorted(set(found.values()))[:20]}).encode())
+            status.send(json.dumps({"rc": rc, "stragglers": sorted(set(found.values()))[:20],
+                                    "pidns": os.readlink("/proc/self/ns/pid")}).encode())
         except OSError:
             pass
     return rc if rc >= 0 else 128 - rc

@@ -822,6 +822,19 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
         except (ProcessLookupError, PermissionError):   # kills its PID namespace (--die-with-parent)
             pass
         proc.wait()
+    # The init's own report: what it killed, and its PID namespace (a job that ends between two
+    # ticks is never seen in it from outside).
+    stragglers = []
+    status_r.setblocking(False)
+    try:
+        rec = json.loads(status_r.recv(1 << 16))
+        stragglers = [str(x)[:120] for x in (rec.get("stragglers") or [])][:20]
+        ns = rec.get("pidns")
+        if watch.pidns is None and isinstance(ns, str) and ns.startswith("pid:[") and ns != watch.host_ns:
+            watch.pidns = ns
+    except (OSError, ValueError, AttributeError):
+        pass
+    status_r.close()
     # Everything of the job is in its PID namespace (and cgroup): whatever is still alive there
     # once the sandbox's first process is gone is killed, then looked for again.
     leftovers = []
@@ -846,14 +859,6 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
     if cg is not None:
         remaining += [_cmdline(p) for p in cg.kill_and_remove()]
     messages = chan.finish() if chan is not None else []
-    stragglers = []
-    status_r.setblocking(False)
-    try:
-        rec = json.loads(status_r.recv(1 << 16))
-        stragglers = [str(x)[:120] for x in (rec.get("stragglers") or [])][:20]
-    except (OSError, ValueError, AttributeError):
-        pass
-    status_r.close()
     escapes = []
     if cg is not None:
         # (an exiting process shows the root cgroup, and no command line: not an escape)
