@@ -71,3 +71,27 @@ def test_real_checks_in_cpu_mode(tmp_path, capsys):
     assert st == {"resume bit-identical": "pass", "ddp nccl on all GPUs": "skip",
                   "monitor samples the GPU": "skip", "amp fp16 step": "skip"}, rep["checks"]
     assert code == 0
+
+
+class _Parsed(Exception):
+    pass
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu"])
+@pytest.mark.parametrize("name", sorted(gpucheck.BENCH_ARGS))
+def test_each_benchmark_accepts_the_arguments_gpucheck_passes(name, mode, monkeypatch):
+    """The benchmark's own argparse parses what `make gpu-check` gives it (a renamed option once
+    failed the check on every machine); parsing stops before anything is measured."""
+    import argparse
+    import importlib
+    parse = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        parse(self, args, namespace)
+        raise _Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+    module = importlib.import_module(f"benchmarks.{name}")
+    args = gpucheck.BENCH_ARGS[name][mode] + (["--out", "x.json"] if name == "throughput" else [])
+    with pytest.raises(_Parsed):
+        module.main(args)

@@ -249,10 +249,22 @@ def _run(cmd, ctx, timeout, log: Path) -> str:
     return p.stdout
 
 
+# Each benchmark's arguments by mode: short in CPU mode (it proves the script runs), full on a GPU.
+BENCH_ARGS = {
+    "throughput": {"cpu": ["--quick"], "gpu": []},
+    "train_loop_overhead": {"cpu": ["--steps", "10", "--repeats", "3"], "gpu": ["--steps", "10", "--repeats", "3"]},
+    "optimizer_step": {"cpu": ["--repeats", "3", "--min-round-s", "0.05"], "gpu": ["--repeats", "11"]},
+}
+
+
+def _bench_args(name, ctx) -> list[str]:
+    return BENCH_ARGS[name]["cpu" if ctx.mode == "cpu" else "gpu"]
+
+
 def check_bench_throughput(ctx):
     out = ctx.out / "bench" / "throughput.json"
-    args = ["--quick"] if ctx.mode == "cpu" else []
-    text = _run([sys.executable, "benchmarks/throughput.py", *args, "--out", str(out)], ctx, 600,
+    text = _run([sys.executable, "benchmarks/throughput.py", *_bench_args("throughput", ctx), "--out", str(out)],
+                ctx, 600,
                 ctx.out / "bench" / "throughput.txt")
     res = json.loads(out.read_text())
     if not res.get("rows"):
@@ -262,14 +274,13 @@ def check_bench_throughput(ctx):
 
 
 def check_bench_loop(ctx):
-    text = _run([sys.executable, "benchmarks/train_loop_overhead.py", "--steps", "10", "--repeats", "3"],
+    text = _run([sys.executable, "benchmarks/train_loop_overhead.py", *_bench_args("train_loop_overhead", ctx)],
                 ctx, 600, ctx.out / "bench" / "train_loop_overhead.txt")
     return text.strip().splitlines()[-1] if text.strip() else ""
 
 
 def check_bench_optimizer(ctx):
-    args = ["--width", "8", "--repeats", "3", "--number", "1"] if ctx.mode == "cpu" else ["--repeats", "5"]
-    text = _run([sys.executable, "benchmarks/optimizer_step.py", *args], ctx, 600,
+    text = _run([sys.executable, "benchmarks/optimizer_step.py", *_bench_args("optimizer_step", ctx)], ctx, 600,
                 ctx.out / "bench" / "optimizer_step.txt")
     return text.strip().splitlines()[-1] if text.strip() else ""
 
