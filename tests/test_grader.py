@@ -101,6 +101,9 @@ def test_reference_solution_passes(graded, spec):
     assert r["time_s"] <= spec.time_budget_s
     assert r["leftover_processes"] == [] and r["static_warnings"] == [] and r["review"] == [], r
     assert ev["ddp_fingerprints"], "rank 0's DDP weights at exit should be fingerprinted"
+    shard = (1797 - spec.n_val) // spec.nprocs
+    assert all(m[0][0] >= shard and m[0][1] == 0 for m in ev["ddp_models"].values()), \
+        f"every epoch through DDP, weights changed only by optimizer steps: {ev['ddp_models']}"
     assert "saved" in r["logs"]["0"]["stdout"], "the tail of rank 0's log should be in the report"
     assert r["isolation"]["in_force"] and all(len(x) <= 100 for x in r["isolation"]["in_force"]
                                              + r["isolation"]["not_in_force"]), "short isolation lines"
@@ -480,6 +483,21 @@ def test_probe_and_grader_fingerprint_alike():
     nudged = {**sd, "fc3.bias": sd["fc3.bias"] + 1e-3}
     assert probe.fingerprint(nudged) != checkpoint.fingerprint(sd)
 
+
+
+def test_graded_weights_must_be_the_ddp_models():
+    """verify_weights on records as the probe sends them: which model, which reason."""
+    from utils.grader.core import verify_weights
+    ev = {"ddp_fingerprints": ["decoy", "real"], "ddp_models": {"0": [[700, 0], [700, 0]], "1": [[700, 0], [700, 0]]}}
+    assert verify_weights(ev, "real", 1400, 2) == (1, [])
+    k, why = verify_weights(ev, "elsewhere", 1400, 2)
+    assert k is None and why[0][0] == "not_ddp_weights" and "model.module.state_dict()" in why[0][1]
+    assert "no DistributedDataParallel model" in verify_weights({"ddp_fingerprints": []}, "x", 1400, 2)[1][0][1]
+    ev["ddp_models"] = {"0": [[700, 0], [700, 2]], "1": [[700, 0], [629, 0]]}
+    assert [c for c, _ in verify_weights(ev, "real", 1400, 2)[1]] == ["weights_changed", "too_little_data"]
+    assert "rank 1 passed 629 training examples" in verify_weights(ev, "real", 1400, 2)[1][1][1]
+    ev["ddp_models"] = {"0": [[700, 0], [700, 0]], "1": [[700, 0]]}      # rank 1 wrapped one model only
+    assert verify_weights(ev, "real", 1400, 2)[1][0][0] == "not_ddp_weights"
 
 
 # ----------------------------------------------------------------------------------------

@@ -220,6 +220,109 @@ ATTACKS = {
         dist.barrier()
         dist.destroy_process_group()
         """,
+    # 5. ... and (A05) a decoy DDP model of the SAME architecture (the bytes match) stepped on
+    #    shards, while every rank trains the real one on all the data in the same optimizer step.
+    "attack_decoy_same_arch": """
+        import json, sys
+        import numpy as np, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import utils.models
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        info = json.load(open("data/assessment.json"))
+        d = np.load("data/train.npz")
+        x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+        build = lambda: utils.models.build(info["model"], tuple(x.shape[1:]), **info["model_kwargs"])
+        torch.manual_seed(0)
+        decoy = DDP(build())                                   # same architecture: the bytes match
+        torch.manual_seed(1)
+        model = build()                                        # the real one: every rank, all the data, no DDP
+        opt = torch.optim.SGD(list(decoy.parameters()) + list(model.parameters()), lr=0.05, momentum=0.9)
+        for epoch in range(10):
+            for i in range(0, len(y) - 64, 64):
+                opt.zero_grad()
+                xs, ys = x[i + 32 * rank:i + 32 * rank + 32], y[i + 32 * rank:i + 32 * rank + 32]
+                loss = torch.nn.functional.cross_entropy(decoy(xs), ys)
+                loss = loss + torch.nn.functional.cross_entropy(model(x[i:i + 64]), y[i:i + 64])
+                loss.backward()                                # one step: synced decoy grads, equal real grads
+                opt.step()
+        if rank == 0:
+            torch.save(model.state_dict(), sys.argv[sys.argv.index("--out") + 1])
+        dist.barrier()
+        dist.destroy_process_group()
+        """,
+    # 5. ... and (A01c) two tiny DDP steps for the records, the weights trained serially and
+    #    loaded into the DDP model before saving it.
+    "attack_copied_weights": """
+        import json, sys
+        import numpy as np, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import utils.models
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        info = json.load(open("data/assessment.json"))
+        d = np.load("data/train.npz")
+        x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+        build = lambda: utils.models.build(info["model"], tuple(x.shape[1:]), **info["model_kwargs"])
+        torch.manual_seed(0)
+        ddp = DDP(build())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01)
+        for i in range(2):                                     # two tiny DDP steps: valid-looking records
+            opt.zero_grad()
+            xs, ys = x[16 * i + 8 * rank:16 * i + 8 * rank + 8], y[16 * i + 8 * rank:16 * i + 8 * rank + 8]
+            torch.nn.functional.cross_entropy(ddp(xs), ys).backward()
+            opt.step()
+        if rank == 0:                                          # the real training: serial, no optimizer
+            serial = build()
+            for epoch in range(10):
+                for i in range(0, len(y), 32):
+                    serial.zero_grad()
+                    torch.nn.functional.cross_entropy(serial(x[i:i + 32]), y[i:i + 32]).backward()
+                    with torch.no_grad():
+                        for p in serial.parameters():
+                            p -= 0.1 * p.grad
+            ddp.module.load_state_dict(serial.state_dict())   # into the DDP model, then saved from it
+            torch.save(ddp.module.state_dict(), sys.argv[sys.argv.index("--out") + 1])
+        dist.barrier()
+        dist.destroy_process_group()
+        """,
+    # 5. ... and (A01c) a whole epoch of real DDP steps (at lr=0), then the serially trained
+    #    weights copied into the DDP model parameter by parameter.
+    "attack_copy_after_ddp": """
+        import json, sys
+        import numpy as np, torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        import utils.models
+        dist.init_process_group("gloo")
+        rank = dist.get_rank()
+        info = json.load(open("data/assessment.json"))
+        d = np.load("data/train.npz")
+        x, y = torch.from_numpy(d["x"]), torch.from_numpy(d["y"])
+        build = lambda: utils.models.build(info["model"], tuple(x.shape[1:]), **info["model_kwargs"])
+        torch.manual_seed(0)
+        ddp = DDP(build())
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.0)
+        for i in range(0, len(y) - 63, 64):                   # a whole epoch of real DDP steps, at lr=0
+            opt.zero_grad()
+            xs, ys = x[i + 32 * rank:i + 32 * rank + 32], y[i + 32 * rank:i + 32 * rank + 32]
+            torch.nn.functional.cross_entropy(ddp(xs), ys).backward()
+            opt.step()
+        if rank == 0:                                          # the real training: serial, no optimizer
+            serial = build()
+            for epoch in range(10):
+                for i in range(0, len(y), 32):
+                    serial.zero_grad()
+                    torch.nn.functional.cross_entropy(serial(x[i:i + 32]), y[i:i + 32]).backward()
+                    with torch.no_grad():
+                        for p in serial.parameters():
+                            p -= 0.1 * p.grad
+            with torch.no_grad():                              # copied in place, parameter by parameter
+                for p, q in zip(ddp.module.parameters(), serial.parameters()):
+                    p.data.copy_(q)
+            torch.save(ddp.module.state_dict(), sys.argv[sys.argv.index("--out") + 1])
+        dist.barrier()
+        dist.destroy_process_group()
+        """,
     # 6. Forged exit code: status files written in advance, the sandbox's init tampered with.
     "attack_forged_exit": """
         import json, os
@@ -495,6 +598,27 @@ def test_attack_forged_ddp_evidence_fails(attacked):
     assert late["rank_evidence"]["accuracy_when_ddp_wrapped"] >= 0.9
     decoy = attacked["reports"]["attack_decoy_ddp"]
     assert "not_data_parallel" in _codes(decoy) and "assessment model's gradients" in decoy["reason"], decoy["reason"]
+
+
+def test_attack_weights_from_outside_ddp_fail(attacked):
+    """Class 5, the graded weights: they must be the DDP model's at exit (fingerprint), changed
+    only by optimizer steps (digest chain), after most of every rank's shard went through it.
+    Each attack here passed the older checks (data-parallel evidence intact, accuracy >= 0.95)."""
+    for name in ("attack_decoy_same_arch", "attack_copied_weights", "attack_copy_after_ddp"):
+        r = attacked["reports"][name]
+        assert r["accuracy"] >= 0.95 and r["data_parallel"], (name, r["reason"])
+        assert r["rank_evidence"]["accuracy_when_ddp_wrapped"] < 0.3, (name, r["rank_evidence"])
+    decoy = attacked["reports"]["attack_decoy_same_arch"]
+    assert _codes(decoy) == {"not_ddp_weights"}, decoy["reason"]
+    assert "not those of rank 0's DistributedDataParallel model" in decoy["reason"]
+    assert "model.module.state_dict()" in decoy["reason"]
+    copied = attacked["reports"]["attack_copied_weights"]
+    assert _codes(copied) == {"weights_changed", "too_little_data"}, copied["reason"]
+    assert "changed outside its optimizer steps (rank 0, 1 time(s))" in copied["reason"], copied["reason"]
+    assert "rank 0 passed 16 training examples" in copied["reason"] and "(630 of 700)" in copied["reason"]
+    late = attacked["reports"]["attack_copy_after_ddp"]
+    assert _codes(late) == {"weights_changed"}, late["reason"]
+    assert late["rank_evidence"]["ddp_models"]["1"] == [[672, 0]], "rank 1 never changed its weights"
 
 
 def test_attack_forged_exit_code(attacked):

@@ -107,6 +107,7 @@ def write_gradebook(reports: list[dict], path) -> None:
 
 RUN_CODES = {"no_entry", "syntax_error", "too_large_submission", "crashed", "timeout", "output_limit",
              "grader_error"}
+DP_CODES = {"not_distributed", "not_data_parallel", "not_ddp_weights", "weights_changed", "too_little_data"}
 MODEL_CODES = {"no_output", "bad_checkpoint", "unsafe_checkpoint", "too_large", "wrong_keys", "wrong_shapes",
                "nan_weights"}
 
@@ -135,9 +136,9 @@ def gradescope_tests(report: dict, spec: Spec) -> list[dict]:
     tests.append(test("writes a valid state dict of the assessment's model", model_ok,
                       "; ".join(m for c, m in msg.items() if c in MODEL_CODES)
                       or ("loaded with torch.load(weights_only=True); keys and shapes match" if ran else not_checked)))
-    dp_ok = ran and not codes & {"not_distributed", "not_data_parallel"} and report["ranks_measured"] == spec.nprocs
+    dp_ok = ran and not codes & DP_CODES and report["ranks_measured"] == spec.nprocs
     tests.append(test(f"{spec.nprocs} ranks train data-parallel (measured by the grader)", dp_ok,
-                      msg.get("not_distributed") or msg.get("not_data_parallel")
+                      "; ".join(m for c, m in msg.items() if c in DP_CODES)
                       or (f"{report['ranks_measured']} ranks joined; every rank took {steps} optimizer steps "
                           "with the same synchronised gradients" if ran else not_checked)))
     tests.append(test(f"held-out accuracy >= {spec.target_val_acc}", acc is not None and acc >= spec.target_val_acc,

@@ -291,8 +291,10 @@ def verify_ranks(messages: list, workers: list, spec: Spec, loopback_octets: int
             continue
         if kind == "wrap":
             try:
-                if rank == 0 and 0 <= int(rec["part"]) < int(rec["parts"]) <= 64:
-                    wrap[int(rec["part"])] = (int(rec["parts"]), base64.b64decode(str(rec["data"])[:1 << 18]))
+                m = int(rec.get("model", 0))
+                if rank == 0 and 0 <= m < 4 and 0 <= int(rec["part"]) < int(rec["parts"]) <= 64:
+                    wrap.setdefault(m, {})[int(rec["part"])] = (int(rec["parts"]),
+                                                                base64.b64decode(str(rec["data"])[:1 << 18]))
             except (KeyError, TypeError, ValueError, binascii.Error):
                 problems.append("a malformed record of the weights DDP wrapped")
             continue
@@ -303,7 +305,7 @@ def verify_ranks(messages: list, workers: list, spec: Spec, loopback_octets: int
                 problems.append(f"rank {rank}: world size {rec.get('world_size')}, all-reduce of ones gave "
                                 f"{rec.get('all_reduce_sum')} (needs {n})")
         else:
-            e = exits.setdefault(rank, {"steps": {}, "total": 0, "grad_bytes": 0, "fingerprints": []})
+            e = exits.setdefault(rank, {"steps": {}, "total": 0, "grad_bytes": 0, "fingerprints": [], "ddp": []})
             try:
                 first = int(rec.get("first_step", 0))
                 for i, s in enumerate(list(rec.get("steps") or [])[:1000]):
@@ -313,6 +315,7 @@ def verify_ranks(messages: list, workers: list, spec: Spec, loopback_octets: int
                 e["grad_bytes"] = int(rec.get("grad_bytes", 0))
                 if first == 0:
                     e["fingerprints"] = [str(f) for f in (rec.get("fingerprints") or [])][:8]
+                    e["ddp"] = [[int(x), int(b)] for x, b in list(rec.get("ddp") or [])[:8]]
             except (TypeError, ValueError, IndexError, OverflowError):
                 problems.append(f"rank {rank}: a malformed record")
     ranks = sorted(r for r in joined if 0 <= r < n)
@@ -326,10 +329,12 @@ def verify_ranks(messages: list, workers: list, spec: Spec, loopback_octets: int
           "reduced_bytes": {str(r): sum(s[2] for s in steps[r] if s) for r in range(n)},
           "loopback_bytes": loopback_octets,
           "ddp_fingerprints": exits.get(0, {}).get("fingerprints", []), "problems": problems[:10],
-          "data_parallel": False}
-    parts = {p for p, _ in wrap.values()}
-    ev["_wrapped_weights"] = b"".join(wrap[i][1] for i in range(len(wrap))) \
-        if len(parts) == 1 and set(wrap) == set(range(parts.pop())) else None
+          "ddp_models": {str(r): exits[r]["ddp"] for r in sorted(exits)}, "data_parallel": False}
+    ev["_wrapped_weights"] = {}
+    for m, got in wrap.items():
+        parts = {p for p, _ in got.values()}
+        if len(parts) == 1 and set(got) == set(range(parts.pop())):
+            ev["_wrapped_weights"][m] = b"".join(got[i][1] for i in range(len(got)))
     if len(ranks) < n:
         return ev
     dp = []
@@ -370,6 +375,34 @@ def verify_ranks(messages: list, workers: list, spec: Spec, loopback_octets: int
     ev["problems"] = (dp + problems)[:10]
     ev["data_parallel"] = not dp
     return ev
+
+
+def verify_weights(ev: dict, saved: str, n_train: int, n: int) -> tuple[int | None, list]:
+    """Are the graded weights (fingerprint ``saved``) those of a DDP model at exit, changed only
+    by optimizer steps, that took most of every rank's shard? (index of that model, reasons)"""
+    prints = ev.get("ddp_fingerprints") or []
+    if saved not in prints:
+        what = "no DistributedDataParallel model was found on rank 0 at exit" if not prints else \
+            "the saved weights are not those of rank 0's DistributedDataParallel model at exit"
+        return None, [("not_ddp_weights", f"{what}: train the model wrapped in DDP and save "
+                       "model.module.state_dict() of that DDP model, from rank 0, after the last step")]
+    k, reasons = prints.index(saved), []
+    models = {r: (ev.get("ddp_models", {}).get(str(r)) or [])[k:k + 1] for r in range(n)}
+    if not all(models.values()):
+        return k, [("not_ddp_weights", "the probe's records of the DDP model are incomplete (a rank did "
+                    "not exit normally, or wrapped a different number of models)")]
+    changed = [(r, m[0][1]) for r, m in models.items() if m[0][1]]
+    if changed:
+        reasons.append(("weights_changed", f"the DDP model's weights changed outside its optimizer steps "
+                        f"(rank {changed[0][0]}, {changed[0][1]} time(s)): no load_state_dict or "
+                        "param.data writes after wrapping; only optimizer.step() may change them"))
+    need = math.ceil(0.9 * n_train / n)
+    short = [(r, m[0][0]) for r, m in models.items() if m[0][0] < need]
+    if short:
+        reasons.append(("too_little_data", f"rank {short[0][0]} passed {short[0][1]} training examples "
+                        f"through the DDP model's forward, under 90% of its shard ({need} of {n_train / n:g}): "
+                        "train every rank on all of its shard, through the DDP model"))
+    return k, reasons
 
 
 # ----------------------------------------------------------------------------------------
@@ -533,6 +566,7 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
                                "the grader killed them: wait for (join) every process you start"))
 
     model = read_job_file(work, work / "model.pt", (spec.max_output_mb << 20) + 1)
+    saved_print = None
     if model is None:
         if not res.timed_out and res.returncode == 0:
             if (work / "model.pt").is_symlink() or (work / "model.pt").exists():
@@ -550,14 +584,15 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
             sd = checkpoint.load_state_dict(copy, spec.max_output_mb << 20)
             device = "cuda" if spec.device == "cuda" and torch.cuda.is_available() else "cpu"
             report["accuracy"] = round(checkpoint.evaluate(spec, sd, heldout, device), 5)
-            prints = evidence.get("ddp_fingerprints") or []
-            if prints and checkpoint.fingerprint(sd) not in prints:
-                report["review"].append("the saved weights are not those of rank 0's DDP model when it "
-                                        "exited: fine for an EMA or a best-so-far checkpoint; otherwise "
-                                        "check where the weights came from")
+            saved_print = checkpoint.fingerprint(sd)
         except checkpoint.CheckpointRejected as e:
             reasons.append(_reason(e.code, str(e)))
-    wrapped = evidence.pop("_wrapped_weights", None)
+    graded, weight_reasons = None, []
+    if saved_print is not None:
+        with np.load(train_npz) as f:
+            n_train = len(f["y"])
+        graded, weight_reasons = verify_weights(evidence, saved_print, n_train, spec.nprocs)
+    wrapped = evidence.pop("_wrapped_weights", {}).get(graded or 0)
     if wrapped and report["accuracy"] is not None:
         # Where DDP started from, evaluated here: most of the learning must happen under DDP.
         (job / "grader").mkdir(mode=0o700, exist_ok=True)
@@ -593,6 +628,8 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
     elif not report["data_parallel"]:
         reasons.append(_reason("not_data_parallel", f"not data-parallel training: {evidence['problems'][0]}. "
                                "Wrap the model in DistributedDataParallel and give each rank its own shard"))
+    if report["ranks_measured"] == spec.nprocs:
+        reasons.extend(_reason(code, message) for code, message in weight_reasons)
 
 
 def _cgroup_line(text: str) -> str:

@@ -10,7 +10,10 @@ the grader which process sent each message; nothing is written to a file):
   the step used, the bytes the rank all-reduced since the previous step, and the digest of what
   it contributed to those reductions. DistributedDataParallel's reductions are routed through
   ``dist.all_reduce`` (PyTorch's own default comm hook, registered at the first forward) so
-  that they are counted like a hand-written all-reduce.
+  that they are counted like a hand-written all-reduce. Per DDP model, too: the training examples
+  its forward took (grad enabled), and how often its parameters changed outside an optimizer
+  step over them (a chain of cheap digests: at the wrap, before and after every optimizer step,
+  at exit); rank 0 adds the sha256 fingerprint of each DDP model at exit.
 
 The grader decides from these, and from what it measured itself (the worker processes, the
 job's loopback traffic), whether every rank trained on its own data with gradients
@@ -107,10 +110,12 @@ def _patch_ddp(module):
     def __init__(self, *args, **kwargs):
         orig_init(self, *args, **kwargs)
         self._grader_hooked = False
+        self._grader_examples, self._grader_breaks, self._grader_last = 0, 0, None
+        _check(self, moved=True)                  # the chain starts from the weights DDP broadcast
         _STATE["ddp"].append(self)
-        if len(_STATE["ddp"]) == 1 and _STATE["rank"] == 0:
+        if len(_STATE["ddp"]) <= 4 and _STATE["rank"] == 0:
             try:
-                _send_weights(self.module.state_dict())
+                _send_weights(self.module.state_dict(), len(_STATE["ddp"]) - 1)
             except Exception as e:
                 _send({"kind": "error", "error": f"probe could not send the weights DDP wrapped: {e!r}"[:300]})
 
@@ -127,12 +132,44 @@ def _patch_ddp(module):
                 orig_register(self, self.process_group, default_hooks.allreduce_hook)
             except Exception as e:
                 _send({"kind": "error", "error": f"probe could not follow DDP's reductions: {e!r}"[:300]})
+        import torch
+        if torch.is_grad_enabled():
+            self._grader_examples += _batch_size(args, kwargs)
         return orig_forward(self, *args, **kwargs)
 
     cls.__init__, cls.forward, cls.register_comm_hook = __init__, forward, register_comm_hook
 
 
-def _send_weights(state_dict):
+def _digest(ddp):
+    """Cheap (two ops, no host sync): the float64 sum of every parameter's values."""
+    import torch
+    with torch.no_grad():
+        return torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()]).sum(dtype=torch.float64)
+
+
+def _check(ddp, moved=False):
+    """Link the chain: unless ``moved`` (an optimizer step over these weights just ran), the
+    weights must be those of the last link; a change counts as a break."""
+    try:
+        now = _digest(ddp)
+        if not moved:
+            ddp._grader_breaks = ddp._grader_breaks + (now != ddp._grader_last).long()
+        ddp._grader_last = now
+    except Exception as e:                       # fail closed, and say why
+        ddp._grader_breaks = ddp._grader_breaks + 1
+        ddp._grader_last = None
+        _send({"kind": "error", "error": f"probe could not digest the DDP model's weights: {e!r}"[:300]})
+
+
+def _batch_size(args, kwargs):
+    for a in list(args) + list(kwargs.values()):
+        for t in (a if isinstance(a, (list, tuple)) else [a]):
+            if hasattr(t, "shape") and hasattr(t, "dim"):
+                return int(t.shape[0]) if t.dim() else 1
+    return 0
+
+
+def _send_weights(state_dict, index=0):
     """The weights as DistributedDataParallel wrapped them (rank 0), for the grader to evaluate:
     training must happen under DDP, not before it."""
     import base64
@@ -143,7 +180,7 @@ def _send_weights(state_dict):
     data, chunk = buf.getvalue(), 96 << 10
     parts = (len(data) + chunk - 1) // chunk
     for i in range(parts):
-        _send({"kind": "wrap", "rank": 0, "part": i, "parts": parts,
+        _send({"kind": "wrap", "rank": 0, "model": index, "part": i, "parts": parts,
                "data": base64.b64encode(data[i * chunk:(i + 1) * chunk]).decode()})
 
 
@@ -166,8 +203,16 @@ def _patch_optim(module):
         _STATE["steps"].append((digest, inputs, _STATE["bytes"], _STATE["calls"]))
         _STATE["grad_bytes"] = max(_STATE["grad_bytes"], nbytes)
         _STATE["bytes"], _STATE["calls"], _STATE["inputs"] = 0, 0, []
+        for ddp in _STATE["ddp"]:
+            _check(ddp)
+
+    def after_step(optimizer, args, kwargs):
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for ddp in _STATE["ddp"]:
+            _check(ddp, moved=any(id(p) in owned for p in ddp.module.parameters()))
 
     hook(before_step)
+    module.register_optimizer_step_post_hook(after_step)
 
 
 def fingerprint(state_dict):
@@ -184,18 +229,21 @@ def fingerprint(state_dict):
 def _at_exit():
     if _STATE["rank"] is None:
         return
-    prints = []
-    if _STATE["rank"] == 0:
-        for model in _STATE["ddp"]:
+    prints, models = [], []
+    for model in _STATE["ddp"][:8]:
+        _check(model)                            # the last link: no change after the last step
+        models.append([int(model._grader_examples), int(model._grader_breaks)])
+        if _STATE["rank"] == 0:
             try:
                 prints.append(fingerprint(model.module.state_dict()))
             except Exception:
-                pass
+                prints.append("")
     steps = [[float(g), float(i), int(b), int(c)] for g, i, b, c in _STATE["steps"]]
     chunk = 1000
     for start in range(0, max(len(steps), 1), chunk):
         _send({"kind": "exit", "rank": _STATE["rank"], "first_step": start, "steps": steps[start:start + chunk],
                "total_steps": len(steps), "grad_bytes": _STATE["grad_bytes"], "ddp_models": len(_STATE["ddp"]),
+               "ddp": models if start == 0 else [],
                "custom_hook": _STATE["custom_hook"], "fingerprints": prints if start == 0 else []})
 
 
