@@ -1,5 +1,6 @@
 """LARS against hand-computed updates; its trust ratio, LARC clipping, parameter groups,
 argument checks; gradient noise; GhostBatchNorm2d against BatchNorm2d."""
+import copy
 import math
 
 import pytest
@@ -160,6 +161,42 @@ def test_state_dict_round_trip():
     opt2.load_state_dict(opt.state_dict())
     assert opt2.param_groups[0]["adapt"] is True and opt2.param_groups[1]["adapt"] is False
     assert torch.equal(opt2.state[model.weight]["momentum_buffer"], opt.state[model.weight]["momentum_buffer"])
+
+
+def test_reused_step_lists_follow_the_state():
+    """A step reuses its lists (momentum buffers, ratio views) while nothing changed; every change
+    below must still give the paper's update (reference_lars) or a fresh start."""
+    kw = dict(lr=0.1, momentum=0.9, weight_decay=1e-3)
+    a = nn.Parameter(torch.tensor(W0, dtype=torch.float64))
+    b = nn.Parameter(torch.tensor(W0[::-1], dtype=torch.float64))
+    opt = LARS([a, b], **kw)
+    for i, g in enumerate(GRADS):
+        a.grad = torch.tensor(g, dtype=torch.float64)
+        b.grad = torch.tensor(g[::-1], dtype=torch.float64) if i != 1 else None   # b sits out step 1
+        opt.step()
+        if i == 2:             # restore a copy of the state mid-run: new tensors in opt.state
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    assert a.detach().tolist() == pytest.approx(reference_lars(W0, GRADS, **kw), rel=1e-12)
+    b_grads = [g[::-1] for i, g in enumerate(GRADS) if i != 1]
+    assert b.detach().tolist() == pytest.approx(reference_lars(W0[::-1], b_grads, **kw), rel=1e-12)
+    # the state holds what the steps used: the same buffer and ratio as a run never restored
+    w_ref, ref = run_lars(W0, GRADS, **kw)
+    (p_ref,) = ref.state
+    assert torch.equal(opt.state[a]["momentum_buffer"], ref.state[p_ref]["momentum_buffer"])
+    assert torch.equal(opt.state[a]["trust_ratio"], ref.state[p_ref]["trust_ratio"])
+    # a cleared state starts again from zero buffers, as a new optimizer would
+    w_now = a.detach().tolist()
+    opt.state.clear()
+    a.grad, b.grad = torch.tensor(GRADS[0], dtype=torch.float64), torch.tensor(GRADS[1], dtype=torch.float64)
+    opt.step()
+    assert a.detach().tolist() == pytest.approx(reference_lars(w_now, GRADS[:1], **kw), rel=1e-12)
+    # momentum switched off mid-run: plain LARS from here on
+    opt.param_groups[0]["momentum"] = 0.0
+    w_now = a.detach().tolist()
+    a.grad = torch.tensor(GRADS[2], dtype=torch.float64)
+    opt.step()
+    assert a.detach().tolist() == pytest.approx(
+        reference_lars(w_now, GRADS[2:3], lr=0.1, weight_decay=1e-3), rel=1e-12)
 
 
 @pytest.mark.parametrize("kw,msg", [
