@@ -5,7 +5,11 @@ clock around the whole call, after a synchronise). The variants run interleaved
 (benchmarks._common: one run of each per round, the order rotating round by round), and the
 fit / hand-loop ratio of each round is summarised as median, IQR, min-max and repeat count.
 The last line is ``ratio <median of fit / hand loop>`` (fit without the progress bar; goal:
-at most 1.02); the line before it gives the same for fit's default, with the bar.
+at most 1.02); the line before it gives the same for fit's default, with the bar. The hand loop
+also runs twice per round, as a control: ``hand loop (again) / hand loop`` compares the same code
+with itself, so how far its median lies from 1 is how far this run's medians move by chance (on
+the 2-core CI machine 0.97-1.03 from run to run): a fit ratio closer to 1 than that is not
+resolved by this run.
 
 On a machine other work loads, ``--threads 1 --clock cpu`` times this process's CPU seconds
 instead of elapsed time, so the waits for a core drop out of both sides of the ratio.
@@ -82,6 +86,7 @@ def main(argv=None):
 
     runs = {
         "hand loop": lambda: hand_loop(*fresh(), args.steps),
+        "hand loop (again)": lambda: hand_loop(*fresh(), args.steps),   # the control: same code
         "fit": lambda: train.fit(*fresh(), steps=args.steps, progress=False),
         "fit + progress bar": lambda: train.fit(*fresh(), steps=args.steps),   # fit's default
     }
@@ -96,6 +101,9 @@ def main(argv=None):
                                                 for k, ts in times.items()}))
     bar = paired_ratio(times["fit + progress bar"], times["hand loop"])
     plain = paired_ratio(times["fit"], times["hand loop"])
+    control = paired_ratio(times["hand loop (again)"], times["hand loop"])
+    print(f"hand loop (again) / hand loop (the control, same code; its distance from 1 is this run's noise): "
+          f"{control}")
     print(f"fit + progress bar / hand loop (fit's default): {bar}")
     print(f"fit / hand loop: {plain}")
     print(f"ratio {plain.median:.3f}")
