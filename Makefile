@@ -85,12 +85,13 @@ tensorboard: $(VENV)/.installed-profile
 	$(VENV)/bin/tensorboard --logdir runs/profiles
 
 # The pre-class check of a server (utils/gpucheck.py): OUT/report.json, executed notebooks in OUT/.
-# Uses .venv when there is one, else python3 from the PATH (a server's own PyTorch); .site, where
-# the Jupyter wheels go on a server without Jupyter, is put on the path. Exit status 1 on a failure.
+# Uses .venv when there is one, else python3 from the PATH when it has PyTorch (a server's own),
+# else makes .venv first (as make test does); .site, where the Jupyter wheels go on a server
+# without Jupyter, is put on the path. Exit status 1 on a failure.
 .PHONY: gpu-check
 OUT    ?= gpu-check
-GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
-gpu-check:
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),$(if $(shell python3 -c 'import torch' 2>/dev/null && echo y),python3,$(PY)))
+gpu-check: $(if $(filter $(PY),$(GPU_PY)),$(VENV)/.installed-test)
 	PYTHONPATH="$(CURDIR)/.site:$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH}" $(GPU_PY) -m utils.gpucheck --out "$(OUT)"
 # A failing grade is a result (printed, exit 0), not a make error; `run --strict` exits 1 for it.
 gradescope: $(VENV)/.installed-lab
