@@ -7,9 +7,9 @@ fit / hand-loop ratio of each round is summarised as median, IQR, min-max and re
 The last line is ``ratio <median of fit / hand loop>`` (fit without the progress bar; goal:
 at most 1.02); the line before it gives the same for fit's default, with the bar. The hand loop
 also runs twice per round, as a control: ``hand loop (again) / hand loop`` compares the same code
-with itself, so how far its median lies from 1 is how far this run's medians move by chance (on
-the 2-core CI machine 0.97-1.03 from run to run): a fit ratio closer to 1 than that is not
-resolved by this run.
+with itself, so how far its median lies from 1 is how far this run's medians move by chance (0.970
+in one 41-round run on an idle 2-core machine): a fit ratio closer to 1 than that is not resolved
+by this run.
 
 On a machine other work loads, ``--threads 1 --clock cpu`` times this process's CPU seconds
 instead of elapsed time, so the waits for a core drop out of both sides of the ratio.
