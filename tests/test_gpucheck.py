@@ -95,3 +95,17 @@ def test_each_benchmark_accepts_the_arguments_gpucheck_passes(name, mode, monkey
     args = gpucheck.BENCH_ARGS[name][mode] + (["--out", "x.json"] if name == "throughput" else [])
     with pytest.raises(_Parsed):
         module.main(args)
+
+
+def test_an_interpreter_without_torch_gets_a_message_not_a_traceback():
+    """GPU_PY pointing at a Python without PyTorch: one line that says what to do, exit 1."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    code = ("import sys, runpy; sys.modules['torch'] = None; "        # None: `import torch` raises ImportError
+            "runpy.run_module('utils.gpucheck', run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", code, "--list"], capture_output=True, text=True, timeout=60,
+                       cwd=Path(__file__).resolve().parents[1])
+    assert r.returncode == 1
+    assert "has no PyTorch" in r.stderr and "GPU_PY=" in r.stderr
+    assert "Traceback" not in r.stderr

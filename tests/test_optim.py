@@ -180,7 +180,7 @@ def test_reused_step_lists_follow_the_state():
     b_grads = [g[::-1] for i, g in enumerate(GRADS) if i != 1]
     assert b.detach().tolist() == pytest.approx(reference_lars(W0[::-1], b_grads, **kw), rel=1e-12)
     # the state holds what the steps used: the same buffer and ratio as a run never restored
-    w_ref, ref = run_lars(W0, GRADS, **kw)
+    _, ref = run_lars(W0, GRADS, **kw)
     (p_ref,) = ref.state
     assert torch.equal(opt.state[a]["momentum_buffer"], ref.state[p_ref]["momentum_buffer"])
     assert torch.equal(opt.state[a]["trust_ratio"], ref.state[p_ref]["trust_ratio"])

@@ -32,7 +32,11 @@ import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
+try:
+    import torch
+except ImportError:             # GPU_PY (or python3) without PyTorch: say what to do, no traceback
+    sys.exit(f"gpu-check: {sys.executable} has no PyTorch. Run `make gpu-check` (it makes .venv when "
+             "python3 has no PyTorch), or point GPU_PY=/path/to/python at an interpreter that has it.")
 
 ROOT = Path(__file__).resolve().parents[1]
 STATUSES = ("pass", "fail", "skip")
