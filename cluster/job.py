@@ -1,6 +1,6 @@
 """The program every job template runs: ``utils.ddp_train``'s worker, plus a log per rank and a
 check that the ranks agree. The same file runs under torchrun (templates 1 and 2) and as one
-``srun`` task per rank (template 3): ``utils.dist.setup()`` reads whichever variables are there.
+``srun`` task per rank (template 3): ``utils.parallel.setup()`` reads whichever variables are there.
 
     python cluster/job.py RUN_DIR [utils.ddp_train options, e.g. --epochs 3 --batch-size 32]
 
@@ -23,7 +23,7 @@ import time
 import torch
 import torch.distributed
 
-from utils import ddp_train, dist
+from utils import ddp_train, parallel
 
 
 def weights_digest(state: dict) -> str:
@@ -58,14 +58,14 @@ def main(argv=None) -> int:
     # --fail-at-step crashes a rank on the first attempt only; torchrun counts attempts in
     # TORCHELASTIC_RESTART_COUNT, and without torchrun SLURM counts requeues: use that instead.
     os.environ.setdefault("TORCHELASTIC_RESTART_COUNT", os.environ.get("SLURM_RESTART_COUNT", "0"))
-    env = dist.rendezvous_env()
+    env = parallel.rendezvous_env()
     log = os.path.join(run_dir, "logs", f"rank{env.rank}.log")
     print(f"rank {env.rank}/{env.world_size} on {socket.gethostname()}: log in {log}", flush=True)
     _log_to(log)
     print(f"=== job {os.environ.get('SLURM_JOB_ID', '-')} restart {os.environ.get('SLURM_RESTART_COUNT', '0')} "
           f"rank {env.rank}/{env.world_size} local {env.local_rank}/{env.local_world_size} "
           f"host {socket.gethostname()} from {env.source} at {time.strftime('%H:%M:%S')} ===", flush=True)
-    ctx = dist.setup(cfg.backend or None, device=cfg.device or None)
+    ctx = parallel.setup(cfg.backend or None, device=cfg.device or None)
     # The group works: every rank contributes rank + 1; the sum is W(W+1)/2 everywhere.
     t = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
     torch.distributed.all_reduce(t)

@@ -1,13 +1,13 @@
 """Workers for tests/test_oracle_ddp.py: module-level functions, so that the processes
-utils.dist.launch spawns can import them by name (pytest puts tests/ on sys.path, and spawned
+utils.parallel.launch spawns can import them by name (pytest puts tests/ on sys.path, and spawned
 children inherit it). Also the data and model both sides of the comparison use."""
 from __future__ import annotations
 
 import torch
-import torch.distributed as tdist
+import torch.distributed as dist
 from torch import nn
 
-from utils import dist
+from utils import parallel
 
 B, D, H, C = 4, 5, 7, 3          # per-rank batch, input features, hidden units, classes
 MICRO = 3                         # micro-batches per optimizer step in the no_sync case
@@ -45,21 +45,21 @@ def equivalence_worker():
     """One DDP process: three cases, each from a fresh DDP model with the same initial weights."""
     from torch.distributed.algorithms.join import Join
 
-    ctx = dist.setup()
+    ctx = parallel.setup()
     r, world = ctx.rank, ctx.world_size
     x, y = data(world)
     loss_fn = nn.functional.cross_entropy
     out = {"rank": r, "world": world, "backend": ctx.backend}
 
     # 1. one optimizer step on this rank's shard of the global batch
-    model = dist.ddp(make_model(), ctx)
+    model = parallel.ddp(make_model(), ctx)
     opt = _optimizer(model)
     loss_fn(model(x[r, 0]), y[r, 0]).backward()
     opt.step()
     out["one_step"] = _state(model.module)
 
     # 2. gradient accumulation: MICRO micro-batches, all-reduce only on the last (no_sync)
-    model = dist.ddp(make_model(), ctx)
+    model = parallel.ddp(make_model(), ctx)
     opt = _optimizer(model)
     with model.no_sync():
         for j in range(MICRO - 1):
@@ -72,7 +72,7 @@ def equivalence_worker():
 
     # 3. uneven inputs under Join: rank r runs batches_under_join(r) steps, then shadows the
     #    others' all-reduces with zeros until every rank is done
-    model = dist.ddp(make_model(), ctx)
+    model = parallel.ddp(make_model(), ctx)
     opt = _optimizer(model)
     with Join([model]):
         for s in range(batches_under_join(r)):
@@ -80,5 +80,5 @@ def equivalence_worker():
             loss_fn(model(x[r, s]), y[r, s]).backward()
             opt.step()
     out["join"] = _state(model.module)
-    tdist.barrier()
+    dist.barrier()
     return out

@@ -21,7 +21,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
-import torch.distributed as tdist
+import torch.distributed as dist
 from torch.cuda._utils import _get_device_index
 
 
@@ -128,13 +128,13 @@ class FakeCuda:
         setattr_(c, "current_stream", self.current_stream)
         setattr_(c, "Event", self.make_event_class())
         if nccl_on_gloo:
-            real_init = tdist.init_process_group
+            real_init = dist.init_process_group
 
             def init_process_group(backend=None, *args, **kwargs):
                 self.backends_asked.append(backend)
                 return real_init("gloo" if backend == "nccl" else backend, *args, **kwargs)
-            setattr_(tdist, "is_nccl_available", lambda: True)
-            setattr_(tdist, "init_process_group", init_process_group)
+            setattr_(dist, "is_nccl_available", lambda: True)
+            setattr_(dist, "init_process_group", init_process_group)
         return self
 
 

@@ -18,12 +18,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as tdist
+import torch.distributed as dist
 from torch import nn
 
 from fake_gpu import FakeCuda, install_in_rank
-from utils import bench, data, ddp_train, device, dist, models, monitor
-from utils.dist import group
+from utils import bench, data, ddp_train, device, parallel, models, monitor
+from utils.parallel import group
 from utils.train import fit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,7 +37,7 @@ def alone(monkeypatch):
     for k in DIST_ENV:
         monkeypatch.delenv(k, raising=False)
     yield
-    dist.teardown()
+    parallel.teardown()
 
 
 @pytest.fixture
@@ -58,7 +58,7 @@ def test_the_fake_gpu_has_torchs_set_device_semantics(one_gpu):
 
 
 def test_bare_cuda_device_gets_an_index(one_gpu, alone):
-    ctx = dist.setup("gloo", device="cuda")              # notebook 03 with fewer GPUs than processes
+    ctx = parallel.setup("gloo", device="cuda")              # notebook 03 with fewer GPUs than processes
     assert ctx.device == torch.device("cuda", 0) and one_gpu.set_device_calls == [0]
     assert ctx.backend == "gloo"
 
@@ -73,7 +73,7 @@ def test_ranks_sharing_gpus_spread_over_them(monkeypatch, n_gpus, local_rank, wa
 
 
 def test_alone_with_one_gpu_picks_nccl_on_cuda0(one_gpu, alone):
-    ctx = dist.setup()
+    ctx = parallel.setup()
     assert ctx.backend == "nccl" and one_gpu.backends_asked == ["nccl"]
     assert ctx.device == torch.device("cuda", 0) and one_gpu.set_device_calls == [0]
 
@@ -83,11 +83,11 @@ def test_alone_with_one_gpu_picks_nccl_on_cuda0(one_gpu, alone):
 def _agree(identities):
     """_agree_on_gpus for len(identities) ranks, as threads around one real TCPStore."""
     world = len(identities)
-    server = tdist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=30), wait_for_workers=False)
+    server = dist.TCPStore("127.0.0.1", 0, world, True, timedelta(seconds=30), wait_for_workers=False)
     out = [None] * world
 
     def rank(r):
-        store = tdist.TCPStore("127.0.0.1", server.port, world, False, timedelta(seconds=30))
+        store = dist.TCPStore("127.0.0.1", server.port, world, False, timedelta(seconds=30))
         out[r] = group._agree_on_gpus(store, r, world, identities[r], 30)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
@@ -111,7 +111,7 @@ def backend_worker(uuid, device_arg):
     """A rank that sees one fake GPU with this UUID, started as torchrun would (no backend given)."""
     os.environ.pop("LAB_DIST_BACKEND", None)
     fake = install_in_rank(1, [uuid])
-    ctx = dist.setup(device=device_arg)
+    ctx = parallel.setup(device=device_arg)
     return {"backend": ctx.backend, "device": str(ctx.device), "asked": fake.backends_asked,
             "pinned": fake.set_device_calls}
 
@@ -128,14 +128,14 @@ def shared_gpu_worker(device_arg):
 def test_one_visible_gpu_per_rank_is_nccl_on_cuda0():
     """SLURM --gpus-per-task=1: LOCAL_RANK 1 sees one GPU, its own, as cuda:0. Before, the
     backend came from the GPU count (1 < 2 processes: gloo) and an explicit nccl raised."""
-    res = dist.launch(per_rank_gpu_worker, 2, None, timeout=120, stream=False)
+    res = parallel.launch(per_rank_gpu_worker, 2, None, timeout=120, stream=False)
     for r in res:
         assert r["backend"] == "nccl" and r["asked"] == ["nccl"], r
         assert r["device"] == "cuda:0" and r["pinned"] == [0], r
 
 
 def test_ranks_sharing_one_gpu_agree_on_gloo_and_share_cuda0():
-    res = dist.launch(shared_gpu_worker, 2, "cuda", timeout=120, stream=False)
+    res = parallel.launch(shared_gpu_worker, 2, "cuda", timeout=120, stream=False)
     for r in res:
         assert r["backend"] == "gloo" and r["asked"] == ["gloo"], r
         assert r["device"] == "cuda:0" and r["pinned"] == [0], r
@@ -143,7 +143,7 @@ def test_ranks_sharing_one_gpu_agree_on_gloo_and_share_cuda0():
 
 # ---------------------------------------------------------------------------- 2. batched point-to-point only
 
-P2P_CALL = re.compile(r"\b(?:tdist|dist|distributed)\.(?:isend|irecv|send|recv)\s*\(")
+P2P_CALL = re.compile(r"\b(?:dist|dist|distributed)\.(?:isend|irecv|send|recv)\s*\(")
 
 
 def test_the_repository_has_no_unbatched_point_to_point_ops():
@@ -161,10 +161,10 @@ def test_the_repository_has_no_unbatched_point_to_point_ops():
 
 
 def test_the_scan_would_see_the_old_ring():
-    old = "dist." + "isend"           # split, so that this file passes its own scan
+    old = "parallel." + "isend"           # split, so that this file passes its own scan
     assert P2P_CALL.search(f"req = {old}(chunks[send_i].contiguous(), right, group=group)")
-    assert P2P_CALL.search("        tdist." + "recv(buf, left)")
-    assert not P2P_CALL.search("ops = [tdist.P2POp(tdist.isend, chunk, right), tdist.P2POp(tdist.irecv, buf, left)]")
+    assert P2P_CALL.search("        dist." + "recv(buf, left)")
+    assert not P2P_CALL.search("ops = [dist.P2POp(dist.isend, chunk, right), dist.P2POp(dist.irecv, buf, left)]")
 
 
 # ---------------------------------------------------------------------------- 3. determinism for bit-identical resume
@@ -183,7 +183,7 @@ def test_set_deterministic_sets_cudnn_and_cublas(monkeypatch):
 def test_ddp_train_is_deterministic_before_it_touches_a_device(monkeypatch, alone):
     order = []
     monkeypatch.setattr(device, "set_deterministic", lambda: order.append("deterministic"))
-    real_setup = dist.setup
+    real_setup = parallel.setup
     monkeypatch.setattr(dist, "setup", lambda *a, **k: (order.append("setup"), real_setup(*a, **k))[1])
     ddp_train.train(n_train=64, n_val=32, batch_size=32, epochs=1, hidden=4, evaluate=False)
     assert order == ["deterministic", "setup"]
@@ -308,14 +308,14 @@ def _adam_run(steps, model=None, opt=None):
 def test_checkpoint_loads_to_cpu_and_adam_resumes_exactly(tmp_path, monkeypatch, alone):
     full, _ = _adam_run(6)
     model, opt = _adam_run(3)
-    dist.save_checkpoint(tmp_path / "c.pt", model, opt, epoch=1, step=3)
+    parallel.save_checkpoint(tmp_path / "c.pt", model, opt, epoch=1, step=3)
     asked = []
     real_load = torch.load
     monkeypatch.setattr(torch, "load", lambda *a, **k: (asked.append(k.get("map_location")), real_load(*a, **k))[1])
     torch.manual_seed(0)
     fresh = nn.Sequential(nn.Linear(5, 8), nn.ReLU(), nn.Linear(8, 3))
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
-    dist.load_checkpoint(tmp_path / "c.pt", fresh, fresh_opt)
+    parallel.load_checkpoint(tmp_path / "c.pt", fresh, fresh_opt)
     assert asked == ["cpu"], "read onto the CPU, then moved by load_state_dict (never a GPU map_location)"
     steps = [s["step"] for s in fresh_opt.state.values()]
     assert steps and all(s.device.type == "cpu" and float(s) == 3 for s in steps), "Adam's step stays on the CPU"
@@ -327,17 +327,17 @@ def test_checkpoint_loads_to_cpu_and_adam_resumes_exactly(tmp_path, monkeypatch,
 # ---------------------------------------------------------------------------- 10. channels_last before the DDP wrap
 
 def test_channels_last_is_applied_before_the_ddp_wrap(alone):
-    ctx = dist.setup("gloo")
+    ctx = parallel.setup("gloo")
     torch.manual_seed(0)
     ds = data.synthetic(32, shape=(1, 8, 8))
-    late = dist.ddp(models.Net(4, in_channels=1, image_size=8), ctx)
+    late = parallel.ddp(models.Net(4, in_channels=1, image_size=8), ctx)
     with pytest.raises(ValueError, match="before wrapping"):
         fit(late, data.make_loader(ds, 16), torch.optim.SGD(late.parameters(), lr=0.1), epochs=1,
             channels_last=True, progress=False)
     torch.manual_seed(0)
     serial = models.Net(4, in_channels=1, image_size=8)
     torch.manual_seed(0)
-    net = dist.ddp(models.Net(4, in_channels=1, image_size=8), ctx, channels_last=True)
+    net = parallel.ddp(models.Net(4, in_channels=1, image_size=8), ctx, channels_last=True)
     assert all(p.is_contiguous(memory_format=torch.channels_last) for p in net.parameters() if p.dim() == 4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")                          # DDP warns when grad strides mismatch its buckets
@@ -435,20 +435,20 @@ def test_monitor_uses_torchs_uuids_when_cuda_order_differs(monkeypatch):
 # ---------------------------------------------------------------------------- 13. bounded teardown, traceback first
 
 def test_teardown_returns_within_its_bound(monkeypatch, alone):
-    dist.setup("gloo")
+    parallel.setup("gloo")
     release = threading.Event()
-    real_destroy = tdist.destroy_process_group
-    monkeypatch.setattr(tdist, "destroy_process_group", lambda *a: release.wait(60))
+    real_destroy = dist.destroy_process_group
+    monkeypatch.setattr(dist, "destroy_process_group", lambda *a: release.wait(60))
     t0 = time.monotonic()
-    assert dist.teardown(timeout=0.3) is False, "a blocked destroy must be reported, not waited out"
+    assert parallel.teardown(timeout=0.3) is False, "a blocked destroy must be reported, not waited out"
     assert time.monotonic() - t0 < 5
     release.set()
-    monkeypatch.setattr(tdist, "destroy_process_group", real_destroy)
+    monkeypatch.setattr(dist, "destroy_process_group", real_destroy)
 
 
 def fail_with_stuck_teardown_worker():
-    ctx = dist.setup()
-    tdist.destroy_process_group = lambda *a: time.sleep(600)    # an NCCL destroy that never returns
+    ctx = parallel.setup()
+    dist.destroy_process_group = lambda *a: time.sleep(600)    # an NCCL destroy that never returns
     if ctx.rank == 1:
         raise ValueError("rank 1 broke")
     time.sleep(600)                                              # rank 0: busy (or stuck in a collective)
@@ -456,7 +456,7 @@ def fail_with_stuck_teardown_worker():
 
 def test_failing_rank_is_reported_although_its_teardown_hangs():
     t0 = time.monotonic()
-    with pytest.raises(dist.LaunchError, match="rank 1 raised ValueError: rank 1 broke") as e:
-        dist.launch(fail_with_stuck_teardown_worker, 2, timeout=300, stream=False)
+    with pytest.raises(parallel.LaunchError, match="rank 1 raised ValueError: rank 1 broke") as e:
+        parallel.launch(fail_with_stuck_teardown_worker, 2, timeout=300, stream=False)
     assert time.monotonic() - t0 < 90, "the report must not wait for the launch timeout"
     assert e.value.rank == 1 and "rank 1 broke" in e.value.remote_traceback

@@ -1,6 +1,6 @@
 """Oracle from outside the project: PyTorch DDP across 2 and 4 gloo ranks against one process.
 
-One launch per world size (utils.dist.launch, workers in tests/_ddp_workers.py) covers three
+One launch per world size (utils.parallel.launch, workers in tests/_ddp_workers.py) covers three
 cases; the oracle for each is a plain single-process computation on the union of the ranks'
 data, written out below from DDP's averaging rule: every rank's gradient is the all-reduced
 SUM divided by the world size W.
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 import _ddp_workers as wk
-from utils import dist
+from utils import parallel
 
 
 def _sgd_steps(losses_per_step):
@@ -83,5 +83,5 @@ def _check(results, world):
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ddp_step_equals_one_process_on_the_union(world):
-    results = dist.launch(wk.equivalence_worker, world, backend="gloo", timeout=300)
+    results = parallel.launch(wk.equivalence_worker, world, backend="gloo", timeout=300)
     _check(results, world)

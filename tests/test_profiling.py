@@ -9,7 +9,7 @@ import torch
 
 matplotlib.use("Agg")
 
-from utils import data, dist, models, profiling as P  # noqa: E402
+from utils import data, parallel, models, profiling as P  # noqa: E402
 from utils.train import Callback  # noqa: E402
 
 
@@ -88,7 +88,7 @@ def test_interval_helpers_by_hand():
 def test_ddp_bucket_cap_sets_allreduces_per_step(tmp_path):
     """Two gloo ranks: small buckets mean one all-reduce per bucket, launched during backward;
     one big bucket, one all-reduce after it. DDP's own bucket account is the oracle."""
-    res = dist.launch(functools.partial(P.ddp_profile_worker, str(tmp_path), (0.25, 100.0), depth=3,
+    res = parallel.launch(functools.partial(P.ddp_profile_worker, str(tmp_path), (0.25, 100.0), depth=3,
                                         steps=(1, 1, 2)), 2, stream=False, timeout=300)
     assert len(res) == 2
     small, big = res[0]

@@ -1,4 +1,4 @@
-"""SLURM: the variable translation of utils.dist.env against hand-computed cases, and the job
+"""SLURM: the variable translation of utils.parallel.env against hand-computed cases, and the job
 templates run for real on a local one-node SLURM (cluster/slurm_check.py) when it can start."""
 import os
 import shutil
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from utils.dist import env as denv
+from utils.parallel import env as denv
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "cluster"))

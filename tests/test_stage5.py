@@ -8,10 +8,10 @@ import torch
 from torch import nn
 
 import utils.checks
-from utils import dist, memory
+from utils import parallel, memory
 from utils.bench import parameter_bytes
 from utils.checks import CheckFailed
-from utils.dist import pipeline, shard, tensor_parallel
+from utils.parallel import pipeline, shard, tensor_parallel
 
 # ---------------------------------------------------------------------------- memory (one process)
 
@@ -77,12 +77,12 @@ def test_budget_rejects_unknown_optimizer():
 
 def test_zero_bytes_are_the_papers_formulas():
     P, N = 1_000_000, 8
-    assert dist.zero_bytes(P, N, 0)["total"] == 16 * P
-    assert dist.zero_bytes(P, N, 1)["total"] == 4 * P + 12 * P / N
-    assert dist.zero_bytes(P, N, 2)["total"] == 2 * P + 14 * P / N
-    assert dist.zero_bytes(P, N, 3)["total"] == 16 * P / N
+    assert parallel.zero_bytes(P, N, 0)["total"] == 16 * P
+    assert parallel.zero_bytes(P, N, 1)["total"] == 4 * P + 12 * P / N
+    assert parallel.zero_bytes(P, N, 2)["total"] == 2 * P + 14 * P / N
+    assert parallel.zero_bytes(P, N, 3)["total"] == 16 * P / N
     with pytest.raises(ValueError, match="stage"):
-        dist.zero_bytes(P, N, 4)
+        parallel.zero_bytes(P, N, 4)
 
 
 def test_ring_bytes():
@@ -128,8 +128,8 @@ KW = dict(width=16, depth=2, batch_size=8, steps=4)
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("dcp") / "ckpt")
-    two = dist.launch(shard.shard_worker, 2, save_dir=ckpt, save_after=2, measure_peak=False, timeout=240, **KW)
-    four = dist.launch(shard.shard_worker, 4, ("fsdp2",), resume_dir=ckpt, measure_peak=False, timeout=240, **KW)
+    two = parallel.launch(shard.shard_worker, 2, save_dir=ckpt, save_after=2, measure_peak=False, timeout=240, **KW)
+    four = parallel.launch(shard.shard_worker, 4, ("fsdp2",), resume_dir=ckpt, measure_peak=False, timeout=240, **KW)
     return two, four, ckpt
 
 
@@ -172,7 +172,7 @@ def test_dcp_export_is_the_gathered_state(sharded, tmp_path):
 
 
 def test_tensor_parallel_by_hand_equals_one_process_and_parallelize_module():
-    out = dist.launch(tensor_parallel.tp_worker, 2, width=8, batch_size=4, timeout=240, stream=False)
+    out = parallel.launch(tensor_parallel.tp_worker, 2, width=8, batch_size=4, timeout=240, stream=False)
     for r in out:
         for k in ("y", "w1", "w2"):
             torch.testing.assert_close(r["hand"][k], r["ref"][k], rtol=1e-5, atol=1e-6)
@@ -185,7 +185,7 @@ def test_tensor_parallel_by_hand_equals_one_process_and_parallelize_module():
 
 
 def test_pipeline_by_hand_and_with_pipelining_equal_one_process():
-    out = dist.launch(pipeline.pp_worker, 2, width=8, depth=2, batch_size=8, micro_batches=(1, 2, 4),
+    out = parallel.launch(pipeline.pp_worker, 2, width=8, depth=2, batch_size=8, micro_batches=(1, 2, 4),
                       repeats=1, library_m=2, timeout=240, stream=False)
     for r in out:
         assert all(v["grad_err"] < 1e-6 for v in r["hand"].values())
@@ -216,13 +216,13 @@ def test_check_tensor_parallel_passes_and_names_the_wrong_axis():
 
 
 def test_check_zero_memory_passes_and_names_the_stage():
-    utils.checks.check_zero_memory(lambda p, n, s: dist.zero_bytes(p, n, s)["total"])
+    utils.checks.check_zero_memory(lambda p, n, s: parallel.zero_bytes(p, n, s)["total"])
     with pytest.raises(CheckFailed, match="stage 2's value"):
-        utils.checks.check_zero_memory(lambda p, n, s: dist.zero_bytes(p, n, min(s + 1, 3) if s == 1 else s)["total"])
+        utils.checks.check_zero_memory(lambda p, n, s: parallel.zero_bytes(p, n, min(s + 1, 3) if s == 1 else s)["total"])
     with pytest.raises(CheckFailed, match="plain DDP"):
         utils.checks.check_zero_memory(lambda p, n, s: 16 * p / n)
     with pytest.raises(CheckFailed, match="fp32"):
-        utils.checks.check_zero_memory(lambda p, n, s: dist.zero_bytes(p, n, s, param_bytes=4, grad_bytes=4)["total"])
+        utils.checks.check_zero_memory(lambda p, n, s: parallel.zero_bytes(p, n, s, param_bytes=4, grad_bytes=4)["total"])
 
 
 def _gpipe(stage0, stage1, x, y, m, scale=True, detach=True, order="gpipe"):

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils.dist import free_port, torchrun
+from utils.parallel import free_port, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["-m", "utils.ddp_train", "--n-train", "256", "--n-val", "64", "--hidden", "8", "--epochs", "2",

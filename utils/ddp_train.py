@@ -2,7 +2,7 @@
 
 From a notebook (each rank's result comes back as a dict)::
 
-    results = utils.dist.launch(utils.ddp_train.train, 2, {"epochs": 2, "ckpt": "run.pt"})
+    results = utils.parallel.launch(utils.ddp_train.train, 2, {"epochs": 2, "ckpt": "run.pt"})
 
 From a shell, on one node or several (the same function, through :func:`main`)::
 

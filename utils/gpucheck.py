@@ -306,7 +306,7 @@ def check_ddp_nccl(ctx):
     if not torch.distributed.is_nccl_available():
         raise Skip("this PyTorch build has no NCCL")
     n = ctx.n_gpus
-    res = dist.launch(ddp_train.train, n, _ddp_cfg(n_train=64 * n * 4), backend="nccl", timeout=300, stream=False)
+    res = parallel.launch(ddp_train.train, n, _ddp_cfg(n_train=64 * n * 4), backend="nccl", timeout=300, stream=False)
     if not all(r["backend"] == "nccl" for r in res) or not _same_replicas(res):
         raise RuntimeError(f"backends {[r['backend'] for r in res]}, replicas identical: {_same_replicas(res)}")
     devs = sorted(r["device"] for r in res)
@@ -318,7 +318,7 @@ def check_ddp_nccl(ctx):
 def check_ddp_gloo_shared_gpu(ctx):
     from . import ddp_train, dist
     ctx.need_gpus(1, "gloo ranks sharing one GPU")
-    res = dist.launch(ddp_train.train, 2, _ddp_cfg(device="cuda:0"), backend="gloo", timeout=300, stream=False)
+    res = parallel.launch(ddp_train.train, 2, _ddp_cfg(device="cuda:0"), backend="gloo", timeout=300, stream=False)
     devs = [r["device"] for r in res]
     if devs != ["cuda:0", "cuda:0"] or not _same_replicas(res):
         raise RuntimeError(f"devices {devs}, replicas identical: {_same_replicas(res)}")
@@ -327,7 +327,7 @@ def check_ddp_gloo_shared_gpu(ctx):
 
 def check_ddp_gloo_cpu(ctx):
     from . import ddp_train, dist
-    res = dist.launch(ddp_train.train, 2, _ddp_cfg(device="cpu"), backend="gloo", timeout=300, stream=False)
+    res = parallel.launch(ddp_train.train, 2, _ddp_cfg(device="cpu"), backend="gloo", timeout=300, stream=False)
     if not _same_replicas(res):
         raise RuntimeError("the two replicas differ after training")
     losses = [e["train_loss"] for e in res[0]["history"]["epochs"]]
@@ -340,27 +340,27 @@ def check_ddp_gloo_cpu(ctx):
 def ring_worker(sizes):
     """A rank: the hand ring against torch's all_reduce, on this rank's device."""
     from . import dist
-    ctx = dist.setup()
+    ctx = parallel.setup()
     out = []
     for n in sizes:
         g = torch.Generator().manual_seed(1000 * ctx.rank + n)
         x = torch.randn(n, generator=g).to(ctx.device)
         ref = x.clone()
         torch.distributed.all_reduce(ref)
-        dist.ring_all_reduce(x)
+        parallel.ring_all_reduce(x)
         out.append((x - ref).abs().max().item() / max(ref.abs().max().item(), 1e-12))
     return {"backend": ctx.backend, "device": str(ctx.device), "rel_err": out}
 
 
 def check_ring(ctx):
-    from utils import dist
+    from utils import parallel
     from utils.gpucheck import ring_worker      # by its module name, also when this runs as __main__
     sizes = [1, 7, 1000, 1 << 20]
     if ctx.n_gpus >= 2 and torch.distributed.is_nccl_available():
         n, backend = ctx.n_gpus, "nccl"
     else:
         n, backend = 3, "gloo"
-    res = dist.launch(ring_worker, n, sizes, backend=backend, timeout=300, stream=False)
+    res = parallel.launch(ring_worker, n, sizes, backend=backend, timeout=300, stream=False)
     worst = max(max(r["rel_err"]) for r in res)
     if worst > 1e-5:
         raise RuntimeError(f"ring differs from all_reduce by {worst:.2e} (relative)")

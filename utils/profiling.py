@@ -373,7 +373,7 @@ def plot_timeline(events, ax=None, *, title: str = "profiler trace", max_lanes: 
 
 
 # ----------------------------------------------------------------------------------------
-# DDP: a worker that profiles a few steps per rank (for utils.dist.launch)
+# DDP: a worker that profiles a few steps per rank (for utils.parallel.launch)
 # ----------------------------------------------------------------------------------------
 
 def ddp_profile_worker(trace_dir: str, bucket_caps_mb=(25.0,), *, width: int = 512, depth: int = 4,

@@ -224,7 +224,7 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
                                              for p in model.parameters()):
             raise ValueError("channels_last=True on a model already wrapped in DistributedDataParallel: DDP "
                              "built its gradient buckets for the old layout. Convert before wrapping: "
-                             "utils.dist.ddp(model, ctx, channels_last=True)")
+                             "utils.parallel.ddp(model, ctx, channels_last=True)")
         model.to(memory_format=torch.channels_last)
     loss_fn = loss_fn or nn.functional.cross_entropy     # a function: no module-call overhead per step
     scaler = None

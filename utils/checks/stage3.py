@@ -2,8 +2,8 @@
 
 The ring all-reduce and gradient averaging must run on real processes, but a function defined
 in a notebook cannot be imported by a spawned process. So these checks send the *source* of
-your function to the processes, which define it again (with ``torch``, ``tdist`` =
-``torch.distributed``, ``dist`` = ``utils.dist``, ``nn``, ``F``, ``math``, ``os`` in scope) and
+your function to the processes, which define it again (with ``torch``, ``dist`` =
+``torch.distributed``, ``dist`` = ``utils.parallel``, ``nn``, ``F``, ``math``, ``os`` in scope) and
 call it. Keep your function self-contained: use only those names.
 """
 from __future__ import annotations
@@ -44,24 +44,24 @@ def _raise_not_implemented():
 def _define(source: str, fn_name: str):
     """In a spawned process: define the student's function again, with the lab's names in scope."""
     import torch.nn.functional as F
-    import torch.distributed as tdist
-    from utils import dist as udist
-    scope = {"torch": torch, "tdist": tdist, "dist": udist, "nn": nn, "F": F, "math": math, "os": os}
+    import torch.distributed as dist
+    from utils import parallel
+    scope = {"torch": torch, "dist": dist, "dist": parallel, "nn": nn, "F": F, "math": math, "os": os}
     exec(compile(source, "<your exercise cell>", "exec"), scope)
     return scope[fn_name]
 
 
 def _launch(name, worker, nprocs, *args):
-    from utils import dist as udist
+    from utils import parallel
     try:
-        return udist.launch(worker, nprocs, *args, timeout=90, stream=False)
-    except udist.LaunchTimeout:
+        return parallel.launch(worker, nprocs, *args, timeout=90, stream=False)
+    except parallel.LaunchTimeout:
         _fail(name, "your function hung (the processes waited for each other until the timeout)",
               "every send needs a matching receive on the neighbour: post each step's send and receive "
-              "together, ops = [tdist.P2POp(tdist.isend, chunk, right), tdist.P2POp(tdist.irecv, buf, left)], "
-              "then wait() on every request of tdist.batch_isend_irecv(ops); and make every rank run the "
+              "together, ops = [dist.P2POp(dist.isend, chunk, right), dist.P2POp(dist.irecv, buf, left)], "
+              "then wait() on every request of dist.batch_isend_irecv(ops); and make every rank run the "
               "same number of steps")
-    except udist.LaunchError as e:
+    except parallel.LaunchError as e:
         text = str(e)
         if "Timed out" in text:
             _fail(name, "your function hung: a rank waited for a message that never came",
@@ -81,8 +81,8 @@ RING_SIZES = (12, 7, 2)       # divisible by 3 ranks, not divisible, fewer eleme
 
 
 def _ring_worker(source, fn_name):
-    from utils import dist as udist
-    ctx = udist.setup(timeout=20)
+    from utils import parallel
+    ctx = parallel.setup(timeout=20)
     fn = _define(source, fn_name)
     out = []
     for n in RING_SIZES:
@@ -98,8 +98,8 @@ def _ring_expected(n, world):
 
 def check_ring_all_reduce(ring_all_reduce, world_size: int = 3) -> None:
     """``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place (like
-    ``tdist.all_reduce``), with N-1 reduce-scatter and N-1 all-gather steps, each one send and
-    one receive posted together with ``tdist.batch_isend_irecv`` (the form that works on NCCL too).
+    ``dist.all_reduce``), with N-1 reduce-scatter and N-1 all-gather steps, each one send and
+    one receive posted together with ``dist.batch_isend_irecv`` (the form that works on NCCL too).
     Run on 3 real processes, for tensors of 12, 7 and 2 elements."""
     name = "ring_all_reduce"
     src = _source(name, ring_all_reduce)
@@ -112,7 +112,7 @@ def check_ring_all_reduce(ring_all_reduce, world_size: int = 3) -> None:
         rets = [r["returned"] for r in per_size]
         if all(r is not None and r.shape == want.shape and torch.allclose(r, want) for r in rets):
             _fail(name, f"the returned tensor is right but the tensor passed in was not changed ({n} elements)",
-                  "work in place, like tdist.all_reduce: cut the tensor into views with tensor.chunk / "
+                  "work in place, like dist.all_reduce: cut the tensor into views with tensor.chunk / "
                   "tensor_split and add into them (chunk += received), then return the tensor")
         own = [torch.arange(n, dtype=torch.float32) + 100.0 * (r + 1) for r in range(world_size)]
         if all(torch.equal(g, o) for g, o in zip(got, own)):
@@ -155,8 +155,8 @@ def _local_grads(x, y):
 
 
 def _avg_worker(source, fn_name):
-    from utils import dist as udist
-    ctx = udist.setup(timeout=20)
+    from utils import parallel
+    ctx = parallel.setup(timeout=20)
     fn = _define(source, fn_name)
     x, y = _grad_data(ctx.world_size)
     model = _grad_model()
@@ -182,15 +182,15 @@ def check_average_gradients(average_gradients, world_size: int = 2) -> None:
             continue
         if all(torch.allclose(g, world_size * w, atol=1e-6) for g, w in zip(grads, want)):
             _fail(name, f"the gradients are {world_size}x too large: they were summed, not averaged",
-                  "after tdist.all_reduce(p.grad) divide by the world size: p.grad /= tdist.get_world_size()")
+                  "after dist.all_reduce(p.grad) divide by the world size: p.grad /= dist.get_world_size()")
         if all(torch.allclose(g, l, atol=1e-6) for g, l in zip(grads, local[r])):
             _fail(name, f"rank {r} still has its own local gradient: nothing was exchanged",
-                  "call tdist.all_reduce(p.grad) for every parameter, on every rank")
+                  "call dist.all_reduce(p.grad) for every parameter, on every rank")
         if all(torch.allclose(g, l / world_size, atol=1e-6) for g, l in zip(grads, local[r])):
             _fail(name, "each gradient was divided by the world size but not all-reduced",
-                  "all-reduce first (tdist.all_reduce(p.grad)), then divide")
+                  "all-reduce first (dist.all_reduce(p.grad)), then divide")
         _fail(name, f"the gradients on rank {r} do not match one process on the whole batch",
-              "for every parameter p: tdist.all_reduce(p.grad); p.grad /= world size; in place, on every rank")
+              "for every parameter p: dist.all_reduce(p.grad); p.grad /= world size; in place, on every rank")
     _passed(name, f"{world_size} processes match one process on the concatenated batch")
 
 

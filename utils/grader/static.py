@@ -60,7 +60,7 @@ def check_source(source: str, filename: str = "submission.py") -> dict:
     text = source
     warnings = []
 
-    if not any(n.endswith("init_process_group") for n in names) and "utils.dist" not in text:
+    if not any(n.endswith("init_process_group") for n in names) and "utils.parallel" not in text:
         warnings.append("never calls torch.distributed.init_process_group: the script will run as "
                         "N independent copies, not one data-parallel job")
     if not any(n.endswith("DistributedDataParallel") or n == "DDP" for n in names):

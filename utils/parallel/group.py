@@ -120,7 +120,7 @@ def setup(backend: str | None = None, *, device=None, timeout: float | None = No
     torchrun or by :func:`launch`. Without them (``python script.py``) it makes a group of one,
     so the same script runs alone. The GPU is pinned (``torch.cuda.set_device``) *before* the
     group is created, so NCCL never puts two ranks on GPU 0. In an ``srun`` step without
-    torchrun it reads SLURM's variables instead (:func:`utils.dist.env.rendezvous_env`).
+    torchrun it reads SLURM's variables instead (:func:`utils.parallel.env.rendezvous_env`).
 
     backend: "nccl" or "gloo". Default: decided by all the ranks together from what each one
         sees: NCCL when every rank has a GPU no other rank uses (``cuda:LOCAL_RANK`` when a rank
@@ -136,7 +136,7 @@ def setup(backend: str | None = None, *, device=None, timeout: float | None = No
     alone = world == 1 and "MASTER_PORT" not in os.environ
     if not alone and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
         raise RuntimeError("RANK and WORLD_SIZE are set but MASTER_ADDR / MASTER_PORT are not: start the "
-                           "script with torchrun (or utils.dist.launch from a notebook), which sets all four")
+                           "script with torchrun (or utils.parallel.launch from a notebook), which sets all four")
     if timeout is None:
         timeout = float(os.environ.get("LAB_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
     backend = (backend or os.environ.get("LAB_DIST_BACKEND") or "").lower() or None
@@ -232,7 +232,7 @@ def teardown(timeout: float | None = None) -> bool:
             with contextlib.suppress(Exception):
                 abort()                      # NCCL's ncclCommAbort: unblocks the destroy
             done.wait(min(timeout, 10.0))
-    print(f"utils.dist.teardown: destroy_process_group did not return within {timeout:g} s "
+    print(f"utils.parallel.teardown: destroy_process_group did not return within {timeout:g} s "
           f"({'aborted the NCCL communicators' if nccl else 'left to the exiting process'})",
           file=sys.stderr, flush=True)
     return False

@@ -4,7 +4,7 @@ notebooks, collective helpers, and checkpoints that resume exactly.
 One worker, two ways to start it::
 
     # in a notebook: spawn 2 processes, get each rank's return value back
-    results = utils.dist.launch(utils.ddp_train.train, 2, {"epochs": 2})
+    results = utils.parallel.launch(utils.ddp_train.train, 2, {"epochs": 2})
 
     # in a shell, on one node or several: the same worker under torchrun
     torchrun --nproc-per-node 2 -m utils.ddp_train --epochs 2

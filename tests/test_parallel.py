@@ -1,4 +1,4 @@
-"""utils.dist on CPU with gloo: launch() and its failure modes, the ring all-reduce, DDP (by hand
+"""utils.parallel on CPU with gloo: launch() and its failure modes, the ring all-reduce, DDP (by hand
 and with PyTorch) against a single process, and checkpoints that resume exactly.
 
 The workers are module-level functions of this file: spawned processes import them by name.
@@ -11,10 +11,10 @@ import time
 
 import pytest
 import torch
-import torch.distributed as tdist
+import torch.distributed as dist
 from torch import nn
 
-from utils import data, dist, ddp_train, models
+from utils import data, parallel, ddp_train, models
 from utils.train import fit
 
 W, B, STEPS = 2, 8, 4          # world size, per-rank batch, optimizer steps of the DDP comparison
@@ -23,31 +23,31 @@ W, B, STEPS = 2, 8, 4          # world size, per-rank batch, optimizer steps of 
 # ---------------------------------------------------------------------------- workers
 
 def collectives_worker(sizes):
-    ctx = dist.setup()
+    ctx = parallel.setup()
     out = {"rank": ctx.rank, "world": ctx.world_size, "backend": ctx.backend, "pid": os.getpid(),
            "threads": torch.get_num_threads(), "ring": [], "ref": []}
     for n in sizes:
         x = torch.arange(n, dtype=torch.float32) * (ctx.rank + 1) + 10 * ctx.rank
         ref = x.clone()
-        tdist.all_reduce(ref)
+        dist.all_reduce(ref)
         out["ref"].append(ref)
-        out["ring"].append(dist.ring_all_reduce(x.clone()))
+        out["ring"].append(parallel.ring_all_reduce(x.clone()))
     m = torch.full((2, 3), float(ctx.rank)).t()               # not contiguous
-    out["noncontig"] = dist.ring_all_reduce(m)
+    out["noncontig"] = parallel.ring_all_reduce(m)
     return out
 
 
 def raising_worker():
-    ctx = dist.setup()
+    ctx = parallel.setup()
     if ctx.rank == 1:
         raise ValueError("boom from the second rank")
-    tdist.barrier()               # rank 0 waits for a peer that is gone
+    dist.barrier()               # rank 0 waits for a peer that is gone
 
 
 def hanging_worker():
-    ctx = dist.setup()
+    ctx = parallel.setup()
     if ctx.rank == 0:
-        tdist.all_reduce(torch.ones(3))    # rank 1 never joins: a hang
+        dist.all_reduce(torch.ones(3))    # rank 1 never joins: a hang
     time.sleep(600)
 
 
@@ -72,23 +72,23 @@ def _model(seed):
 
 def ddp_worker():
     """Hand DDP and torch DDP from ranks whose models start with DIFFERENT seeds."""
-    ctx = dist.setup()
+    ctx = parallel.setup()
     ds = _dataset()
     init = {k: v.clone() for k, v in _model(100 + ctx.rank).state_dict().items()}
 
     hand = _model(100 + ctx.rank)                  # by hand: broadcast, then average gradients
     for p in hand.parameters():
-        tdist.broadcast(p.data, src=0)
+        dist.broadcast(p.data, src=0)
     opt = torch.optim.SGD(hand.parameters(), lr=0.1, momentum=0.9)
     loader = data.make_loader(ds, B, rank=ctx.rank, world_size=ctx.world_size, seed=5)
     loss_fn = nn.CrossEntropyLoss()
     for x, y in loader:
         opt.zero_grad()
         loss_fn(hand(x), y).backward()
-        dist.average_gradients(hand)
+        parallel.average_gradients(hand)
         opt.step()
 
-    net = dist.ddp(_model(100 + ctx.rank), ctx)     # torch DDP broadcasts rank 0's weights itself
+    net = parallel.ddp(_model(100 + ctx.rank), ctx)     # torch DDP broadcasts rank 0's weights itself
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
     fit(net, data.make_loader(ds, B, rank=ctx.rank, world_size=ctx.world_size, seed=5), opt,
         epochs=1, progress=False)
@@ -127,7 +127,7 @@ def _no_children(what):
 
 def test_launch_returns_every_rank_and_ring_equals_all_reduce():
     sizes = [1, 7, 1000]
-    res = dist.launch(collectives_worker, 3, sizes, timeout=120)
+    res = parallel.launch(collectives_worker, 3, sizes, timeout=120)
     assert [r["rank"] for r in res] == [0, 1, 2], "launch must return the results in rank order"
     assert all(r["world"] == 3 and r["backend"] == "gloo" for r in res), \
         "on a machine without 3 GPUs launch must choose gloo and a world of nprocs"
@@ -142,11 +142,11 @@ def test_launch_returns_every_rank_and_ring_equals_all_reduce():
 
 def test_raising_rank_is_named_with_traceback_and_cleaned_up():
     t0 = time.monotonic()
-    with pytest.raises(dist.LaunchError) as err:
-        dist.launch(raising_worker, 2, timeout=60, stream=False)
+    with pytest.raises(parallel.LaunchError) as err:
+        parallel.launch(raising_worker, 2, timeout=60, stream=False)
     took = time.monotonic() - t0
     e = err.value
-    assert not isinstance(e, dist.LaunchTimeout), "a raising rank must not be reported as a timeout"
+    assert not isinstance(e, parallel.LaunchTimeout), "a raising rank must not be reported as a timeout"
     assert e.rank == 1 and "rank 1" in str(e), f"the error must name rank 1, got: {e}"
     assert "boom from the second rank" in str(e) and "raising_worker" in e.remote_traceback, \
         "the error must carry the rank's message and traceback"
@@ -156,21 +156,21 @@ def test_raising_rank_is_named_with_traceback_and_cleaned_up():
 
 def test_hang_stops_at_timeout_and_next_launch_works():
     t0 = time.monotonic()
-    with pytest.raises(dist.LaunchTimeout) as err:
-        dist.launch(hanging_worker, 2, timeout=4, stream=False)
+    with pytest.raises(parallel.LaunchTimeout) as err:
+        parallel.launch(hanging_worker, 2, timeout=4, stream=False)
     took = time.monotonic() - t0
     assert 4 <= took < 25, f"a 4 s timeout ended after {took:.1f} s"
     assert "timed out" in str(err.value)
     _no_children("a timed-out launch")
-    res = dist.launch(rank_worker, 2, "again", timeout=60)
+    res = parallel.launch(rank_worker, 2, "again", timeout=60)
     assert res == [{"rank": 0, "x": "again"}, {"rank": 1, "x": "again"}], "a launch after a failure must work"
     _no_children("the launch after a timeout")
 
 
 def test_a_rank_stuck_exiting_after_its_result_does_not_hang_launch(monkeypatch):
-    monkeypatch.setattr(dist.launcher, "EXIT_GRACE_S", 1.0)
+    monkeypatch.setattr(parallel.launcher, "EXIT_GRACE_S", 1.0)
     t0 = time.monotonic()
-    assert dist.launch(stuck_at_exit_worker, W, timeout=60, stream=False) == list(range(W))
+    assert parallel.launch(stuck_at_exit_worker, W, timeout=60, stream=False) == list(range(W))
     assert time.monotonic() - t0 < 30, "launch should return soon after every rank sent its result"
     _no_children("a rank stuck at exit")
 
@@ -181,26 +181,26 @@ def test_worker_from_main_or_lambda_is_refused():
 
     main_fn = lambda: None  # noqa: E731
     for fn in (local, main_fn):
-        with pytest.raises(dist.WorkerNotImportable, match="%%writefile"):
-            dist.launch(fn, 2)
+        with pytest.raises(parallel.WorkerNotImportable, match="%%writefile"):
+            parallel.launch(fn, 2)
     local.__module__ = "__main__"
     local.__qualname__ = "local"
-    with pytest.raises(dist.WorkerNotImportable, match="__main__"):
-        dist.launch(local, 2)
+    with pytest.raises(parallel.WorkerNotImportable, match="__main__"):
+        parallel.launch(local, 2)
     with pytest.raises(ValueError, match="nprocs"):
-        dist.launch(rank_worker, 0)
+        parallel.launch(rank_worker, 0)
 
 
 def test_nccl_refused_without_enough_gpus():
     if torch.cuda.is_available() and torch.cuda.device_count() >= 64:
         pytest.skip("this machine has 64 GPUs")
     with pytest.raises(ValueError, match="one GPU per process"):
-        dist.launch(rank_worker, 64, 1, backend="nccl")
-    assert dist.choose_backend(64) == "gloo"
+        parallel.launch(rank_worker, 64, 1, backend="nccl")
+    assert parallel.choose_backend(64) == "gloo"
 
 
 def test_hand_ddp_and_torch_ddp_match_single_process():
-    res = dist.launch(ddp_worker, W, timeout=120)
+    res = parallel.launch(ddp_worker, W, timeout=120)
     assert any(not torch.equal(res[0]["init"][k], res[1]["init"][k]) for k in res[0]["init"]), \
         "the ranks should start from different weights (different seeds) for this test to mean anything"
     oracle = _model(100)                                            # rank 0's initial weights
@@ -236,9 +236,9 @@ def test_checkpoint_resume_is_exact(tmp_path, monkeypatch):
 def test_rng_state_roundtrip():
     import random
     import numpy as np
-    s = dist.rng_state()
+    s = parallel.rng_state()
     a = (torch.rand(3), np.random.rand(3), random.random())
-    dist.set_rng_state(s)
+    parallel.set_rng_state(s)
     b = (torch.rand(3), np.random.rand(3), random.random())
     assert torch.equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and a[2] == b[2]
 
@@ -246,9 +246,9 @@ def test_rng_state_roundtrip():
 def test_alpha_beta_fit_recovers_latency_and_bandwidth():
     n = [1e3, 1e5, 1e7]
     t = [20e-6 + x / 2e9 for x in n]
-    alpha, bw = dist.alpha_beta_fit(n, t)
+    alpha, bw = parallel.alpha_beta_fit(n, t)
     assert abs(alpha - 20e-6) < 1e-6 and abs(bw - 2e9) / 2e9 < 1e-3
-    assert dist.ring_allreduce_bytes(100, 4) == 150 and dist.ring_allreduce_bytes(100, 1) == 0
+    assert parallel.ring_allreduce_bytes(100, 4) == 150 and parallel.ring_allreduce_bytes(100, 1) == 0
 
 
 # ---------------------------------------------------------------------------- lab self-checks
@@ -264,14 +264,14 @@ def placeholder(*args):
 
 
 def ring_without_all_gather(tensor):
-    world, rank = tdist.get_world_size(), tdist.get_rank()
+    world, rank = dist.get_world_size(), dist.get_rank()
     chunks = list(tensor.view(-1).tensor_split(world))
     for s in range(world - 1):
         send_i, recv_i = (rank - s) % world, (rank - s - 1) % world
         buf = torch.empty_like(chunks[recv_i])
-        ops = [tdist.P2POp(tdist.isend, chunks[send_i], (rank + 1) % world),
-               tdist.P2POp(tdist.irecv, buf, (rank - 1) % world)]
-        for req in tdist.batch_isend_irecv(ops):
+        ops = [dist.P2POp(dist.isend, chunks[send_i], (rank + 1) % world),
+               dist.P2POp(dist.irecv, buf, (rank - 1) % world)]
+        for req in dist.batch_isend_irecv(ops):
             req.wait()
         chunks[recv_i] += buf
     return tensor
@@ -279,7 +279,7 @@ def ring_without_all_gather(tensor):
 
 def average_without_dividing(model):
     for p in model.parameters():
-        tdist.all_reduce(p.grad)
+        dist.all_reduce(p.grad)
 
 
 def shard_right(n, batch_size, rank, world_size, epoch, seed):
@@ -344,14 +344,14 @@ def test_shard_and_save_checks():
 
 
 def killed_worker():
-    ctx = dist.setup()
+    ctx = parallel.setup()
     if ctx.rank == 1:
         os.kill(os.getpid(), 9)           # a lost node: no Python exception at all
-    tdist.barrier()
+    dist.barrier()
 
 
 def test_killed_rank_is_named():
-    with pytest.raises(dist.LaunchError, match="rank 1 was killed by signal 9") as err:
-        dist.launch(killed_worker, 2, timeout=60, stream=False)
+    with pytest.raises(parallel.LaunchError, match="rank 1 was killed by signal 9") as err:
+        parallel.launch(killed_worker, 2, timeout=60, stream=False)
     assert err.value.rank == 1
     _no_children("a launch with a killed rank")

@@ -1,6 +1,6 @@
 """Where a process learns its rank: torchrun's (or ``launch()``'s) variables, else SLURM's.
 
-torchrun and :func:`utils.dist.launch` set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+torchrun and :func:`utils.parallel.launch` set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT. A plain ``srun python worker.py`` sets none of them; each task
 gets SLURM's instead, which this module translates:
 
