@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import data, device, dist, models
+from . import data, device, parallel, models
 from .train import Callback, fit
 
 
@@ -100,7 +100,7 @@ def _save_atomic(obj, path: str) -> None:
     os.replace(tmp, path)
 
 
-def build(cfg: TrainConfig, ctx: dist.DistContext):
+def build(cfg: TrainConfig, ctx: parallel.DistContext):
     """Data, sharded loader, model, optimizer and schedule of a run: the same on every rank."""
     splits = data.load(cfg.dataset, cfg.n_train, cfg.n_val, seed=cfg.seed)
     loader = data.make_loader(splits.train, cfg.batch_size, kind=cfg.loader, rank=ctx.rank,
@@ -120,26 +120,26 @@ def train(config=None, **overrides) -> dict:
     cfg = make_config(config, **overrides)
     if cfg.deterministic:
         device.set_deterministic()    # before any GPU work: a resumed run repeats the uninterrupted one
-    ctx = dist.setup(cfg.backend or None, device=cfg.device or None)
+    ctx = parallel.setup(cfg.backend or None, device=cfg.device or None)
     net = None
     try:
         loader, val, model, optimizer, scheduler = build(cfg, ctx)
         start_epoch = start_step = 0
         if cfg.ckpt and os.path.exists(cfg.ckpt):
-            ck = dist.load_checkpoint(cfg.ckpt, model, optimizer, scheduler)
+            ck = parallel.load_checkpoint(cfg.ckpt, model, optimizer, scheduler)
             start_epoch, start_step = ck["epoch"], ck["step"]
             if ctx.is_main:
                 print(f"resumed from {cfg.ckpt}: epoch {start_epoch}, step {start_step}", flush=True)
-        net = dist.ddp(model, ctx, channels_last=cfg.channels_last, bucket_cap_mb=cfg.bucket_cap_mb)
+        net = parallel.ddp(model, ctx, channels_last=cfg.channels_last, bucket_cap_mb=cfg.bucket_cap_mb)
         callbacks = []
         if cfg.ckpt:
-            callbacks.append(dist.Checkpointer(cfg.ckpt, optimizer, scheduler, start_epoch=start_epoch,
+            callbacks.append(parallel.Checkpointer(cfg.ckpt, optimizer, scheduler, start_epoch=start_epoch,
                                                start_step=start_step))
         if cfg.fail_at_step > 0:
             callbacks.append(FailAt(cfg.fail_at_step, cfg.fail_rank, ctx.rank, start_step, cfg.fail_mode))
         hist = None
         if start_epoch < cfg.epochs:
-            hist = fit(net, dist.EpochOffset(loader, start_epoch), optimizer, epochs=cfg.epochs - start_epoch,
+            hist = fit(net, parallel.EpochOffset(loader, start_epoch), optimizer, epochs=cfg.epochs - start_epoch,
                        scheduler=scheduler, grad_accum=cfg.grad_accum, callbacks=callbacks,
                        channels_last=cfg.channels_last,
                        val_loader=val if cfg.evaluate else None,
@@ -160,7 +160,7 @@ def train(config=None, **overrides) -> dict:
         if sys.exc_info()[2] is not None:
             traceback.clear_frames(sys.exc_info()[2])
         gc.collect()
-        dist.teardown()
+        parallel.teardown()
 
 
 # From a shell a run should train to a useful accuracy: 10 epochs of the default digits subset

@@ -301,7 +301,7 @@ def _same_replicas(res) -> bool:
 
 
 def check_ddp_nccl(ctx):
-    from . import ddp_train, dist
+    from . import ddp_train, parallel
     ctx.need_gpus(1, "DDP with NCCL")
     if not torch.distributed.is_nccl_available():
         raise Skip("this PyTorch build has no NCCL")
@@ -316,7 +316,7 @@ def check_ddp_nccl(ctx):
 
 
 def check_ddp_gloo_shared_gpu(ctx):
-    from . import ddp_train, dist
+    from . import ddp_train, parallel
     ctx.need_gpus(1, "gloo ranks sharing one GPU")
     res = parallel.launch(ddp_train.train, 2, _ddp_cfg(device="cuda:0"), backend="gloo", timeout=300, stream=False)
     devs = [r["device"] for r in res]
@@ -326,7 +326,7 @@ def check_ddp_gloo_shared_gpu(ctx):
 
 
 def check_ddp_gloo_cpu(ctx):
-    from . import ddp_train, dist
+    from . import ddp_train, parallel
     res = parallel.launch(ddp_train.train, 2, _ddp_cfg(device="cpu"), backend="gloo", timeout=300, stream=False)
     if not _same_replicas(res):
         raise RuntimeError("the two replicas differ after training")
@@ -339,7 +339,7 @@ def check_ddp_gloo_cpu(ctx):
 
 def ring_worker(sizes):
     """A rank: the hand ring against torch's all_reduce, on this rank's device."""
-    from . import dist
+    from . import parallel
     ctx = parallel.setup()
     out = []
     for n in sizes:

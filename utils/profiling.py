@@ -382,8 +382,8 @@ def ddp_profile_worker(trace_dir: str, bucket_caps_mb=(25.0,), *, width: int = 5
     gradient each at width 512), one run per bucket cap, each profiled for ``steps = (wait,
     warmup, active)``. Rank R writes ``trace_dir/cap<C>mb/rank<R>.*.pt.trace.json``. Returns, per
     cap, the trace path and DDP's own account of its buckets (bytes, after the rebuild at step 1)."""
-    from . import dist
-    ctx = dist.setup()
+    from . import parallel
+    ctx = parallel.setup()
     out = []
     try:
         for cap in bucket_caps_mb:
@@ -396,7 +396,7 @@ def ddp_profile_worker(trace_dir: str, bucket_caps_mb=(25.0,), *, width: int = 5
             n = batch_size * (sum(steps) + 1)
             x, y = torch.randn(n, width, generator=g), torch.randint(0, 10, (n,), generator=g)
             loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
-            net = dist.ddp(model, ctx, bucket_cap_mb=cap)
+            net = parallel.ddp(model, ctx, bucket_cap_mb=cap)
             opt = torch.optim.SGD(net.parameters(), lr=0.01)
             _, trace = profile_fit(net, loader, opt, os.path.join(trace_dir, f"cap{cap:g}mb"), steps=steps,
                                    worker_name=f"rank{ctx.rank}", device=ctx.device)
@@ -408,7 +408,7 @@ def ddp_profile_worker(trace_dir: str, bucket_caps_mb=(25.0,), *, width: int = 5
         return out
     finally:
         net = None
-        dist.teardown()
+        parallel.teardown()
 
 
 def overlap_report(events) -> dict:
