@@ -8,9 +8,31 @@ outputs after nbval ran it, so nothing is executed twice.
 A cell that is meant to write to stderr (a demonstration of an error message) says so with a
 line `# stderr expected: <why>`; then its stderr is allowed.
 """
+from pathlib import Path
+
 import pytest
 
 STDERR_OK = "# stderr expected:"
+
+# The test tiers (markers declared in pyproject.toml). A whole file gets its marks here, so a test
+# added to one of these files lands in its tier without a decorator; a single slow test elsewhere
+# carries @pytest.mark.slow itself. `make check` deselects all four marks.
+MARKED_FILES = {
+    "test_grader.py": ("sandbox", "slow"),
+    "test_grader_attacks.py": ("sandbox", "slow"),
+    "test_slurm.py": ("slurm", "slow"),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.suffix == ".ipynb":
+            item.add_marker(pytest.mark.notebook)
+            item.add_marker(pytest.mark.slow)
+            continue
+        for mark in MARKED_FILES.get(path.name, ()):
+            item.add_marker(getattr(pytest.mark, mark))
 
 
 @pytest.hookimpl(wrapper=True)

@@ -23,13 +23,11 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import os
 import platform
 import socket
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -40,6 +38,7 @@ import torch  # noqa: E402
 
 from benchmarks._common import interleave, machine_note, paired_ratio, quartiles  # noqa: E402
 from utils import bench, config, device as devices, models  # noqa: E402
+from utils.files import atomic_write_json  # noqa: E402
 
 LECTURE = {"gpu": "RTX 3080 Ti", "rows": [          # REFERENCES.md: (device, batch, images/s)
     ("cpu", 64, 1474), ("cuda", 64, 5369), ("cpu", 4, 1350), ("cuda", 4, 1633), ("cpu", 2, 860), ("cuda", 2, 937)]}
@@ -73,8 +72,8 @@ def parse_args(argv=None):
                     help="seconds each timed repeat should last at least (steps are chosen to fit)")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--no-cpu", action="store_true", help="skip the CPU rows (then no speedup line)")
-    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / f"throughput-{host}.json",
-                    help="where to write the JSON (default benchmarks/results/throughput-<host>.json)")
+    ap.add_argument("--out", type=Path, default=ROOT / "runs" / "benchmarks" / f"throughput-{host}.json",
+                    help="where to write the JSON (default runs/benchmarks/throughput-<host>.json; runs/ is git-ignored)")
     return ap.parse_args(argv)
 
 
@@ -106,20 +105,6 @@ def load_average():
         return [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         return None
-
-
-def atomic_write_json(path: Path, obj) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(obj, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def plan(args, cfg, has_cuda: bool) -> list[dict]:

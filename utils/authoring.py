@@ -14,12 +14,12 @@ labs/assessment/ is hand-written and left alone.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import nbformat
+
+from .files import atomic_write
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = 'raise NotImplementedError("Exercise: write this part (see the hint above)")'
@@ -72,18 +72,6 @@ def render(nb) -> str:
     return nbformat.writes(nb, version=4) + "\n"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def plan(root: Path = ROOT) -> dict[Path, str]:
     """{labs/NAME.ipynb: its text} for every solutions/*.ipynb."""
     out = {}
@@ -116,7 +104,7 @@ def main(argv=None) -> int:
         print(f"labs/ is up to date ({len(wanted)} notebooks)")
         return 0
     for p in differ:
-        _atomic_write(p, wanted[p])
+        atomic_write(p, wanted[p])
         print(f"wrote {p.relative_to(args.root)}")
     for p in stale:
         p.unlink()

@@ -23,7 +23,6 @@ that shows on any machine why a host timer without synchronisation lies.
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import math
 import queue
@@ -35,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .device import synchronize
+from .device import autocast, synchronize
 
 __all__ = ["Timing", "time_fn", "Throughput", "train_throughput", "inference_throughput",
            "measure_throughput", "MemoryPrediction", "parameter_bytes", "buffer_bytes", "grad_bytes",
@@ -165,12 +164,6 @@ def _amp(amp_dtype):
     return amp_dtype, "bf16" if amp_dtype == torch.bfloat16 else "fp16"
 
 
-def _autocast(device: torch.device, amp_dtype):
-    if amp_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=amp_dtype)
-
-
 @dataclass
 class Throughput:
     """Images/s of one configuration: one entry per timed repeat, with what was measured."""
@@ -255,7 +248,7 @@ def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train"
         opt = _make_optimizer(optimizer, net.parameters())
 
         def step():
-            with _autocast(device, amp_dtype):
+            with autocast(device, amp_dtype):
                 loss = loss_fn(run(x), y)
             loss.backward()
             opt.step()
@@ -264,7 +257,7 @@ def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train"
         net.eval()
 
         def step():
-            with torch.no_grad(), _autocast(device, amp_dtype):
+            with torch.no_grad(), autocast(device, amp_dtype):
                 run(x)
 
     first = time_fn(step, warmup=0, repeats=1, device=device)   # the cold step, timed on its own
@@ -385,7 +378,7 @@ def _saved_bytes(model: nn.Module, batch_size: int, input_shape, amp_dtype, num_
 
     x = torch.randn(batch_size, *input_shape, device=device)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-        with _autocast(device, amp_dtype):
+        with autocast(device, amp_dtype):
             out = model(x)
             y = torch.zeros(batch_size, dtype=torch.long, device=device)
             nn.functional.cross_entropy(out.float(), y)
@@ -479,7 +472,7 @@ def measure_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *
     y = torch.randint(0, num_classes, (batch_size,), device=device)
     for i in range(2):
         opt.zero_grad(set_to_none=True)
-        with _autocast(device, amp_dtype):
+        with autocast(device, amp_dtype):
             loss = nn.functional.cross_entropy(net(x), y)
         loss.backward()
         opt.step()

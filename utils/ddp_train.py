@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import gc
-import io
 import os
 import signal
 import sys
@@ -31,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from . import data, device, parallel, models
+from .files import atomic_save
 from .train import Callback, fit
 
 
@@ -90,16 +90,6 @@ class FailAt(Callback):
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
 
 
-def _save_atomic(obj, path: str) -> None:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(buf.getvalue())
-    os.replace(tmp, path)
-
-
 def build(cfg: TrainConfig, ctx: parallel.DistContext):
     """Data, sharded loader, model, optimizer and schedule of a run: the same on every rank."""
     splits = data.load(cfg.dataset, cfg.n_train, cfg.n_val, seed=cfg.seed)
@@ -146,7 +136,7 @@ def train(config=None, **overrides) -> dict:
                        progress=cfg.progress and ctx.is_main, desc=f"ddp x{ctx.world_size}")
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
         if cfg.out and ("{rank}" in cfg.out or ctx.is_main):
-            _save_atomic(state, cfg.out.format(rank=ctx.rank))
+            atomic_save(state, cfg.out.format(rank=ctx.rank))
         return {"rank": ctx.rank, "world_size": ctx.world_size, "backend": ctx.backend,
                 "device": str(ctx.device), "start_epoch": start_epoch, "start_step": start_step,
                 "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),

@@ -1,10 +1,13 @@
 """Choosing a device, and describing the hardware a result was measured on."""
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 
 import torch
+
+_NULL = contextlib.nullcontext()      # reusable: entering it does nothing
 
 
 def get_device(prefer: str | None = None) -> torch.device:
@@ -35,6 +38,14 @@ def bf16_supported(device=None) -> bool:
         return bool(torch.cuda.is_bf16_supported(including_emulation=False))
     except TypeError:                         # torch < 2.5: no emulation argument
         return bool(torch.cuda.is_bf16_supported())
+
+
+def autocast(device: torch.device, amp_dtype: torch.dtype | None):
+    """``torch.autocast`` to ``amp_dtype`` on ``device``'s type, or a reusable no-op context when
+    ``amp_dtype`` is None (fp32): the one autocast helper of the package."""
+    if amp_dtype is None:
+        return _NULL
+    return torch.autocast(device_type=torch.device(device).type, dtype=amp_dtype)
 
 
 def synchronize(device: torch.device | str | None = None) -> None:

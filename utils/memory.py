@@ -30,7 +30,8 @@ import os
 import torch
 from torch import nn
 
-from .bench import (_amp, _autocast, counted_state_bytes, format_bytes, grad_bytes,  # noqa: F401
+from .device import autocast
+from .bench import (_amp, counted_state_bytes, format_bytes, grad_bytes,  # noqa: F401
                     optimizer_state_bytes, parameter_bytes)
 
 __all__ = ["block_mlp", "mlp_activation_bytes", "SavedTensors", "saved_bytes", "peak_bytes",
@@ -127,7 +128,7 @@ def saved_bytes(model: nn.Module, x: torch.Tensor, *, forward=None, amp_dtype=No
     instead of ``model(x)`` when given, e.g. a checkpointed forward)."""
     amp_dtype, _ = _amp(amp_dtype)
     forward = forward or (lambda m, inp: m(inp))
-    with SavedTensors(model) as counter, torch.enable_grad(), _autocast(x.device, amp_dtype):
+    with SavedTensors(model) as counter, torch.enable_grad(), autocast(x.device, amp_dtype):
         out = forward(model, x)
     del out
     return counter.bytes
@@ -223,7 +224,7 @@ def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam
         x = torch.randn(batch_size, width, generator=g).to(device)
         for _ in range(steps):
             opt.zero_grad(set_to_none=True)
-            with SavedTensors(model) as counter, _autocast(device, amp):
+            with SavedTensors(model) as counter, autocast(device, amp):
                 loss = forward(model, x).float().pow(2).mean()
             loss.backward()
             opt.step()

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .device import synchronize
+from .device import autocast, synchronize
 
 
 @dataclass
@@ -101,6 +101,9 @@ class History:
                 f"{self.images_per_s:,.0f} images/s)")
 
 
+_NULL = contextlib.nullcontext()      # reusable: entering it does nothing
+
+
 class Callback:
     """Override any of these; ``state`` has model, optimizer, epoch, step, history, loss (a
     device tensor: reading it is a sync point) and ``stop`` (set True to end the run)."""
@@ -126,9 +129,6 @@ class StopAtAccuracy(Callback):
     on_epoch_end = on_step_end
 
 
-_NULL = contextlib.nullcontext()      # reusable: entering it does nothing
-
-
 def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)     # DDP / DataParallel / torch.compile wrappers
 
@@ -140,25 +140,21 @@ def _param_device(model: nn.Module) -> torch.device:
         return torch.device("cpu")
 
 
-def _set_epoch(loader, epoch: int) -> None:
+def set_epoch(loader, epoch: int) -> None:
+    """Tell ``loader`` (or its sampler / batch sampler) which epoch starts: a rank-sharded or
+    shuffled loader draws that epoch's order from it. Loaders without ``set_epoch`` are left alone."""
     for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
         if obj is not None and hasattr(obj, "set_epoch"):
             obj.set_epoch(epoch)
             return
 
 
-def _to(x, device, channels_last):
+def _to(x, device, channels_last=False):
     if x.device != device:                  # a batch already there (DeviceLoader) skips the call
         x = x.to(device, non_blocking=True)
     if channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
     return x
-
-
-def _autocast(device: torch.device, amp_dtype):
-    if amp_dtype is None:
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=amp_dtype)
 
 
 @torch.no_grad()
@@ -178,8 +174,8 @@ def evaluate(model: nn.Module, loader, *, loss_fn=None, device=None, amp_dtype=N
     n, classify = 0, True
     try:
         for x, y in loader:
-            x, y = _to(x, device, channels_last), y.to(device, non_blocking=True)
-            with _autocast(device, amp_dtype):
+            x, y = _to(x, device, channels_last), _to(y, device)
+            with autocast(device, amp_dtype):
                 out = net(x)
                 loss = loss_fn(out.float(), y)
             loss_sum += loss.detach() * y.shape[0]
@@ -192,6 +188,86 @@ def evaluate(model: nn.Module, loader, *, loss_fn=None, device=None, amp_dtype=N
     if n == 0:
         raise ValueError("evaluate() got an empty loader")
     return {"loss": loss_sum.item() / n, "acc": correct.item() / n if classify else None, "n": n}
+
+
+class ProgressBar(Callback):
+    """A tqdm bar over optimizer steps. tqdm limits its own redraws (``mininterval``), so a step
+    costs one ``update()``; the epoch's loss and accuracy go in the postfix."""
+
+    def __init__(self, total: int | None, desc: str = "train"):
+        self.bar = tqdm(total=total, desc=desc, leave=True, unit="step", mininterval=0.1)
+
+    def on_step_end(self, state):
+        self.bar.update()
+
+    def on_epoch_end(self, state):
+        rec = state.history.epochs[-1]
+        post = {"loss": f"{rec['train_loss']:.3f}"}
+        if rec["val_acc"] is not None:
+            post["val_acc"] = f"{rec['val_acc']:.3f}"
+        self.bar.set_postfix(post)
+
+    def close(self):
+        n, total = self.bar.n, self.bar.total
+        if total and n < total:           # stopped early on purpose (a callback): not an error, so the
+            self.bar.reset(total=n)       # bar is shortened to what ran rather than left red
+            self.bar.update(n)
+        self.bar.close()
+
+
+class _EpochStats:
+    """One epoch's training loss and accuracy. Each micro-batch adds device tensors; nothing is
+    read on the host until :meth:`close`, once per epoch (the hot loop has no sync point)."""
+
+    def __init__(self):
+        self.step_losses = []                       # per optimizer step (the mean over its micro-batches)
+        self.losses, self.sizes, self.correct = [], [], []   # per micro-batch
+        self.seen, self.classify, self._step_loss = 0, True, None
+
+    def add(self, loss, out, y):
+        self._step_loss = loss if self._step_loss is None else self._step_loss + loss
+        self.losses.append(loss)
+        self.sizes.append(y.shape[0])
+        self.classify = self.classify and out.dim() == 2 and not y.is_floating_point()
+        if self.classify:
+            self.correct.append(out.argmax(1) == y)     # argmax has no graph
+        self.seen += y.shape[0]
+
+    def end_step(self, grad_accum: int):
+        self.step_losses.append(self._step_loss / grad_accum if grad_accum > 1 else self._step_loss)
+        self._step_loss = None
+
+    def close(self, device) -> tuple[list, float, float | None]:
+        """(loss per step, mean training loss, accuracy or None): the epoch's sync points."""
+        if self.seen == 0:
+            raise ValueError("the training loader yielded no batches")
+        steps = torch.stack(self.step_losses).float().tolist() if self.step_losses else []
+        weights = torch.tensor(self.sizes, device=device, dtype=torch.float32)
+        loss = (torch.stack(self.losses).float() * weights).sum().item() / self.seen
+        acc = torch.cat(self.correct).sum().item() / self.seen if self.classify else None
+        return steps, loss, acc
+
+
+def _check_fit_args(model, epochs, steps, grad_accum, channels_last):
+    if epochs is None and steps is None:
+        raise ValueError("fit() needs epochs=... or steps=... (or both)")
+    if grad_accum < 1:
+        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    if channels_last and hasattr(model, "no_sync") and any(
+            p.dim() == 4 and not p.is_contiguous(memory_format=torch.channels_last) for p in model.parameters()):
+        raise ValueError("channels_last=True on a model already wrapped in DistributedDataParallel: DDP "
+                         "built its gradient buckets for the old layout. Convert before wrapping: "
+                         "utils.parallel.ddp(model, ctx, channels_last=True)")
+
+
+def _total_steps(train_loader, epochs, steps, grad_accum) -> int | None:
+    try:
+        per_epoch = len(train_loader) // grad_accum
+    except TypeError:                       # an iterable without a length
+        return steps
+    if epochs is None:
+        return steps
+    return per_epoch * epochs if steps is None else min(steps, per_epoch * epochs)
 
 
 def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epochs: int | None = None,
@@ -210,159 +286,109 @@ def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epo
         A window left open at an epoch's end carries on into the next epoch.
     val_loader: evaluated at the end of every epoch and every ``eval_every`` steps.
     """
-    if epochs is None and steps is None:
-        raise ValueError("fit() needs epochs=... or steps=... (or both)")
-    if grad_accum < 1:
-        raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    if device is not None:
-        device = torch.device(device)
-        model.to(device)
-    else:
-        device = _param_device(model)
-    if channels_last:
-        if hasattr(model, "no_sync") and any(p.dim() == 4 and not p.is_contiguous(memory_format=torch.channels_last)
-                                             for p in model.parameters()):
-            raise ValueError("channels_last=True on a model already wrapped in DistributedDataParallel: DDP "
-                             "built its gradient buckets for the old layout. Convert before wrapping: "
-                             "utils.parallel.ddp(model, ctx, channels_last=True)")
-        model.to(memory_format=torch.channels_last)
+    _check_fit_args(model, epochs, steps, grad_accum, channels_last)
+    device = _param_device(model) if device is None else torch.device(device)
+    model.to(device, memory_format=torch.channels_last) if channels_last else model.to(device)
     loss_fn = loss_fn or nn.functional.cross_entropy     # a function: no module-call overhead per step
-    scaler = None
-    if amp_dtype == torch.float16 and device.type == "cuda":
-        scaler = torch.amp.GradScaler("cuda")
-    callbacks = list(callbacks)
-    has_no_sync = hasattr(model, "no_sync")
-
+    scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 and device.type == "cuda" else None
+    bar = ProgressBar(_total_steps(train_loader, epochs, steps, grad_accum), desc) if progress else None
+    callbacks = ([bar] if bar else []) + list(callbacks)
+    no_sync = getattr(model, "no_sync", None)
     hist = History()
-    state = SimpleNamespace(model=model, optimizer=optimizer, epoch=0, step=0, history=hist,
-                            loss=None, stop=False)
-    try:
-        per_epoch = len(train_loader) // grad_accum
-    except TypeError:
-        per_epoch = None
-    total = steps if steps is not None else (per_epoch * epochs if per_epoch else None)
-    if steps is not None and epochs is not None and per_epoch:
-        total = min(steps, per_epoch * epochs)
-    bar = tqdm(total=total, desc=desc, disable=not progress, leave=True, unit="step", mininterval=0.1)
-    bar_every, bar_next, bar_pending = 0.1, 0.0, 0      # the bar is told at most every 0.1 s
-    amp_ctx = contextlib.nullcontext() if amp_dtype is None else None   # reused: no object per step
+    state = SimpleNamespace(model=model, optimizer=optimizer, epoch=0, step=0, history=hist, loss=None, stop=False)
 
-    def run_eval():
-        return evaluate(model, val_loader, loss_fn=loss_fn, device=device, amp_dtype=amp_dtype,
-                        channels_last=channels_last)
+    def optimizer_step(stats: _EpochStats):
+        """One optimizer step from the accumulated gradients, then the scheduler's; counts it."""
+        if scaler:
+            scaler.unscale_(optimizer)
+        if clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
+        hist.step_lr.append(optimizer.param_groups[0]["lr"])   # the rate this step used
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+        stats.end_step(grad_accum)
+        state.step += 1
+
+    def run_eval(epoch: int, record: bool) -> dict:
+        r = evaluate(model, val_loader, loss_fn=loss_fn, device=device, amp_dtype=amp_dtype,
+                     channels_last=channels_last)
+        if record:
+            hist.evals.append({"step": state.step, "epoch": epoch, "val_loss": r["loss"], "val_acc": r["acc"]})
+        return r
+
+    def timed_eval() -> float:
+        synchronize(device)                                       # sync point: pause the clock
+        tp = time.perf_counter()
+        run_eval(state.epoch, record=True)
+        return time.perf_counter() - tp
 
     t_start = time.perf_counter()
     micro = 0
-    step_loss = None                                          # sum of this step's micro-batch losses
     optimizer.zero_grad(set_to_none=True)
-    epoch = 0
-    while not state.stop and (epochs is None or epoch < epochs) and (steps is None or state.step < steps):
-        state.epoch = epoch
-        _set_epoch(train_loader, epoch)
-        model.train()
-        losses = []                           # per optimizer step: device tensors, no sync per step
-        mb_loss, mb_n, mb_correct = [], [], []   # per micro-batch, reduced once at the epoch's end
-        seen, paused, classify = 0, 0.0, True
-        synchronize(device)                                   # sync point: start the clock
-        t0 = time.perf_counter()
-        for x, y in train_loader:
+    try:
+        while not state.stop and (epochs is None or state.epoch < epochs) and (steps is None or state.step < steps):
+            set_epoch(train_loader, state.epoch)
+            model.train()
+            stats, paused = _EpochStats(), 0.0
+            synchronize(device)                                   # sync point: start the clock
+            t0 = time.perf_counter()
             # The hot loop: no host synchronisation, and as little Python per step as we can.
-            x = _to(x, device, channels_last)
-            if y.device != device:
-                y = y.to(device, non_blocking=True)
-            micro += 1
-            last_micro = micro == grad_accum
-            sync_ctx = model.no_sync() if (has_no_sync and not last_micro) else _NULL
-            with sync_ctx:
-                with amp_ctx or _autocast(device, amp_dtype):
-                    out = model(x)
-                    loss = loss_fn(out, y)
-                scaled = loss / grad_accum if grad_accum > 1 else loss
-                (scaler.scale(scaled) if scaler else scaled).backward()
-            loss = loss.detach()
-            step_loss = loss if step_loss is None else step_loss + loss
-            mb_loss.append(loss)
-            mb_n.append(y.shape[0])
-            classify = classify and out.dim() == 2 and not y.is_floating_point()
-            if classify:
-                mb_correct.append(out.argmax(1) == y)   # summed once per epoch; argmax has no graph
-            seen += y.shape[0]
-            if not last_micro:
-                continue
-            micro = 0
-            if scaler:
-                scaler.unscale_(optimizer)
-            if clip_grad_norm is not None:
-                nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-            hist.step_lr.append(optimizer.param_groups[0]["lr"])   # the rate this step used
-            if scaler:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if scheduler is not None:
-                scheduler.step()
-            losses.append(step_loss / grad_accum if grad_accum > 1 else step_loss)
-            step_loss = None
-            state.step += 1
-            state.loss = loss
-            bar_pending += 1
-            if progress:
-                now = time.perf_counter()
-                if now >= bar_next:
-                    bar.update(bar_pending)
-                    bar_pending, bar_next = 0, now + bar_every
-            if val_loader is not None and eval_every and state.step % eval_every == 0:
-                synchronize(device)                           # sync point: pause the clock
-                tp = time.perf_counter()
-                r = run_eval()
-                hist.evals.append({"step": state.step, "epoch": epoch, "val_loss": r["loss"],
-                                   "val_acc": r["acc"]})
-                paused += time.perf_counter() - tp
+            for x, y in train_loader:
+                x, y = _to(x, device, channels_last), _to(y, device)
+                micro += 1
+                with no_sync() if no_sync and micro < grad_accum else _NULL:
+                    with autocast(device, amp_dtype):
+                        out = model(x)
+                        loss = loss_fn(out, y)
+                    scaled = loss / grad_accum if grad_accum > 1 else loss
+                    (scaler.scale(scaled) if scaler else scaled).backward()
+                state.loss = loss = loss.detach()
+                stats.add(loss, out, y)
+                if micro < grad_accum:
+                    continue
+                micro = 0
+                optimizer_step(stats)
+                if val_loader is not None and eval_every and state.step % eval_every == 0:
+                    paused += timed_eval()                        # off the clock
+                for cb in callbacks:
+                    cb.on_step_end(state)
+                if state.stop or (steps is not None and state.step >= steps):
+                    break
+            synchronize(device)                                   # sync point: stop the clock
+            _end_epoch(hist, stats, state, device, time.perf_counter() - t0 - paused,
+                       (lambda: run_eval(state.epoch, record=bool(eval_every))) if val_loader is not None else None)
             for cb in callbacks:
-                cb.on_step_end(state)
-            if state.stop or (steps is not None and state.step >= steps):
-                break
-        synchronize(device)                                   # sync point: stop the clock
-        elapsed = time.perf_counter() - t0 - paused
-        if seen == 0:
-            raise ValueError("the training loader yielded no batches")
-        hist.step_loss.extend(torch.stack(losses).float().tolist() if losses else [])   # sync point
-        weights = torch.tensor(mb_n, device=device, dtype=torch.float32)
-        train_loss = (torch.stack(mb_loss).float() * weights).sum().item() / seen   # sync point
-        train_acc = torch.cat(mb_correct).sum().item() / seen if classify else None   # sync point
-        rec = {"epoch": epoch, "step": state.step, "train_loss": train_loss, "train_acc": train_acc,
-               "time_s": elapsed, "images": seen, "images_per_s": seen / elapsed if elapsed > 0 else float("nan"),
-               "val_loss": None, "val_acc": None}
-        hist.images += seen
-        hist.train_time += elapsed
-        if val_loader is not None:
-            if hist.evals and hist.evals[-1]["step"] == state.step:
-                r = {"loss": hist.evals[-1]["val_loss"], "acc": hist.evals[-1]["val_acc"]}
-            else:
-                r = run_eval()
-                if eval_every:
-                    hist.evals.append({"step": state.step, "epoch": epoch, "val_loss": r["loss"],
-                                       "val_acc": r["acc"]})
-            rec["val_loss"], rec["val_acc"] = r["loss"], r["acc"]
-        hist.epochs.append(rec)
-        hist.steps = state.step
-        post = {"loss": f"{rec['train_loss']:.3f}"}
-        if rec["val_acc"] is not None:
-            post["val_acc"] = f"{rec['val_acc']:.3f}"
-        if bar_pending:                                       # the steps not yet shown
-            bar.update(bar_pending)
-            bar_pending = 0
-        bar.set_postfix(post)
-        for cb in callbacks:
-            cb.on_epoch_end(state)
-        epoch += 1
-    if not bar.disable and bar.total and bar.n < bar.total:   # stopped early on purpose (a callback):
-        bar.total = bar.n                                      # not an error, so no red notebook bar
-        if hasattr(bar, "container"):                          # tqdm.notebook: the widget's length too
-            bar.container.children[-2].max = bar.n
-    bar.close()
+                cb.on_epoch_end(state)
+            state.epoch += 1
+    finally:
+        if bar:
+            bar.close()
     hist.steps = state.step
     hist.wall_time = time.perf_counter() - t_start
     return hist
+
+
+def _end_epoch(hist: History, stats: _EpochStats, state, device, elapsed: float, run_eval) -> None:
+    """Read the epoch's statistics (its sync points), evaluate unless the last step just did, and
+    append the epoch's record to ``hist``."""
+    step_losses, train_loss, train_acc = stats.close(device)
+    hist.step_loss.extend(step_losses)
+    rec = {"epoch": state.epoch, "step": state.step, "train_loss": train_loss, "train_acc": train_acc,
+           "time_s": elapsed, "images": stats.seen,
+           "images_per_s": stats.seen / elapsed if elapsed > 0 else float("nan"), "val_loss": None, "val_acc": None}
+    hist.images += stats.seen
+    hist.train_time += elapsed
+    if run_eval is not None:
+        if hist.evals and hist.evals[-1]["step"] == state.step:
+            rec["val_loss"], rec["val_acc"] = hist.evals[-1]["val_loss"], hist.evals[-1]["val_acc"]
+        else:
+            r = run_eval()
+            rec["val_loss"], rec["val_acc"] = r["loss"], r["acc"]
+    hist.epochs.append(rec)
+    hist.steps = state.step

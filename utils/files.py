@@ -1,0 +1,52 @@
+"""Writing files so that nothing is lost: the one atomic writer of the package.
+
+A reader (a notebook, the grader, a resumed run, a second rank) sees the old file or the new one,
+never half of one: the bytes go to a temporary file in the same folder, are flushed to disk, and
+the temporary file is renamed onto the target (``os.replace`` is atomic on one file system). A
+failure on the way leaves the old file and no temporary file behind.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tempfile
+from pathlib import Path
+
+__all__ = ["atomic_write", "atomic_write_json", "atomic_save"]
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = True) -> Path:
+    """Write ``data`` (bytes, or text as UTF-8 with newlines kept as given) to ``path`` atomically,
+    making its folder first; returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())  # the bytes are on disk before the rename
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def atomic_write_json(path: str | os.PathLike, obj, *, indent: int = 1) -> Path:
+    """``obj`` as JSON (values JSON cannot hold are written with ``str``), one trailing newline."""
+    return atomic_write(path, json.dumps(obj, indent=indent, default=str) + "\n")
+
+
+def atomic_save(obj, path: str | os.PathLike) -> Path:
+    """``torch.save(obj)`` to ``path`` atomically (serialised in memory first, then written)."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return atomic_write(path, buf.getvalue())
