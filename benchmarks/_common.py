@@ -12,22 +12,12 @@ its spread, so that a noisy (shared, throttled, busy) machine cannot fool one fi
 from __future__ import annotations
 
 import os
-import statistics
 from dataclasses import dataclass
 from typing import Callable
 
+from utils.bench import quartiles  # the one summary of repeats (re-exported for the benchmarks)
+
 __all__ = ["interleave", "Ratio", "paired_ratio", "quartiles", "time_table", "machine_note", "cpu_seconds"]
-
-
-def quartiles(xs) -> tuple[float, float, float]:
-    """(q25, median, q75) of ``xs``, linear interpolation (one value gives itself three times)."""
-    xs = sorted(float(x) for x in xs)
-    if not xs:
-        raise ValueError("no values to summarise")
-    if len(xs) == 1:
-        return xs[0], xs[0], xs[0]
-    q25, q50, q75 = statistics.quantiles(xs, n=4, method="inclusive")
-    return q25, q50, q75
 
 
 def interleave(variants: dict[str, Callable[[], float]], repeats: int, *, warmup_rounds: int = 1,

@@ -120,7 +120,7 @@ def main(argv=None):
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; {machine_note()}")
     results = {n: measure(n, device, args.repeats, args.min_round_s, args.clock) for n in names}
     worst = max(results, key=lambda n: results[n].median)
-    print(f"\nLARS / SGD (foreach), median of per-round ratios: "
+    print("\nLARS / SGD (foreach), median of per-round ratios: "
           + "; ".join(f"{n} {r}" for n, r in results.items()))
     print(f"final line: the worse model ({worst}); {machine_note()}")
     print(f"ratio {results[worst].median:.3f}")

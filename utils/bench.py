@@ -40,16 +40,19 @@ __all__ = ["Timing", "time_fn", "Throughput", "train_throughput", "inference_thr
            "measure_throughput", "MemoryPrediction", "parameter_bytes", "buffer_bytes", "grad_bytes",
            "optimizer_state_bytes", "counted_state_bytes", "activation_bytes", "predict_memory",
            "measure_memory", "TimedLoader", "SlowDataset", "SimulatedGPU", "format_bytes", "format_table",
-           "count_syncs", "amp_step_costs"]
+           "count_syncs", "amp_step_costs", "quartiles"]
 
 
 # ----------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------
 
-def _quantiles(xs):
-    """(q25, median, q75) of ``xs`` (linear interpolation; a single value gives itself three times)."""
-    xs = sorted(xs)
+def quartiles(xs) -> tuple[float, float, float]:
+    """(q25, median, q75) of ``xs``, linear interpolation (one value gives itself three times): the
+    one summary of repeated measurements in the package and in benchmarks/."""
+    xs = sorted(float(x) for x in xs)
+    if not xs:
+        raise ValueError("no values to summarise")
     if len(xs) == 1:
         return xs[0], xs[0], xs[0]
     q25, q50, q75 = statistics.quantiles(xs, n=4, method="inclusive")
@@ -67,11 +70,11 @@ class Timing:
 
     @property
     def median(self) -> float:
-        return _quantiles(self.seconds)[1]
+        return quartiles(self.seconds)[1]
 
     @property
     def iqr(self) -> float:
-        q25, _, q75 = _quantiles(self.seconds)
+        q25, _, q75 = quartiles(self.seconds)
         return q75 - q25
 
     @property
@@ -182,11 +185,11 @@ class Throughput:
 
     @property
     def median(self) -> float:
-        return _quantiles(self.images_per_s)[1]
+        return quartiles(self.images_per_s)[1]
 
     @property
     def iqr(self) -> float:
-        q25, _, q75 = _quantiles(self.images_per_s)
+        q25, _, q75 = quartiles(self.images_per_s)
         return q75 - q25
 
     def row(self) -> dict:

@@ -3,8 +3,7 @@
 The ring all-reduce and gradient averaging must run on real processes, but a function defined
 in a notebook cannot be imported by a spawned process. So these checks send the *source* of
 your function to the processes, which define it again (with ``torch``, ``dist`` =
-``torch.distributed``, ``dist`` = ``utils.parallel``, ``nn``, ``F``, ``math``, ``os`` in scope) and
-call it. Keep your function self-contained: use only those names.
+``torch.distributed``, ``nn``, ``F``, ``math``, ``os`` in scope) and call it. Keep your function self-contained: use only those names.
 """
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ def _define(source: str, fn_name: str):
     """In a spawned process: define the student's function again, with the lab's names in scope."""
     import torch.nn.functional as F
     import torch.distributed as dist
-    from utils import parallel
-    scope = {"torch": torch, "dist": dist, "dist": parallel, "nn": nn, "F": F, "math": math, "os": os}
+    scope = {"torch": torch, "dist": dist, "nn": nn, "F": F, "math": math, "os": os}
     exec(compile(source, "<your exercise cell>", "exec"), scope)
     return scope[fn_name]
 
