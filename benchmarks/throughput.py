@@ -40,7 +40,7 @@ from benchmarks._common import interleave, machine_note, paired_ratio, quartiles
 from utils import bench, config, device as devices, models  # noqa: E402
 from utils.files import atomic_write_json  # noqa: E402
 
-LECTURE = {"gpu": "RTX 3080 Ti", "rows": [          # REFERENCES.md: (device, batch, images/s)
+LECTURE = {"gpu": "RTX 3080 Ti", "rows": [          # docs/REFERENCES.md: (device, batch, images/s)
     ("cpu", 64, 1474), ("cuda", 64, 5369), ("cpu", 4, 1350), ("cuda", 4, 1633), ("cpu", 2, 860), ("cuda", 2, 937)]}
 
 COLUMNS = [("device", "device", "{}"), ("model", "model", "{}"), ("mode", "mode", "{}"),
