@@ -18,6 +18,10 @@ STDERR_OK = "# stderr expected:"
 # added to one of these files lands in its tier without a decorator; a single slow test elsewhere
 # carries @pytest.mark.slow itself. `make check` deselects all four marks.
 MARKED_FILES = {
+    "test_parallel.py": ("slow",),           # every test starts ranks (make check keeps test_oracle_ddp's 2 ranks)
+    "test_stage5.py": ("slow",),
+    "test_torchrun.py": ("slow",),
+    "test_lab.py": ("slow",),                # starts JupyterLab
     "test_grader.py": ("sandbox", "slow"),
     "test_grader_attacks.py": ("sandbox", "slow"),
     "test_slurm.py": ("slurm", "slow"),

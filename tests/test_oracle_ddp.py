@@ -81,7 +81,7 @@ def _check(results, world):
                 f"rank {r}: under no_sync the gradient of {n} should be the rank's own (nothing all-reduced)")
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_ddp_step_equals_one_process_on_the_union(world):
     results = parallel.launch(wk.equivalence_worker, world, backend="gloo", timeout=300)
     _check(results, world)

@@ -85,6 +85,7 @@ def test_interval_helpers_by_hand():
     assert P.phase_of("gloo:all_reduce") == "communication" and P.phase_of("aten::item") == "sync"
 
 
+@pytest.mark.slow
 def test_ddp_bucket_cap_sets_allreduces_per_step(tmp_path):
     """Two gloo ranks: small buckets mean one all-reduce per bucket, launched during backward;
     one big bucket, one all-reduce after it. DDP's own bucket account is the oracle."""

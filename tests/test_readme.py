@@ -112,6 +112,7 @@ def test_each_command_works_from_a_fresh_shell(line, tags, activated):
             assert (ROOT / w).exists(), f"{line}: {w} does not exist"
 
 
+@pytest.mark.slow
 def test_the_two_node_example_runs():
     """`make two-node`: two torchrun agents on 127.0.0.1 meet through c10d rendezvous (no
     --node-rank) and train one process group of 2 ranks; short settings keep it to seconds."""

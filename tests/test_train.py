@@ -7,6 +7,7 @@ from torch import nn
 from utils import config, data, models, train
 
 
+@pytest.mark.slow
 def test_lecture_cnn_reaches_90_percent_on_digits_in_smoke_profile():
     cfg = config.profile("smoke")
     torch.manual_seed(0)
