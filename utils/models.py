@@ -1,5 +1,8 @@
-"""Models used across the series: linear, the lecture CNN, a ResNet-9-style CIFAR net; norm layers."""
+"""Models used across the series: linear, the one MLP builder, the lecture CNN, a ResNet-9-style
+CIFAR net; norm layers."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -19,6 +22,62 @@ class LinearModel(nn.Module):
 
     def forward(self, x):
         return self.linear(x.flatten(1))
+
+
+_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
+_NORMS_1D = {"none": None, "batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
+
+
+def mlp(width: int, depth: int, *, in_features: int | None = None, out_features: int | None = None,
+        expand: int | None = None, activation: str = "relu", norm: str = "none", flatten: bool = False,
+        seed: int | None = None) -> nn.Sequential:
+    """The course's one multilayer perceptron, flat enough that ``model[i]`` is the i-th layer.
+
+    Layers (``expand=None``): ``depth`` Linear layers ``in_features -> width -> ... -> width ->
+    out_features`` (both default to ``width``); every one but the last is followed by ``norm``
+    ("none", "batch" = BatchNorm1d, "layer") and ``activation`` ("relu", "gelu", "tanh").
+    ``flatten=True`` puts an ``nn.Flatten`` first (images in).
+
+    Blocks (``expand=k``): ``depth`` blocks, each Linear(width, k*width), activation,
+    Linear(k*width, width): the MLP half of a transformer layer; ``model[i]`` is block i
+    (``in_features``, ``out_features``, ``norm`` and ``flatten`` must be left out).
+
+    ``seed=None``: PyTorch's default initialisation, from the global RNG (seed it first for
+    reproducible weights). ``seed=s``: every Linear's weight, then bias, in order, drawn
+    uniformly from +-1/sqrt(in_features) (PyTorch's default bounds) with a generator seeded
+    with ``s``, whatever the global RNG: same ``seed``, same weights."""
+    if width < 1 or depth < 1:
+        raise ValueError(f"width and depth must be >= 1, got {width} and {depth}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; use one of {', '.join(_ACTIVATIONS)}")
+    if norm not in _NORMS_1D:
+        raise ValueError(f"unknown norm {norm!r}; use one of {', '.join(_NORMS_1D)}")
+    act = _ACTIVATIONS[activation]
+    if expand is not None:
+        if expand < 1:
+            raise ValueError(f"expand must be >= 1, got {expand}")
+        if in_features not in (None, width) or out_features not in (None, width) or norm != "none" or flatten:
+            raise ValueError("a block MLP maps width to width: leave in_features, out_features, norm and flatten out")
+        layers = [nn.Sequential(nn.Linear(width, expand * width), act(), nn.Linear(expand * width, width))
+                  for _ in range(depth)]
+    else:
+        sizes = [in_features or width] + [width] * (depth - 1) + [out_features or width]
+        layers = [nn.Flatten()] if flatten else []
+        for i in range(depth):
+            layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+            if i < depth - 1:
+                if _NORMS_1D[norm] is not None:
+                    layers.append(_NORMS_1D[norm](sizes[i + 1]))
+                layers.append(act())
+    model = nn.Sequential(*layers)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for lin in (m for m in model.modules() if isinstance(m, nn.Linear)):
+                bound = 1 / math.sqrt(lin.in_features)
+                lin.weight.uniform_(-bound, bound, generator=g)
+                lin.bias.uniform_(-bound, bound, generator=g)
+    return model
 
 
 class Net(nn.Module):
