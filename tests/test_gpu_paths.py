@@ -185,7 +185,7 @@ def test_ddp_train_is_deterministic_before_it_touches_a_device(monkeypatch, alon
     monkeypatch.setattr(device, "set_deterministic", lambda: order.append("deterministic"))
     real_setup = parallel.setup
     monkeypatch.setattr(dist, "setup", lambda *a, **k: (order.append("setup"), real_setup(*a, **k))[1])
-    ddp_train.train(n_train=64, n_val=32, batch_size=32, epochs=1, hidden=4, evaluate=False)
+    ddp_train.train(n_train=64, n_val=32, batch_size=32, epochs=1, width=4, evaluate=False)
     assert order == ["deterministic", "setup"]
 
 

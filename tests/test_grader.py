@@ -235,7 +235,7 @@ def _payloads(spec, tmp_path) -> dict[str, Path]:
     cases = {
         "pickle_exploit": {**sd, "conv1.weight": _RunsCodeWhenUnpickled(marker)},
         "wrong_keys": utils.models.LinearModel(64, 10).state_dict(),
-        "wrong_shapes": utils.models.build(spec.model, shape, hidden_num_chans=8).state_dict(),
+        "wrong_shapes": utils.models.build(spec.model, shape, width=8).state_dict(),
         "nan_weights": {k: v.clone().fill_(float("nan")) if k == "fc1.weight" else v for k, v in sd.items()},
         "ddp_prefix": {f"module.{k}": v for k, v in sd.items()},
         "whole_model": utils.models.build(spec.model, shape, **spec.model_kwargs),
@@ -478,7 +478,7 @@ def test_a_killed_grader_takes_the_submission_along(tmp_path):
 
 def test_probe_and_grader_fingerprint_alike():
     from utils.grader._probe import sitecustomize as probe
-    sd = utils.models.build("net", (1, 8, 8), hidden_num_chans=4).state_dict()
+    sd = utils.models.build("net", (1, 8, 8), width=4).state_dict()
     assert probe.fingerprint(sd) == weights.fingerprint(sd)
     nudged = {**sd, "fc3.bias": sd["fc3.bias"] + 1e-3}
     assert probe.fingerprint(nudged) != weights.fingerprint(sd)

@@ -82,22 +82,22 @@ def mlp(width: int, depth: int, *, in_features: int | None = None, out_features:
 
 class Net(nn.Module):
     """The Lecture 19 demo CNN: the PyTorch CIFAR-10 tutorial net with its first convolution
-    widened to ``hidden_num_chans``. At 128 channels on 3x32x32 it has exactly 120,078 parameters.
+    widened to ``width`` channels (the CNN's width). At 128 on 3x32x32 it has exactly 120,078 parameters.
 
-    conv(C -> hidden, 5x5) -> ReLU -> maxpool 2 -> conv(hidden -> 16, 5x5) -> ReLU -> maxpool 2
+    conv(C -> width, 5x5) -> ReLU -> maxpool 2 -> conv(width -> 16, 5x5) -> ReLU -> maxpool 2
     -> linear(16*h*w -> 120) -> ReLU -> linear(120 -> 84) -> ReLU -> linear(84 -> classes).
 
     Other input shapes work: the flatten size is computed from ``image_size``; images smaller
     than 20 pixels (digits are 8x8) get 'same' padding (2) so two 5x5 convolutions fit.
     """
 
-    def __init__(self, hidden_num_chans: int = 128, in_channels: int = 3, num_classes: int = 10,
+    def __init__(self, width: int = 128, in_channels: int = 3, num_classes: int = 10,
                  image_size: int = 32):
         super().__init__()
         pad = 0 if image_size >= 20 else 2
-        self.conv1 = nn.Conv2d(in_channels, hidden_num_chans, 5, padding=pad)
+        self.conv1 = nn.Conv2d(in_channels, width, 5, padding=pad)
         self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(hidden_num_chans, 16, 5, padding=pad)
+        self.conv2 = nn.Conv2d(width, 16, 5, padding=pad)
         side = image_size
         for _ in range(2):
             side = (side + 2 * pad - 4) // 2
@@ -116,12 +116,12 @@ class Net(nn.Module):
         return self.fc3(x)
 
 
-def net_for(shape, hidden_num_chans: int = 128, num_classes: int = 10) -> Net:
+def net_for(shape, width: int = 128, num_classes: int = 10) -> Net:
     """The lecture CNN sized for images of ``shape`` = (C, H, W), e.g. ``Splits.shape``."""
     c, h, w = shape
     if h != w:
         raise ValueError(f"Net expects square images, got {h}x{w}")
-    return Net(hidden_num_chans, in_channels=c, num_classes=num_classes, image_size=h)
+    return Net(width, in_channels=c, num_classes=num_classes, image_size=h)
 
 
 class GhostBatchNorm2d(nn.BatchNorm2d):
