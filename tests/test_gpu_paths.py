@@ -243,18 +243,11 @@ def test_time_fn_records_events_on_the_measured_device(monkeypatch):
 
 # ---------------------------------------------------------------------------- 7. warm-up epoch reported apart
 
-class SlowFirstEpoch:
+class SlowFirstEpoch(data.EpochLoader):
     """A loader whose epoch 0 costs an extra second (as cuDNN autotuning or compiling does)."""
 
     def __init__(self, loader):
-        self.loader, self.epoch = loader, 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-        self.loader.set_epoch(epoch)
-
-    def __len__(self):
-        return len(self.loader)
+        self.loader = loader
 
     def __iter__(self):
         if self.epoch == 0:

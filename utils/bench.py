@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from .data import EpochLoader
 from .device import autocast, resolve_amp_dtype, synchronize
 from .optim import make_optimizer
 
@@ -257,7 +258,7 @@ def inference_throughput(model, batch_size, **kw) -> Throughput:
 # Input pipeline
 # ----------------------------------------------------------------------------------------
 
-class TimedLoader:
+class TimedLoader(EpochLoader):
     """Wraps a loader and adds up the host time spent waiting for each batch (``wait_s``).
 
     Give it to ``fit`` instead of the loader; ``wait_s / history.train_time`` is the fraction of
@@ -270,15 +271,6 @@ class TimedLoader:
         self.wait_s = 0.0
         self.batches = 0
         self.waits = []               # seconds waited for each batch (a median ignores a hiccup)
-
-    def __len__(self):
-        return len(self.loader)
-
-    def set_epoch(self, epoch: int) -> None:
-        for obj in (self.loader, getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None)):
-            if obj is not None and hasattr(obj, "set_epoch"):
-                obj.set_epoch(epoch)
-                return
 
     def reset(self) -> None:
         self.wait_s, self.batches, self.waits = 0.0, 0, []
