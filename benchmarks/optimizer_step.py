@@ -44,15 +44,8 @@ from utils import bench, device as dev, models  # noqa: E402
 from utils.optim import LARS, lars_param_groups  # noqa: E402
 
 
-def mlp(depth: int = 50, width: int = 64) -> nn.Module:
-    """``depth`` Linear(width, width) layers with ReLUs: 2 * depth small parameter tensors."""
-    layers = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    return nn.Sequential(*layers[:-1])
-
-
-MODELS = {"resnet9": lambda: models.ResNet9(width=64), "mlp50": lambda: mlp(50, 64)}
+# mlp50: 50 Linear(64, 64) layers with ReLUs between them, 100 small parameter tensors
+MODELS = {"resnet9": lambda: models.ResNet9(width=64), "mlp50": lambda: models.mlp(64, 50)}
 
 
 def optimizers(model: nn.Module) -> dict:

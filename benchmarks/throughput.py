@@ -15,7 +15,7 @@ round by round (benchmarks._common.interleave), so a slow spell of a shared mach
 row alike rather than a few rows entirely. The steps per timed repeat are fixed per
 configuration by a first calibration call (about ``--min-repeat-s`` seconds).
 
-The model is the lecture's ``Net(hidden_num_chans=128)`` (120,078 parameters) on random
+The model is the lecture's ``Net(width=128)`` (120,078 parameters) on random
 3x32x32 images, SGD with momentum, one device-resident batch (no input pipeline). The lecture
 measured 5,369 images/s on an RTX 3080 Ti against 1,474 on its CPU at batch 64.
 """
@@ -143,7 +143,7 @@ def main(argv=None) -> int:
     n_params = models.count_parameters(model)
     print(devices.hardware_summary())
     load_before = load_average()
-    print(f"model Net(hidden_num_chans={args.width}), {n_params:,} parameters; profile {cfg.name}; "
+    print(f"model Net(width={args.width}), {n_params:,} parameters; profile {cfg.name}; "
           f"{'quick; ' if args.quick else ''}{repeats} repeats, {warmup} warm-up; load average {load_before}")
 
     runs = plan(args, cfg, has_cuda)
@@ -195,7 +195,7 @@ def main(argv=None) -> int:
         "profile": cfg.name, "quick": args.quick, "repeats": repeats, "warmup": warmup,
         "load_average": {"before": load_before, "after": load_average()},
         "hardware": devices.describe_hardware(), "versions": versions(),
-        "model": {"name": "Net", "hidden_num_chans": args.width, "parameters": n_params, "input": [3, 32, 32],
+        "model": {"name": "Net", "width": args.width, "parameters": n_params, "input": [3, 32, 32],
                   "optimizer": "SGD momentum 0.9", "loss": "cross-entropy"},
         "rows": rows,
         "speedup_batch64": speedup,

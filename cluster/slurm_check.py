@@ -246,7 +246,7 @@ def main(argv=None) -> int:
     slurm = LocalSlurm(tmp, os.path.dirname(sys.executable))
     ok = False
     # Tiny training, the same everywhere, so weights can be compared across launchers.
-    work = ["--epochs", str(args.epochs), "--n-train", "256", "--n-val", "64", "--hidden", "8", "--batch-size", "16",
+    work = ["--epochs", str(args.epochs), "--n-train", "256", "--n-val", "64", "--width", "8", "--batch-size", "16",
             "--backend", "gloo", "--device", "cpu"]
 
     def step(msg):

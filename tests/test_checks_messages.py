@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DistributedSampler
 
-from utils import checks, sgd
+from utils import checks, linear_regression
 
 
 def placeholder(*args, **kwargs):
@@ -35,7 +35,7 @@ def gd_step_keeps_b(x, y, w, b, lr):
 def sgd_new_iterator_each_step(x, y, w0, b0, lr, steps, batch_size, seed=0):
     path, w, b = [(w0, b0)], w0, b0
     for _ in range(steps):
-        idx = next(sgd.minibatches(len(x), batch_size, seed))
+        idx = next(linear_regression.minibatches(len(x), batch_size, seed))
         r = w * x[idx] + b - y[idx]
         w, b = float(w - lr * 2 * (r * x[idx]).mean()), float(b - lr * 2 * r.mean())
         path.append((w, b))

@@ -185,7 +185,7 @@ def test_ddp_train_is_deterministic_before_it_touches_a_device(monkeypatch, alon
     monkeypatch.setattr(device, "set_deterministic", lambda: order.append("deterministic"))
     real_setup = parallel.setup
     monkeypatch.setattr(parallel, "setup", lambda *a, **k: (order.append("setup"), real_setup(*a, **k))[1])
-    ddp_train.train(n_train=64, n_val=32, batch_size=32, epochs=1, hidden=4, evaluate=False)
+    ddp_train.train(n_train=64, n_val=32, batch_size=32, epochs=1, width=4, evaluate=False)
     assert order == ["deterministic", "setup"]
 
 
@@ -243,18 +243,11 @@ def test_time_fn_records_events_on_the_measured_device(monkeypatch):
 
 # ---------------------------------------------------------------------------- 7. warm-up epoch reported apart
 
-class SlowFirstEpoch:
+class SlowFirstEpoch(data.EpochLoader):
     """A loader whose epoch 0 costs an extra second (as cuDNN autotuning or compiling does)."""
 
     def __init__(self, loader):
-        self.loader, self.epoch = loader, 0
-
-    def set_epoch(self, epoch):
-        self.epoch = epoch
-        self.loader.set_epoch(epoch)
-
-    def __len__(self):
-        return len(self.loader)
+        self.loader = loader
 
     def __iter__(self):
         if self.epoch == 0:

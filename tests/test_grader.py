@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from utils.grader import checkpoint, sandbox
+from utils.grader import sandbox, weights
 from utils.grader.batch import gradescope_batch, gradescope_result
 from utils.grader.gradescope import build_zip
 from utils.grader.core import grade, write_json
@@ -235,7 +235,7 @@ def _payloads(spec, tmp_path) -> dict[str, Path]:
     cases = {
         "pickle_exploit": {**sd, "conv1.weight": _RunsCodeWhenUnpickled(marker)},
         "wrong_keys": utils.models.LinearModel(64, 10).state_dict(),
-        "wrong_shapes": utils.models.build(spec.model, shape, hidden_num_chans=8).state_dict(),
+        "wrong_shapes": utils.models.build(spec.model, shape, width=8).state_dict(),
         "nan_weights": {k: v.clone().fill_(float("nan")) if k == "fc1.weight" else v for k, v in sd.items()},
         "ddp_prefix": {f"module.{k}": v for k, v in sd.items()},
         "whole_model": utils.models.build(spec.model, shape, **spec.model_kwargs),
@@ -265,13 +265,13 @@ def _payloads(spec, tmp_path) -> dict[str, Path]:
 def test_checkpoint_rejections(spec, tmp_path, case, code, words):
     path = _payloads(spec, tmp_path)[case]
     heldout = load_heldout()
-    with pytest.raises(checkpoint.CheckpointRejected) as e:
-        sd = checkpoint.load_state_dict(path, 64 << 20)
-        checkpoint.evaluate(spec, sd, heldout)
+    with pytest.raises(weights.CheckpointRejected) as e:
+        sd = weights.load_state_dict(path, 64 << 20)
+        weights.evaluate(spec, sd, heldout)
     assert e.value.code == code and words in str(e.value), f"{case}: {e.value.code}: {e.value}"
     assert not (tmp_path / "CODE_WAS_RUN").exists(), "loading the checkpoint ran the attacker's code"
-    with pytest.raises(checkpoint.CheckpointRejected, match="over the"):
-        checkpoint.load_state_dict(path, 16)
+    with pytest.raises(weights.CheckpointRejected, match="over the"):
+        weights.load_state_dict(path, 16)
 
 
 def load_heldout():
@@ -404,11 +404,11 @@ def test_gpus_are_divided_among_jobs(spec, monkeypatch):
 
 def test_model_file_must_be_a_regular_file(tmp_path):
     (tmp_path / "model.pt").symlink_to("/etc/hostname")
-    with pytest.raises(checkpoint.CheckpointRejected, match="regular file"):
-        checkpoint.load_state_dict(tmp_path / "model.pt", 1 << 20)
+    with pytest.raises(weights.CheckpointRejected, match="regular file"):
+        weights.load_state_dict(tmp_path / "model.pt", 1 << 20)
     os.mkfifo(tmp_path / "fifo.pt")
-    with pytest.raises(checkpoint.CheckpointRejected, match="regular file"):
-        checkpoint.load_state_dict(tmp_path / "fifo.pt", 1 << 20)
+    with pytest.raises(weights.CheckpointRejected, match="regular file"):
+        weights.load_state_dict(tmp_path / "fifo.pt", 1 << 20)
 
 
 # ----------------------------------------------------------------------------------------
@@ -478,10 +478,10 @@ def test_a_killed_grader_takes_the_submission_along(tmp_path):
 
 def test_probe_and_grader_fingerprint_alike():
     from utils.grader._probe import sitecustomize as probe
-    sd = utils.models.build("net", (1, 8, 8), hidden_num_chans=4).state_dict()
-    assert probe.fingerprint(sd) == checkpoint.fingerprint(sd)
+    sd = utils.models.build("net", (1, 8, 8), width=4).state_dict()
+    assert probe.fingerprint(sd) == weights.fingerprint(sd)
     nudged = {**sd, "fc3.bias": sd["fc3.bias"] + 1e-3}
-    assert probe.fingerprint(nudged) != checkpoint.fingerprint(sd)
+    assert probe.fingerprint(nudged) != weights.fingerprint(sd)
 
 
 

@@ -12,7 +12,7 @@ def test_lecture_cnn_has_exactly_120078_parameters():
 
 @pytest.mark.parametrize("shape", [(1, 8, 8), (1, 28, 28), (3, 32, 32)])
 def test_cnn_accepts_other_input_shapes(shape):
-    net = models.net_for(shape, hidden_num_chans=16)
+    net = models.net_for(shape, width=16)
     assert net(torch.randn(3, *shape)).shape == (3, 10)
 
 
@@ -50,7 +50,7 @@ def test_ghost_batchnorm_normalises_each_virtual_batch():
 
 
 def test_build_by_name():
-    assert isinstance(models.build("net", (1, 8, 8), hidden_num_chans=8), models.Net)
+    assert isinstance(models.build("net", (1, 8, 8), width=8), models.Net)
     assert models.build("linear", (1, 8, 8))(torch.randn(2, 1, 8, 8)).shape == (2, 10)
     with pytest.raises(ValueError, match="resnet9"):
         models.build("vgg")

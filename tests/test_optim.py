@@ -8,8 +8,8 @@ import torch
 from torch import nn
 
 from utils.models import GhostBatchNorm2d, Net
-from utils.optim import (LARS, add_gradient_noise, lars_param_groups, multiply_gradient_noise_,
-                         noise_sigma)
+from utils.optim import (LARS, add_gradient_noise, lars_param_groups, make_optimizer,
+                         multiply_gradient_noise_, noise_sigma)
 
 
 def _norm(v):
@@ -388,3 +388,17 @@ def test_multi_tensor_step_equals_one_tensor_at_a_time(kw):
             tol = 1e-12 if p.dtype == torch.float64 else 1e-6
             assert torch.allclose(p, q, rtol=tol, atol=tol), "a tensor stepped with others differs from it stepped alone"
             assert torch.allclose(opt.state[p]["trust_ratio"].double(), o.state[q]["trust_ratio"].double(), rtol=1e-6)
+
+
+def test_make_optimizer_has_one_meaning_per_name():
+    model = nn.Linear(3, 2)
+    plain = make_optimizer("sgd", model.parameters(), lr=0.1)
+    assert isinstance(plain, torch.optim.SGD) and plain.param_groups[0]["momentum"] == 0, "'sgd' is plain SGD"
+    heavy = make_optimizer("sgd", model.parameters(), lr=0.1, momentum=0.9)
+    assert heavy.param_groups[0]["momentum"] == 0.9
+    assert isinstance(make_optimizer("adam", model.parameters()), torch.optim.Adam)
+    assert isinstance(make_optimizer("adamw", model.parameters()), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="momentum"):
+        make_optimizer("adam", model.parameters(), momentum=0.9)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        make_optimizer("lion", model.parameters())

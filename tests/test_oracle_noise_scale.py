@@ -4,8 +4,8 @@ gradients have a covariance we choose, against its closed form.
 Per-example loss ``l_i(theta) = a_i . theta`` with ``a_i ~ N(G, Sigma)``: the per-example gradient
 is ``a_i`` itself, so the true gradient is ``G`` and the per-example covariance ``Sigma``, and
 McCandlish et al. (2018)'s simple noise scale is exactly ``B_simple = tr(Sigma) / |G|^2``.
-utils.sgd estimates it the way their appendix A does: squared norms of the gradients of a small
-and a big batch, the unbiased estimators
+utils.gradient_noise estimates it the way their appendix A does: squared norms of the gradients of
+a small and a big batch, the unbiased estimators
 
     |G|^2     ~ (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)
     tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1 / B_small - 1 / B_big)
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import TensorDataset
 
-from utils import sgd
+from utils import gradient_noise
 
 D = 10
 G_TRUE = torch.full((D,), 0.5, dtype=torch.float64)                 # |G|^2 = 2.5
@@ -58,15 +58,15 @@ def test_two_batch_estimator_recovers_b_simple_within_10_percent():
     assert math.isclose(true_b, 50.0, rel_tol=1e-9)
     torch.manual_seed(0)
     model = nn.Linear(D, 1, bias=False)
-    small, big = sgd.grad_sq_norms(model, _dataset(200_000, seed=2), b_small=16, b_big=256, draws=1500,
+    small, big = gradient_noise.grad_sq_norms(model, _dataset(200_000, seed=2), b_small=16, b_big=256, draws=1500,
                                    seed=3, loss_fn=_mean_output, device="cpu")
-    est = sgd.noise_scale(small, big, 16, 256)
+    est = gradient_noise.noise_scale(small, big, 16, 256)
     assert abs(est.G2 / 2.5 - 1) < 0.1, f"|G|^2 estimated {est.G2:.3f}, true 2.5"
     assert abs(est.tr_sigma / 125.0 - 1) < 0.1, f"tr(Sigma) estimated {est.tr_sigma:.2f}, true 125"
     assert abs(est.b_simple / true_b - 1) < 0.1, (
         f"B_simple estimated {est.b_simple:.2f}, the closed form tr(Sigma)/|G|^2 is {true_b:.2f}")
     # the one-step estimates are unbiased, not each right: single pairs scatter widely
-    G2, trS = sgd.two_batch_estimates(small, big, 16, 256)
+    G2, trS = gradient_noise.two_batch_estimates(small, big, 16, 256)
     assert float(trS.std()) > 0.2 * 125.0, "single pairs should be noisy; averaging is what makes it work"
 
 
@@ -75,6 +75,6 @@ def test_estimator_is_exact_on_the_expected_squared_norms():
     must return the closed form exactly, for any pair of batch sizes."""
     G2, trS = float(G_TRUE @ G_TRUE), float(SIGMA.trace())
     for bs, bb in [(1, 2), (16, 256), (3, 1000)]:
-        ns = sgd.noise_scale([G2 + trS / bs], [G2 + trS / bb], bs, bb)
+        ns = gradient_noise.noise_scale([G2 + trS / bs], [G2 + trS / bb], bs, bb)
         assert math.isclose(ns.b_simple, trS / G2, rel_tol=1e-12)
         assert math.isclose(ns.G2, G2, rel_tol=1e-12) and math.isclose(ns.tr_sigma, trS, rel_tol=1e-12)

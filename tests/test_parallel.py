@@ -218,7 +218,7 @@ def test_hand_ddp_and_torch_ddp_match_single_process():
 def test_checkpoint_resume_is_exact(tmp_path, monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
         monkeypatch.delenv(k, raising=False)
-    cfg = dict(n_train=128, n_val=64, batch_size=32, epochs=3, hidden=8, evaluate=False)
+    cfg = dict(n_train=128, n_val=64, batch_size=32, epochs=3, width=8, evaluate=False)
     full = ddp_train.train(cfg)["state"]
     ck = str(tmp_path / "run.pt")
     with pytest.raises(RuntimeError, match="injected failure"):

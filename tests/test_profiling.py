@@ -22,7 +22,7 @@ def small():
 
 def _run(small, tmp_path, name, callbacks=()):
     torch.manual_seed(0)
-    model = models.build("net", small.shape, hidden_num_chans=8)
+    model = models.build("net", small.shape, width=8)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = data.make_loader(small.train, 32, kind="dataloader")
     prof, trace = P.profile_fit(model, loader, opt, tmp_path / name, steps=(1, 1, 3), callbacks=callbacks)

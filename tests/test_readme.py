@@ -120,7 +120,7 @@ def test_the_two_node_example_runs():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     r = subprocess.run(["make", "-s", "two-node", f"TWO_NODE_PORT={port}",
-                        "TWO_NODE_ARGS=--epochs 1 --n-train 256 --n-val 64 --hidden 8"],
+                        "TWO_NODE_ARGS=--epochs 1 --n-train 256 --n-val 64 --width 8"],
                        cwd=ROOT, env=fresh_env(), capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, f"make two-node exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert re.search(r"rank 0 of 2 \(gloo\): 4 steps from epoch 0", r.stdout), r.stdout

@@ -6,21 +6,25 @@ import pytest
 import torch
 from torch import nn
 
-import utils.config
-from utils.schedules import (WarmupDecay, goyal_schedule, linear_scaled_lr, scaled_lr,
-                             sqrt_scaled_lr)
+from utils import config, data
+from utils.models import mlp
+from utils.schedules import WarmupDecay, goyal_schedule, lr_for_batch
 from utils.train import fit
 
 
 def test_scaling_rules():
-    assert linear_scaled_lr(0.1, 8192, 256) == pytest.approx(3.2)     # Goyal et al.: 0.1 * k
-    assert sqrt_scaled_lr(0.1, 1024, 256) == pytest.approx(0.2)
-    assert scaled_lr(0.1, 1024, 256, "none") == 0.1
-    assert scaled_lr(0.05, 8, 16, "linear") == pytest.approx(0.025)   # smaller batch: smaller rate
-    with pytest.raises(ValueError, match="rule"):
-        scaled_lr(0.1, 1024, 256, "quadratic")
+    # lr_for_batch(base_lr, base_batch, batch, rule, max_lr): the lab's argument order
+    assert lr_for_batch(0.1, 256, 8192) == pytest.approx(3.2)             # Goyal et al.: 0.1 * k
+    assert lr_for_batch(0.1, 256, 1024, "sqrt") == pytest.approx(0.2)
+    assert lr_for_batch(0.1, 256, 1024, "none") == 0.1
+    assert lr_for_batch(0.05, 16, 8, "linear") == pytest.approx(0.025)    # smaller batch: smaller rate
+    assert lr_for_batch(0.01, 16, 64) == pytest.approx(0.04)
+    assert lr_for_batch(0.01, 16, 64, "sqrt") == pytest.approx(0.02)
+    assert lr_for_batch(0.01, 16, 1024, max_lr=0.1) == pytest.approx(0.1)  # capped
+    with pytest.raises(ValueError, match="LR rule"):
+        lr_for_batch(0.1, 256, 1024, "quadratic")
     with pytest.raises(ValueError, match="batch"):
-        linear_scaled_lr(0.1, 0, 256)
+        lr_for_batch(0.1, 256, 0)
 
 
 def test_warmup_ramp_first_middle_last():
@@ -95,33 +99,30 @@ def test_fit_runs_each_step_at_the_formula_rate():
     assert hist.step_lr == pytest.approx(sched.rates(10)), "fit must see lr(t) at step t"
 
 
-def _mlp(shape, hidden):
+def _mlp(shape, width):
     """The sweep's model in notebooks/04_large_batch.ipynb: two BatchNorm hidden layers."""
-    return nn.Sequential(nn.Flatten(), nn.Linear(math.prod(shape), hidden), nn.BatchNorm1d(hidden), nn.ReLU(),
-                         nn.Linear(hidden, hidden), nn.BatchNorm1d(hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    return mlp(width, 3, in_features=math.prod(shape), out_features=10, norm="batch", flatten=True)
 
 
 def _sweep_run(cfg, splits, batch, rule, warmup_epochs, seed=0):
     """One run of the notebook's sweep: SGD with momentum, the rule's rate, warmup, cosine decay."""
-    import utils.data
     from utils.optim import lars_param_groups
     torch.manual_seed(seed)
-    model = _mlp(splits.shape, cfg.lb_hidden)
-    loader = utils.data.make_loader(splits.train, batch, seed=seed)
-    peak = scaled_lr(cfg.lb_base_lr, batch, cfg.lb_base_batch, rule)
+    model = _mlp(splits.shape, cfg.lb_mlp_width)
+    loader = data.make_loader(splits.train, batch, seed=seed)
+    peak = lr_for_batch(cfg.lb_base_lr, cfg.lb_base_batch, batch, rule)
     sched = WarmupDecay(min(cfg.lb_base_lr, peak), peak, round(warmup_epochs * len(loader)),
                         cfg.lb_epochs * len(loader), "cosine")
     opt = torch.optim.SGD(lars_param_groups(model, cfg.lb_weight_decay), lr=peak, momentum=0.9)
     return fit(model, loader, opt, epochs=cfg.lb_epochs, scheduler=sched.scheduler(opt),
-               val_loader=utils.data.make_loader(splits.val, 512, shuffle=False), progress=False)
+               val_loader=data.make_loader(splits.val, 512, shuffle=False), progress=False)
 
 
 def test_linear_scaling_with_warmup_beats_the_naive_rate_at_the_largest_batch():
     """The phenomenon, in the smoke profile: at the sweep's largest batch, the linearly scaled
     rate with gradual warmup ends with a higher validation accuracy than the base rate."""
-    import utils.data
-    cfg = utils.config.profile("smoke")
-    splits = utils.data.load(cfg.lb_dataset, cfg.n_train, cfg.n_val, seed=0)
+    cfg = config.profile("smoke")
+    splits = data.load(cfg.lb_dataset, cfg.n_train, cfg.n_val, seed=0)
     batch = max(cfg.lb_batch_sizes)
     naive = _sweep_run(cfg, splits, batch, "none", 0)
     warm = _sweep_run(cfg, splits, batch, "linear", cfg.lb_warmup_epochs)
@@ -149,7 +150,7 @@ def test_check_warmup_lr():
 
 def test_check_lr_for_batch():
     from utils.checks import CheckFailed, check_lr_for_batch
-    check_lr_for_batch(lambda lr, b0, b, rule: scaled_lr(lr, b, b0, rule))
+    check_lr_for_batch(lambda lr, b0, b, rule: lr_for_batch(lr, b0, b, rule))
     with pytest.raises(CheckFailed, match="not implemented"):
         check_lr_for_batch(_placeholder)
     with pytest.raises(CheckFailed, match="upside down"):

@@ -13,7 +13,7 @@ import torch
 from utils.parallel import free_port, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
-ARGS = ["-m", "utils.ddp_train", "--n-train", "256", "--n-val", "64", "--hidden", "8", "--epochs", "2",
+ARGS = ["-m", "utils.ddp_train", "--n-train", "256", "--n-val", "64", "--width", "8", "--epochs", "2",
         "--batch-size", "32"]                     # 4 steps per epoch per rank with 2 ranks
 
 

@@ -1,4 +1,3 @@
-import copy
 
 import pytest
 import torch
@@ -12,7 +11,7 @@ def test_lecture_cnn_reaches_90_percent_on_digits_in_smoke_profile():
     cfg = config.profile("smoke")
     torch.manual_seed(0)
     s = data.load("digits", n_train=cfg.n_train, n_val=cfg.n_val)
-    net = models.net_for(s.shape, cfg.hidden_num_chans)
+    net = models.net_for(s.shape, cfg.cnn_width)
     hist = train.fit(net, data.make_loader(s.train, cfg.batch_size), torch.optim.Adam(net.parameters(), cfg.lr),
                      epochs=cfg.epochs, val_loader=data.make_loader(s.val, 512, shuffle=False), progress=False)
     assert hist.val_acc >= 0.90, f"lecture CNN reached only {hist.val_acc:.3f} on digits"

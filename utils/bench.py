@@ -1,4 +1,4 @@
-"""Throughput and memory, measured right, once for everyone.
+"""Time and throughput, measured right, once for everyone.
 
 Timing (:func:`time_fn`): untimed warm-up calls first (allocator, cuDNN autotuning, compilation
 happen there), then ``repeats`` timed repeats of ``number`` calls each. On a CUDA device the
@@ -13,10 +13,8 @@ one fixed, device-resident batch of random images, for a given batch size, devic
 the step alone, with no input pipeline; the whole loop with data is ``utils.train.fit``'s
 ``History.images_per_s``, and :class:`TimedLoader` measures how long ``fit`` waits for data.
 
-Memory (:func:`predict_memory`): the bytes training keeps on the device: parameters and
-buffers, gradients, optimizer state (exactly: SGD with momentum 1x the parameters, without 0x;
-Adam and AdamW 2x, 3x with amsgrad), and an estimate of the activations saved for backward.
-:func:`measure_memory` measures the peak with ``torch.cuda.max_memory_allocated`` on a GPU.
+Memory (bytes of parameters, gradients, optimizer state and activations, predicted and
+measured) is :mod:`utils.memory`.
 
 :class:`SimulatedGPU` is a stand-in for an asynchronous accelerator (work queued to a thread)
 that shows on any machine why a host timer without synchronisation lies.
@@ -34,12 +32,12 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from .device import autocast, synchronize
+from .data import EpochLoader
+from .device import autocast, resolve_amp_dtype, synchronize
+from .optim import make_optimizer
 
 __all__ = ["Timing", "time_fn", "Throughput", "train_throughput", "inference_throughput",
-           "measure_throughput", "MemoryPrediction", "parameter_bytes", "buffer_bytes", "grad_bytes",
-           "optimizer_state_bytes", "counted_state_bytes", "activation_bytes", "predict_memory",
-           "measure_memory", "TimedLoader", "SlowDataset", "SimulatedGPU", "format_bytes", "format_table",
+           "measure_throughput", "TimedLoader", "SlowDataset", "SimulatedGPU", "format_table",
            "count_syncs", "amp_step_costs", "quartiles"]
 
 
@@ -150,23 +148,6 @@ def time_fn(fn, *, warmup: int = 3, repeats: int = 10, number: int = 1, device=N
 # Throughput
 # ----------------------------------------------------------------------------------------
 
-_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16}
-
-
-def _amp(amp_dtype):
-    """(autocast dtype or None, its short name) from None, a torch dtype or a name."""
-    if isinstance(amp_dtype, str):
-        if amp_dtype.lower() not in _DTYPES:
-            raise ValueError(f"unknown dtype {amp_dtype!r}; use one of fp32, bf16, fp16")
-        amp_dtype = _DTYPES[amp_dtype.lower()]
-    if amp_dtype is None or amp_dtype == torch.float32:
-        return None, "fp32"
-    if amp_dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"autocast dtype must be torch.bfloat16 or torch.float16, got {amp_dtype}")
-    return amp_dtype, "bf16" if amp_dtype == torch.bfloat16 else "fp16"
-
-
 @dataclass
 class Throughput:
     """Images/s of one configuration: one entry per timed repeat, with what was measured."""
@@ -203,38 +184,26 @@ class Throughput:
                 f"{self.median:,.0f} images/s, IQR {self.iqr:,.0f})")
 
 
-def _make_optimizer(optimizer, params, lr=1e-3):
-    if isinstance(optimizer, str):
-        name = optimizer.lower()
-        if name == "sgd":
-            return torch.optim.SGD(params, lr=lr, momentum=0.9)
-        if name == "adam":
-            return torch.optim.Adam(params, lr=lr)
-        if name == "adamw":
-            return torch.optim.AdamW(params, lr=lr)
-        raise ValueError(f"unknown optimizer {optimizer!r}; use 'sgd', 'adam' or 'adamw', "
-                         "or pass a function params -> optimizer")
-    return optimizer(params)
-
-
 def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train", device=None,
                        input_shape=(3, 32, 32), num_classes: int = 10, amp_dtype=None,
                        channels_last: bool = False, compile: bool = False, optimizer="sgd",
-                       warmup: int = 3, repeats: int = 10, steps: int | None = None,
+                       momentum: float = 0.9, warmup: int = 3, repeats: int = 10, steps: int | None = None,
                        min_repeat_s: float = 0.1, max_steps: int = 50, name: str | None = None) -> Throughput:
     """Images/s of ``model`` (a copy: yours is not moved or changed) on one random batch.
 
     mode: "train" (forward, loss, backward, optimizer step) or "inference" (forward, no grad).
     steps: steps per timed repeat; None chooses enough for about ``min_repeat_s`` seconds
         (at most ``max_steps``), from the time of one warm step.
-    optimizer: "sgd" (momentum 0.9), "adam", "adamw" or a function params -> optimizer.
+    optimizer, momentum: a name for :func:`utils.optim.make_optimizer` ("sgd", "adam", "adamw")
+        or a function params -> optimizer; ``momentum`` is SGD's (0.9 by default here: the
+        lecture's SGD with momentum).
     """
     if mode not in ("train", "inference"):
         raise ValueError(f"mode must be 'train' or 'inference', got {mode!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     device = torch.device(device) if device is not None else torch.device("cpu")
-    amp_dtype, dtype_name = _amp(amp_dtype)
+    amp_dtype, dtype_name = resolve_amp_dtype(amp_dtype)
     name = name or type(model).__name__
     net = copy.deepcopy(model).to(device)
     if channels_last:
@@ -248,7 +217,7 @@ def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train"
 
     if mode == "train":
         net.train()
-        opt = _make_optimizer(optimizer, net.parameters())
+        opt = make_optimizer(optimizer, net.parameters(), momentum=momentum if optimizer == "sgd" else 0.0)
 
         def step():
             with autocast(device, amp_dtype):
@@ -286,224 +255,10 @@ def inference_throughput(model, batch_size, **kw) -> Throughput:
 
 
 # ----------------------------------------------------------------------------------------
-# Memory
-# ----------------------------------------------------------------------------------------
-
-def _unique(tensors):
-    seen, out = set(), []
-    for t in tensors:
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def parameter_bytes(model: nn.Module) -> int:
-    """Bytes of all parameters (shared ones once)."""
-    return sum(_nbytes(p) for p in _unique(model.parameters()))
-
-
-def buffer_bytes(model: nn.Module) -> int:
-    """Bytes of the buffers (batch-norm running statistics and the like)."""
-    return sum(_nbytes(b) for b in _unique(model.buffers()))
-
-
-def grad_bytes(model: nn.Module) -> int:
-    """Bytes of the gradients backward will create: one per trainable parameter, same dtype."""
-    return sum(_nbytes(p) for p in _unique(model.parameters()) if p.requires_grad)
-
-
-def _state_multiplier(kind: str, group: dict) -> int:
-    """Per-element state tensors (each the size of its parameter) an optimizer keeps."""
-    if kind == "sgd":
-        return 1 if group.get("momentum", 0) else 0
-    if kind in ("adam", "adamw"):
-        return 3 if group.get("amsgrad", False) else 2
-    if kind == "rmsprop":
-        return 1 + (1 if group.get("momentum", 0) else 0) + (1 if group.get("centered", False) else 0)
-    if kind == "adagrad":
-        return 1
-    raise ValueError(f"no state rule for optimizer {kind!r}; known: sgd, adam, adamw, rmsprop, adagrad")
-
-
-def optimizer_state_bytes(model_or_params, optimizer="adam", *, momentum: float = 0.0,
-                          amsgrad: bool = False) -> int:
-    """Bytes of the optimizer's per-element state after its first step, exactly.
-
-    ``optimizer``: a ``torch.optim`` instance (its param groups decide), or a name ("sgd",
-    "adam", "adamw", "rmsprop", "adagrad") with ``momentum``/``amsgrad`` for the model's
-    trainable parameters. SGD keeps a momentum buffer only when momentum != 0; Adam keeps
-    exp_avg and exp_avg_sq (2x the parameters). Not counted: Adam's per-parameter ``step``
-    counters, 0-dimensional tensors that live on the CPU unless ``capturable``/``fused``.
-    """
-    if isinstance(optimizer, torch.optim.Optimizer):
-        kind = type(optimizer).__name__.lower()
-        total = 0
-        for g in optimizer.param_groups:
-            mult = _state_multiplier(kind, g)
-            total += mult * sum(_nbytes(p) for p in g["params"] if p.requires_grad)
-        return total
-    if not isinstance(optimizer, str):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a name, got {type(optimizer).__name__}")
-    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
-    group = {"momentum": momentum, "amsgrad": amsgrad}
-    mult = _state_multiplier(optimizer.lower(), group)
-    return mult * sum(_nbytes(p) for p in _unique(params) if p.requires_grad)
-
-
-def counted_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """The oracle: bytes of the per-element tensors really held in ``optimizer.state`` (call it
-    after a step; 0-dimensional counters such as Adam's ``step`` are left out)."""
-    total = 0
-    for st in optimizer.state.values():
-        for v in st.values():
-            if torch.is_tensor(v) and v.dim() > 0:
-                total += _nbytes(v)
-    return total
-
-
-def _saved_bytes(model: nn.Module, batch_size: int, input_shape, amp_dtype, num_classes: int) -> int:
-    """Bytes of the distinct non-parameter tensors autograd saves for backward in one forward."""
-    device = next(model.parameters()).device
-    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: dict[int, int] = {}
-
-    def pack(t):
-        s = t.untyped_storage()
-        ptr = s.data_ptr()
-        if ptr not in param_ptrs:
-            seen[ptr] = max(seen.get(ptr, 0), s.nbytes())
-        return t
-
-    x = torch.randn(batch_size, *input_shape, device=device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-        with autocast(device, amp_dtype):
-            out = model(x)
-            y = torch.zeros(batch_size, dtype=torch.long, device=device)
-            nn.functional.cross_entropy(out.float(), y)
-    return sum(seen.values())
-
-
-def activation_bytes(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, amp_dtype=None,
-                     num_classes: int = 10) -> int:
-    """Estimate of the activations saved for backward at ``batch_size``.
-
-    Runs two tiny forward passes (batch 2 and 4) on the model's device, counts the tensors
-    autograd saves (parameters excluded), and extrapolates the straight line fixed + per-image x
-    batch. The model's buffers (batch-norm statistics) are restored afterwards. An estimate: the
-    peak during backward adds temporary gradient buffers and library workspaces."""
-    amp_dtype, _ = _amp(amp_dtype)
-    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
-    try:
-        b1, b2 = 2, 4
-        s1 = _saved_bytes(model, b1, input_shape, amp_dtype, num_classes)
-        s2 = _saved_bytes(model, b2, input_shape, amp_dtype, num_classes)
-    finally:
-        with torch.no_grad():
-            for k, b in model.named_buffers():
-                b.copy_(buffers[k])
-    per_image = (s2 - s1) / (b2 - b1)
-    fixed = s1 - per_image * b1
-    return int(round(max(fixed, 0) + per_image * batch_size))
-
-
-@dataclass
-class MemoryPrediction:
-    """Bytes training keeps on the device, by kind."""
-    batch_size: int
-    params: int
-    buffers: int
-    grads: int
-    optimizer_state: int
-    activations: int                     # an estimate; the rest are exact
-
-    @property
-    def total(self) -> int:
-        return self.params + self.buffers + self.grads + self.optimizer_state + self.activations
-
-    def as_dict(self) -> dict:
-        d = asdict(self)
-        d["total"] = self.total
-        return d
-
-    def table(self) -> str:
-        rows = [("parameters", self.params), ("buffers", self.buffers), ("gradients", self.grads),
-                ("optimizer state", self.optimizer_state),
-                (f"activations (batch {self.batch_size}, estimate)", self.activations), ("total", self.total)]
-        w = max(len(r[0]) for r in rows)
-        return "\n".join(f"{k:<{w}}  {format_bytes(v):>12}" for k, v in rows)
-
-
-def predict_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, optimizer="adam",
-                   momentum: float = 0.0, amp_dtype=None, num_classes: int = 10) -> MemoryPrediction:
-    """What training ``model`` at ``batch_size`` keeps in device memory (see :class:`MemoryPrediction`)."""
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    return MemoryPrediction(
-        batch_size=batch_size,
-        params=parameter_bytes(model),
-        buffers=buffer_bytes(model),
-        grads=grad_bytes(model),
-        optimizer_state=optimizer_state_bytes(model, optimizer, momentum=momentum),
-        activations=activation_bytes(model, batch_size, input_shape, amp_dtype=amp_dtype,
-                                     num_classes=num_classes),
-    )
-
-
-def measure_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, device=None,
-                   optimizer="adam", amp_dtype=None, num_classes: int = 10) -> dict | None:
-    """Measured bytes of two training steps of a copy of ``model`` on a CUDA ``device``:
-    ``peak`` (``torch.cuda.max_memory_allocated`` over the steps) and ``resident`` (allocated
-    after the second step, gradients still held), both above what was allocated before.
-    Returns None on a device that is not CUDA: there is no allocator to ask."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cuda":
-        return None
-    amp_dtype, _ = _amp(amp_dtype)
-    net = copy.deepcopy(model).cpu()
-    torch.cuda.synchronize(device)                     # sync point: a clean baseline
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
-    base = torch.cuda.memory_allocated(device)
-    net.to(device).train()
-    opt = _make_optimizer(optimizer, net.parameters())
-    x = torch.randn(batch_size, *input_shape, device=device)
-    y = torch.randint(0, num_classes, (batch_size,), device=device)
-    for i in range(2):
-        opt.zero_grad(set_to_none=True)
-        with autocast(device, amp_dtype):
-            loss = nn.functional.cross_entropy(net(x), y)
-        loss.backward()
-        opt.step()
-    torch.cuda.synchronize(device)                     # sync point: read the allocator's counters
-    out = {"peak": torch.cuda.max_memory_allocated(device) - base,
-           "resident": torch.cuda.memory_allocated(device) - base,
-           "inputs": _nbytes(x) + _nbytes(y)}
-    del net, opt, x, y, loss
-    torch.cuda.empty_cache()
-    return out
-
-
-def format_bytes(n) -> str:
-    if n is None:
-        return "-"
-    n = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
-        n /= 1024
-    return f"{n} B"   # pragma: no cover
-
-
-# ----------------------------------------------------------------------------------------
 # Input pipeline
 # ----------------------------------------------------------------------------------------
 
-class TimedLoader:
+class TimedLoader(EpochLoader):
     """Wraps a loader and adds up the host time spent waiting for each batch (``wait_s``).
 
     Give it to ``fit`` instead of the loader; ``wait_s / history.train_time`` is the fraction of
@@ -516,15 +271,6 @@ class TimedLoader:
         self.wait_s = 0.0
         self.batches = 0
         self.waits = []               # seconds waited for each batch (a median ignores a hiccup)
-
-    def __len__(self):
-        return len(self.loader)
-
-    def set_epoch(self, epoch: int) -> None:
-        for obj in (self.loader, getattr(self.loader, "sampler", None), getattr(self.loader, "batch_sampler", None)):
-            if obj is not None and hasattr(obj, "set_epoch"):
-                obj.set_epoch(epoch)
-                return
 
     def reset(self) -> None:
         self.wait_s, self.batches, self.waits = 0.0, 0, []

@@ -25,7 +25,7 @@ TABLE: dict[str, tuple] = {
     "epochs": (6, 3, 10),                                 # passes over n_train
     "batch_size": (64, 64, 256),                          # images per optimizer step
     "lr": (2e-3, 1e-3, 1e-3),                             # Adam learning rate for the default runs
-    "hidden_num_chans": (32, 64, 128),                    # width of the lecture CNN
+    "cnn_width": (32, 64, 128),                           # the lecture CNN's width (Net's first-convolution channels)
     "num_workers": (0, 2, 4),                             # DataLoader workers
     "loader": ("device", "device", "device"),             # "device" (resident) or "dataloader"
     # --- stage 1: gradient descent vs SGD, batch size ---
@@ -53,7 +53,7 @@ TABLE: dict[str, tuple] = {
     "noise_draws": (20, 30, 50),                          # (small, big) pairs averaged
     # --- stage 2: CPU vs GPU throughput ---
     "bench_batch_sizes": ((2, 4, 64), (2, 4, 16, 64, 256, 1024), (2, 4, 16, 64, 256, 1024)),
-    "bench_widths": ((16, 128), (16, 128), (32, 128, 512)),  # Net hidden channels swept
+    "bench_cnn_widths": ((16, 128), (16, 128), (32, 128, 512)),  # the CNN widths swept (Net's first-convolution channels)
     "bench_repeats": (3, 5, 20),                          # timed repeats (median reported)
     "bench_warmup": (1, 3, 10),                           # untimed warm-up steps
     "bench_steps": (3, 10, 30),                           # steps per timed repeat
@@ -72,7 +72,7 @@ TABLE: dict[str, tuple] = {
     "ddp_batch_size": (32, 64, 256),                      # per process
     "ddp_n_train": (512, 8192, 49152),                    # images; divisible by max(nprocs) * batch
     "ddp_n_val": (256, 2000, 10000),
-    "ddp_hidden": (16, 32, 128),                          # Net's hidden channels in the DDP runs
+    "ddp_cnn_width": (16, 32, 128),                       # the CNN's width in the DDP runs
     "ddp_lr": (0.1, 0.05, 0.05),                          # SGD peak rate (cosine schedule)
     "ddp_scaling_nprocs": ((1, 2), (1, 2, 4), (1, 2, 4, 8)),   # process counts timed
     "ddp_message_sizes": ((1 << 10, 1 << 14, 1 << 20), (1 << 10, 1 << 14, 1 << 18, 1 << 21),
@@ -88,7 +88,7 @@ TABLE: dict[str, tuple] = {
     "lb_base_lr": (0.05, 0.05, 0.05),                     # SGD rate at lb_base_batch (momentum 0.9)
     "lb_epochs": (6, 6, 16),                              # fixed epoch budget of every sweep run
     "lb_warmup_epochs": (2, 2, 3),                        # gradual warmup length (epochs)
-    "lb_hidden": (128, 256, 1024),                        # width of the sweep's MLP (BatchNorm, 2 hidden layers)
+    "lb_mlp_width": (128, 256, 1024),                     # width of the sweep's MLP (BatchNorm, 2 hidden layers)
     "lb_weight_decay": (5e-4, 5e-4, 5e-4),                # on weights only (biases, norms excluded)
     "lb_trust_coefficient": (0.02, 0.02, 0.02),           # LARS eta (the paper's 0.001 goes with lr ~ 10)
     "lb_diverge_factor": (2.0, 2.0, 2.0),                 # x the linear rate in the no-warmup demo
@@ -100,11 +100,11 @@ TABLE: dict[str, tuple] = {
     "mem_width": (128, 256, 1024),                        # block MLP width of the memory budget
     "mem_depth": (4, 8, 16),                              # blocks (Linear-GELU-Linear, 4x expansion)
     "mem_batch": (128, 512, 2048),                        # rows per step of the budget
-    "ckpt_width": (64, 128, 1024),                        # checkpointing sweep: block MLP width
-    "ckpt_depth": (8, 16, 16),                            # blocks; segments cut these
-    "ckpt_batch": (256, 2048, 8192),                      # rows: activations dominate the parameters
-    "ckpt_segments": ((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)),   # blocks per checkpoint
-    "ckpt_repeats": (3, 5, 10),                           # timed steps per segment size (median)
+    "act_ckpt_width": (64, 128, 1024),                    # activation checkpointing sweep: block MLP width
+    "act_ckpt_depth": (8, 16, 16),                        # blocks; segments cut these
+    "act_ckpt_batch": (256, 2048, 8192),                  # rows: activations dominate the parameters
+    "act_ckpt_segments": ((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)),   # blocks per activation checkpoint
+    "act_ckpt_repeats": (3, 5, 10),                       # timed steps per segment size (median)
     "shard_nprocs": ((1, 2, 4), (1, 2, 4), (1, 2, 4)),    # ranks compared under DDP, ZeRO-1, FSDP2
     "shard_width": (64, 256, 1024),                       # model of the sharding runs
     "shard_depth": (3, 3, 6),                             # blocks (odd: ZeRO-1's whole-parameter split shows)

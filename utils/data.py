@@ -287,7 +287,35 @@ def shard_indices(n: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = True
     return idx[rank:total:world_size]
 
 
-class DeviceLoader:
+def set_epoch(loader, epoch: int) -> None:
+    """Tell ``loader`` (or its sampler / batch sampler) which epoch starts: a rank-sharded or
+    shuffled loader draws that epoch's order from it. Loaders without ``set_epoch`` are left alone."""
+    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
+        if obj is not None and hasattr(obj, "set_epoch"):
+            obj.set_epoch(epoch)
+            return
+
+
+class EpochLoader:
+    """The one small base of the course's loaders and loader wrappers (:class:`DeviceLoader`,
+    ``bench.TimedLoader``, ``parallel.EpochOffset``): ``set_epoch(epoch)`` keeps ``self.epoch``
+    and, in a wrapper (``self.loader`` set), passes ``epoch + self.epoch_offset`` on to the
+    wrapped loader with :func:`set_epoch` (the loader, else its sampler or batch sampler).
+    ``len`` of a wrapper is its loader's."""
+    loader = None          # the wrapped loader; None in a loader that owns its order
+    epoch = 0
+    epoch_offset = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+        if self.loader is not None:
+            set_epoch(self.loader, self.epoch + self.epoch_offset)
+
+    def __len__(self):
+        return len(self.loader)
+
+
+class DeviceLoader(EpochLoader):
     """The whole dataset on ``device``; each epoch a permutation; batches are index slices.
 
     No worker processes, no host-to-device copies after the first: the fastest input pipeline
@@ -305,9 +333,6 @@ class DeviceLoader:
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, 0
         self.dataset = dataset
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
 
     def indices(self) -> torch.Tensor:
         return shard_indices(len(self.y), epoch=self.epoch, seed=self.seed, shuffle=self.shuffle,

@@ -40,7 +40,7 @@ class TrainConfig:
     n_train: int = 1024            # training images (divisible by world_size * batch_size: no padding)
     n_val: int = 256               # held-out images, evaluated after every epoch
     model: str = "net"             # utils.models.build name
-    hidden: int = 16               # Net's hidden channels
+    width: int = 16                # the CNN's width: Net's first-convolution channels
     epochs: int = 2                # passes over n_train
     batch_size: int = 32           # images per optimizer step PER PROCESS (global: x world_size)
     lr: float = 0.1                # SGD learning rate (peak of the cosine schedule)
@@ -97,7 +97,7 @@ def build(cfg: TrainConfig, ctx: parallel.DistContext):
                               world_size=ctx.world_size, seed=cfg.seed, device=ctx.device)
     val = data.make_loader(splits.val, 256, shuffle=False, device=ctx.device)
     torch.manual_seed(cfg.seed)                    # the same initial weights on every rank
-    kw = {"hidden_num_chans": cfg.hidden} if cfg.model == "net" else {}
+    kw = {"width": cfg.width} if cfg.model == "net" else {}
     model = models.build(cfg.model, splits.shape, **kw).to(ctx.device)
     optimizer = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)
     total_steps = max(1, cfg.epochs * (len(loader) // cfg.grad_accum))

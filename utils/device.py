@@ -40,6 +40,24 @@ def bf16_supported(device=None) -> bool:
         return bool(torch.cuda.is_bf16_supported())
 
 
+_AMP_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+               "fp16": torch.float16, "float16": torch.float16}
+
+
+def resolve_amp_dtype(amp) -> tuple[torch.dtype | None, str]:
+    """(autocast dtype or None for fp32, its short name) from None, a torch dtype or a name
+    ("fp32", "bf16", "fp16", or the long names)."""
+    if isinstance(amp, str):
+        if amp.lower() not in _AMP_DTYPES:
+            raise ValueError(f"unknown dtype {amp!r}; use one of fp32, bf16, fp16")
+        amp = _AMP_DTYPES[amp.lower()]
+    if amp is None or amp == torch.float32:
+        return None, "fp32"
+    if amp not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"autocast dtype must be torch.bfloat16 or torch.float16, got {amp}")
+    return amp, "bf16" if amp == torch.bfloat16 else "fp16"
+
+
 def autocast(device: torch.device, amp_dtype: torch.dtype | None):
     """``torch.autocast`` to ``amp_dtype`` on ``device``'s type, or a reusable no-op context when
     ``amp_dtype`` is None (fp32): the one autocast helper of the package."""

@@ -290,7 +290,7 @@ def check_bench_optimizer(ctx):
 
 
 def _ddp_cfg(**kw):
-    cfg = dict(n_train=512, n_val=128, batch_size=16, epochs=3, hidden=16, lr=0.05, evaluate=True)
+    cfg = dict(n_train=512, n_val=128, batch_size=16, epochs=3, width=16, lr=0.05, evaluate=True)
     cfg.update(kw)
     return cfg
 
@@ -375,7 +375,7 @@ def check_resume(ctx):
     saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
              if k in os.environ}
     dev = "cuda" if ctx.n_gpus else "cpu"
-    cfg = dict(n_train=256, n_val=64, batch_size=32, epochs=3, hidden=16, evaluate=False, device=dev)
+    cfg = dict(n_train=256, n_val=64, batch_size=32, epochs=3, width=16, evaluate=False, device=dev)
     try:
         full = ddp_train.train(cfg)["state"]
         with tempfile.TemporaryDirectory() as d:

@@ -18,48 +18,259 @@ form (:func:`mlp_activation_bytes`). Two measures check the prediction:
 The resident set size (RSS) of the process is not a measure: the C library keeps freed memory,
 so RSS hides most of what checkpointing saves.
 
-Activation checkpointing (:func:`checkpointed_forward`) keeps only the inputs of each segment
+Activation checkpointing (:func:`activation_checkpointed_forward`) keeps only the inputs of each segment
 and recomputes the rest during backward: less memory for one more forward.
 """
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import os
+from dataclasses import asdict, dataclass
 
 import torch
 from torch import nn
 
-from .device import autocast
-from .bench import (_amp, counted_state_bytes, format_bytes, grad_bytes,  # noqa: F401
-                    optimizer_state_bytes, parameter_bytes)
+from .device import autocast, resolve_amp_dtype
+from .models import mlp
+from .optim import make_optimizer
 
-__all__ = ["block_mlp", "mlp_activation_bytes", "SavedTensors", "saved_bytes", "peak_bytes",
-           "budget", "measure_step", "checkpointed_forward", "count_forwards", "make_optimizer",
-           "OPTIMIZERS", "format_bytes"]
+__all__ = ["parameter_bytes", "buffer_bytes", "grad_bytes", "optimizer_state_bytes", "counted_state_bytes",
+           "activation_bytes", "MemoryPrediction", "predict_memory", "measure_memory", "format_bytes",
+           "block_mlp", "mlp_activation_bytes", "SavedTensors", "saved_bytes", "peak_bytes",
+           "budget", "measure_step", "activation_checkpointed_forward", "count_forwards", "OPTIMIZER_SETTINGS"]
 
-OPTIMIZERS = ("sgd", "momentum", "adam")   # the three optimizer-state rules of the budget
+# The three optimizer settings of the budget: label -> (name for utils.optim.make_optimizer, momentum).
+# "sgd" keeps no state, "momentum" one buffer per parameter, "adam" two.
+OPTIMIZER_SETTINGS = {"sgd": ("sgd", 0.0), "momentum": ("sgd", 0.9), "adam": ("adam", 0.0)}
+
+
+# ----------------------------------------------------------------------------------------
+# Bytes of any model: parameters, buffers, gradients, optimizer state, activations
+# ----------------------------------------------------------------------------------------
+
+def _unique(tensors):
+    seen, out = set(), []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def parameter_bytes(model: nn.Module) -> int:
+    """Bytes of all parameters (shared ones once)."""
+    return sum(_nbytes(p) for p in _unique(model.parameters()))
+
+
+def buffer_bytes(model: nn.Module) -> int:
+    """Bytes of the buffers (batch-norm running statistics and the like)."""
+    return sum(_nbytes(b) for b in _unique(model.buffers()))
+
+
+def grad_bytes(model: nn.Module) -> int:
+    """Bytes of the gradients backward will create: one per trainable parameter, same dtype."""
+    return sum(_nbytes(p) for p in _unique(model.parameters()) if p.requires_grad)
+
+
+def _state_multiplier(kind: str, group: dict) -> int:
+    """Per-element state tensors (each the size of its parameter) an optimizer keeps."""
+    if kind == "sgd":
+        return 1 if group.get("momentum", 0) else 0
+    if kind in ("adam", "adamw"):
+        return 3 if group.get("amsgrad", False) else 2
+    if kind == "rmsprop":
+        return 1 + (1 if group.get("momentum", 0) else 0) + (1 if group.get("centered", False) else 0)
+    if kind == "adagrad":
+        return 1
+    raise ValueError(f"no state rule for optimizer {kind!r}; known: sgd, adam, adamw, rmsprop, adagrad")
+
+
+def optimizer_state_bytes(model_or_params, optimizer="adam", *, momentum: float = 0.0,
+                          amsgrad: bool = False) -> int:
+    """Bytes of the optimizer's per-element state after its first step, exactly.
+
+    ``optimizer``: a ``torch.optim`` instance (its param groups decide), or a name ("sgd",
+    "adam", "adamw", "rmsprop", "adagrad") with ``momentum``/``amsgrad`` for the model's
+    trainable parameters. SGD keeps a momentum buffer only when momentum != 0; Adam keeps
+    exp_avg and exp_avg_sq (2x the parameters). Not counted: Adam's per-parameter ``step``
+    counters, 0-dimensional tensors that live on the CPU unless ``capturable``/``fused``.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        kind = type(optimizer).__name__.lower()
+        total = 0
+        for g in optimizer.param_groups:
+            mult = _state_multiplier(kind, g)
+            total += mult * sum(_nbytes(p) for p in g["params"] if p.requires_grad)
+        return total
+    if not isinstance(optimizer, str):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or a name, got {type(optimizer).__name__}")
+    params = model_or_params.parameters() if isinstance(model_or_params, nn.Module) else model_or_params
+    group = {"momentum": momentum, "amsgrad": amsgrad}
+    mult = _state_multiplier(optimizer.lower(), group)
+    return mult * sum(_nbytes(p) for p in _unique(params) if p.requires_grad)
+
+
+def counted_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The oracle: bytes of the per-element tensors really held in ``optimizer.state`` (call it
+    after a step; 0-dimensional counters such as Adam's ``step`` are left out)."""
+    total = 0
+    for st in optimizer.state.values():
+        for v in st.values():
+            if torch.is_tensor(v) and v.dim() > 0:
+                total += _nbytes(v)
+    return total
+
+
+def _saved_bytes(model: nn.Module, batch_size: int, input_shape, amp_dtype, num_classes: int) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves for backward in one forward."""
+    device = next(model.parameters()).device
+    param_ptrs = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        s = t.untyped_storage()
+        ptr = s.data_ptr()
+        if ptr not in param_ptrs:
+            seen[ptr] = max(seen.get(ptr, 0), s.nbytes())
+        return t
+
+    x = torch.randn(batch_size, *input_shape, device=device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+        with autocast(device, amp_dtype):
+            out = model(x)
+            y = torch.zeros(batch_size, dtype=torch.long, device=device)
+            nn.functional.cross_entropy(out.float(), y)
+    return sum(seen.values())
+
+
+def activation_bytes(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, amp_dtype=None,
+                     num_classes: int = 10) -> int:
+    """Estimate of the activations saved for backward at ``batch_size``.
+
+    Runs two tiny forward passes (batch 2 and 4) on the model's device, counts the tensors
+    autograd saves (parameters excluded), and extrapolates the straight line fixed + per-image x
+    batch. The model's buffers (batch-norm statistics) are restored afterwards. An estimate: the
+    peak during backward adds temporary gradient buffers and library workspaces."""
+    amp_dtype, _ = resolve_amp_dtype(amp_dtype)
+    buffers = {k: b.detach().clone() for k, b in model.named_buffers()}
+    try:
+        b1, b2 = 2, 4
+        s1 = _saved_bytes(model, b1, input_shape, amp_dtype, num_classes)
+        s2 = _saved_bytes(model, b2, input_shape, amp_dtype, num_classes)
+    finally:
+        with torch.no_grad():
+            for k, b in model.named_buffers():
+                b.copy_(buffers[k])
+    per_image = (s2 - s1) / (b2 - b1)
+    fixed = s1 - per_image * b1
+    return int(round(max(fixed, 0) + per_image * batch_size))
+
+
+@dataclass
+class MemoryPrediction:
+    """Bytes training keeps on the device, by kind."""
+    batch_size: int
+    params: int
+    buffers: int
+    grads: int
+    optimizer_state: int
+    activations: int                     # an estimate; the rest are exact
+
+    @property
+    def total(self) -> int:
+        return self.params + self.buffers + self.grads + self.optimizer_state + self.activations
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+    def table(self) -> str:
+        rows = [("parameters", self.params), ("buffers", self.buffers), ("gradients", self.grads),
+                ("optimizer state", self.optimizer_state),
+                (f"activations (batch {self.batch_size}, estimate)", self.activations), ("total", self.total)]
+        w = max(len(r[0]) for r in rows)
+        return "\n".join(f"{k:<{w}}  {format_bytes(v):>12}" for k, v in rows)
+
+
+def predict_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, optimizer="adam",
+                   momentum: float = 0.0, amp_dtype=None, num_classes: int = 10) -> MemoryPrediction:
+    """What training ``model`` at ``batch_size`` keeps in device memory (see :class:`MemoryPrediction`)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    return MemoryPrediction(
+        batch_size=batch_size,
+        params=parameter_bytes(model),
+        buffers=buffer_bytes(model),
+        grads=grad_bytes(model),
+        optimizer_state=optimizer_state_bytes(model, optimizer, momentum=momentum),
+        activations=activation_bytes(model, batch_size, input_shape, amp_dtype=amp_dtype,
+                                     num_classes=num_classes),
+    )
+
+
+def measure_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, device=None,
+                   optimizer="adam", momentum: float = 0.0, amp_dtype=None, num_classes: int = 10) -> dict | None:
+    """Measured bytes of two training steps of a copy of ``model`` on a CUDA ``device``:
+    ``peak`` (``torch.cuda.max_memory_allocated`` over the steps) and ``resident`` (allocated
+    after the second step, gradients still held), both above what was allocated before.
+    Returns None on a device that is not CUDA: there is no allocator to ask."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return None
+    amp_dtype, _ = resolve_amp_dtype(amp_dtype)
+    net = copy.deepcopy(model).cpu()
+    torch.cuda.synchronize(device)                     # sync point: a clean baseline
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    net.to(device).train()
+    opt = make_optimizer(optimizer, net.parameters(), momentum=momentum)
+    x = torch.randn(batch_size, *input_shape, device=device)
+    y = torch.randint(0, num_classes, (batch_size,), device=device)
+    for i in range(2):
+        opt.zero_grad(set_to_none=True)
+        with autocast(device, amp_dtype):
+            loss = nn.functional.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+    torch.cuda.synchronize(device)                     # sync point: read the allocator's counters
+    out = {"peak": torch.cuda.max_memory_allocated(device) - base,
+           "resident": torch.cuda.memory_allocated(device) - base,
+           "inputs": _nbytes(x) + _nbytes(y)}
+    del net, opt, x, y, loss
+    torch.cuda.empty_cache()
+    return out
+
+
+def format_bytes(n) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
+        n /= 1024
+    return f"{n} B"   # pragma: no cover
+
+
+# ----------------------------------------------------------------------------------------
+# The block MLP of the memory demos: its budget in closed form, measured
+# ----------------------------------------------------------------------------------------
 
 
 def block_mlp(width: int, depth: int, *, expand: int = 4, seed: int = 0) -> nn.Sequential:
-    """``depth`` blocks of Linear(width, expand*width) + GELU + Linear(expand*width, width): the
-    MLP half of a transformer layer, the model of the memory demos.
-
-    Its activations have a closed form (:func:`mlp_activation_bytes`); ``model[i]`` is block i,
-    so checkpointing can cut it anywhere. Same ``seed``, same weights."""
-    if width < 1 or depth < 1 or expand < 1:
-        raise ValueError(f"width, depth and expand must be >= 1, got {width}, {depth}, {expand}")
-    g = torch.Generator().manual_seed(seed)
-    blocks = []
-    for _ in range(depth):
-        block = nn.Sequential(nn.Linear(width, expand * width), nn.GELU(), nn.Linear(expand * width, width))
-        with torch.no_grad():
-            for lin in (block[0], block[2]):
-                bound = 1 / math.sqrt(lin.in_features)
-                lin.weight.uniform_(-bound, bound, generator=g)
-                lin.bias.uniform_(-bound, bound, generator=g)
-        blocks.append(block)
-    return nn.Sequential(*blocks)
+    """The model of the memory demos: ``depth`` blocks of Linear(width, expand*width) + GELU +
+    Linear(expand*width, width), :func:`utils.models.mlp` with ``expand`` (``model[i]`` is block
+    i, so activation checkpointing can cut it anywhere; same ``seed``, same weights). Its
+    activations have a closed form (:func:`mlp_activation_bytes`)."""
+    return mlp(width, depth, expand=expand, activation="gelu", seed=seed)
 
 
 def mlp_activation_bytes(width: int, depth: int, batch_size: int, *, expand: int = 4, amp_dtype=None,
@@ -77,7 +288,7 @@ def mlp_activation_bytes(width: int, depth: int, batch_size: int, *, expand: int
     ``segment``: checkpointing every ``segment`` blocks (fp32): what is kept is each segment's
     input and the output for the loss, ``ceil(depth / segment) + 1`` tensors of ``batch x width``;
     the rest is recomputed during backward, one segment at a time."""
-    amp_dtype, _ = _amp(amp_dtype)
+    amp_dtype, _ = resolve_amp_dtype(amp_dtype)
     act = batch_size * width
     if segment:
         if amp_dtype is not None:
@@ -125,8 +336,8 @@ class SavedTensors:
 
 def saved_bytes(model: nn.Module, x: torch.Tensor, *, forward=None, amp_dtype=None) -> int:
     """Bytes saved for backward by one forward of ``model`` on ``x`` (``forward(model, x)``
-    instead of ``model(x)`` when given, e.g. a checkpointed forward)."""
-    amp_dtype, _ = _amp(amp_dtype)
+    instead of ``model(x)`` when given, e.g. :func:`activation_checkpointed_forward`)."""
+    amp_dtype, _ = resolve_amp_dtype(amp_dtype)
     forward = forward or (lambda m, inp: m(inp))
     with SavedTensors(model) as counter, torch.enable_grad(), autocast(x.device, amp_dtype):
         out = forward(model, x)
@@ -171,20 +382,10 @@ def peak_bytes(fn, device=None) -> int:
     return peak
 
 
-def make_optimizer(kind: str, params, lr: float = 1e-3) -> torch.optim.Optimizer:
-    """"sgd" (no state), "momentum" (SGD, momentum 0.9: one buffer) or "adam" (two moments).
-    foreach=False: one parameter at a time, so the step's temporaries stay one tensor wide."""
-    if kind == "sgd":
-        return torch.optim.SGD(params, lr=lr, foreach=False)
-    if kind == "momentum":
-        return torch.optim.SGD(params, lr=lr, momentum=0.9, foreach=False)
-    if kind == "adam":
-        return torch.optim.Adam(params, lr=lr, foreach=False)
-    raise ValueError(f"unknown optimizer {kind!r}; use one of {', '.join(OPTIMIZERS)}")
-
-
-def _state_name(kind: str) -> tuple[str, float]:
-    return {"sgd": ("sgd", 0.0), "momentum": ("sgd", 0.9), "adam": ("adam", 0.0)}[kind]
+def _optimizer_setting(label: str) -> tuple[str, float]:
+    if label not in OPTIMIZER_SETTINGS:
+        raise ValueError(f"unknown optimizer {label!r}; use one of {', '.join(OPTIMIZER_SETTINGS)}")
+    return OPTIMIZER_SETTINGS[label]
 
 
 def budget(width: int, depth: int, batch_size: int, optimizer: str = "adam", *, amp_dtype=None) -> dict:
@@ -194,10 +395,8 @@ def budget(width: int, depth: int, batch_size: int, optimizer: str = "adam", *, 
     while the gradients appear, with the parameters and optimizer state resident, so
     ``params + grads + optimizer + activations`` (an upper bound: backward frees activations
     as it goes, and ``zero_grad`` frees the gradients before the next forward)."""
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    name, momentum = _optimizer_setting(optimizer)
     model = block_mlp(width, depth)
-    name, momentum = _state_name(optimizer)
     out = {"params": parameter_bytes(model), "grads": grad_bytes(model),
            "optimizer": optimizer_state_bytes(model, name, momentum=momentum),
            "activations": mlp_activation_bytes(width, depth, batch_size, amp_dtype=amp_dtype)}
@@ -213,13 +412,14 @@ def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam
     Returns ``peak`` (bytes), ``saved`` (activations saved for backward in the last step),
     ``optimizer`` (bytes really held in ``optimizer.state``), and the ``loss`` of each step."""
     device = torch.device(device) if device is not None else torch.device("cpu")
-    amp, _ = _amp(amp_dtype)
+    amp, _ = resolve_amp_dtype(amp_dtype)
+    name, momentum = _optimizer_setting(optimizer)
     forward = forward or (lambda m, inp: m(inp))
     out = {"loss": []}
 
     def run():
         model = block_mlp(width, depth).to(device)
-        opt = make_optimizer(optimizer, model.parameters())
+        opt = make_optimizer(name, model.parameters(), momentum=momentum, foreach=False)
         g = torch.Generator().manual_seed(1)
         x = torch.randn(batch_size, width, generator=g).to(device)
         for _ in range(steps):
@@ -241,7 +441,7 @@ def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam
 # Activation checkpointing
 # ----------------------------------------------------------------------------------------
 
-def checkpointed_forward(segment: int | None):
+def activation_checkpointed_forward(segment: int | None):
     """A ``forward(model, x)`` for a ``nn.Sequential`` that checkpoints every ``segment``
     consecutive blocks (``None`` or 0: no checkpointing).
 

@@ -1,5 +1,8 @@
-"""Models used across the series: linear, the lecture CNN, a ResNet-9-style CIFAR net; norm layers."""
+"""Models used across the series: linear, the one MLP builder, the lecture CNN, a ResNet-9-style
+CIFAR net; norm layers."""
 from __future__ import annotations
+
+import math
 
 import torch
 from torch import nn
@@ -21,24 +24,80 @@ class LinearModel(nn.Module):
         return self.linear(x.flatten(1))
 
 
+_ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
+_NORMS_1D = {"none": None, "batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
+
+
+def mlp(width: int, depth: int, *, in_features: int | None = None, out_features: int | None = None,
+        expand: int | None = None, activation: str = "relu", norm: str = "none", flatten: bool = False,
+        seed: int | None = None) -> nn.Sequential:
+    """The course's one multilayer perceptron, flat enough that ``model[i]`` is the i-th layer.
+
+    Layers (``expand=None``): ``depth`` Linear layers ``in_features -> width -> ... -> width ->
+    out_features`` (both default to ``width``); every one but the last is followed by ``norm``
+    ("none", "batch" = BatchNorm1d, "layer") and ``activation`` ("relu", "gelu", "tanh").
+    ``flatten=True`` puts an ``nn.Flatten`` first (images in).
+
+    Blocks (``expand=k``): ``depth`` blocks, each Linear(width, k*width), activation,
+    Linear(k*width, width): the MLP half of a transformer layer; ``model[i]`` is block i
+    (``in_features``, ``out_features``, ``norm`` and ``flatten`` must be left out).
+
+    ``seed=None``: PyTorch's default initialisation, from the global RNG (seed it first for
+    reproducible weights). ``seed=s``: every Linear's weight, then bias, in order, drawn
+    uniformly from +-1/sqrt(in_features) (PyTorch's default bounds) with a generator seeded
+    with ``s``, whatever the global RNG: same ``seed``, same weights."""
+    if width < 1 or depth < 1:
+        raise ValueError(f"width and depth must be >= 1, got {width} and {depth}")
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"unknown activation {activation!r}; use one of {', '.join(_ACTIVATIONS)}")
+    if norm not in _NORMS_1D:
+        raise ValueError(f"unknown norm {norm!r}; use one of {', '.join(_NORMS_1D)}")
+    act = _ACTIVATIONS[activation]
+    if expand is not None:
+        if expand < 1:
+            raise ValueError(f"expand must be >= 1, got {expand}")
+        if in_features not in (None, width) or out_features not in (None, width) or norm != "none" or flatten:
+            raise ValueError("a block MLP maps width to width: leave in_features, out_features, norm and flatten out")
+        layers = [nn.Sequential(nn.Linear(width, expand * width), act(), nn.Linear(expand * width, width))
+                  for _ in range(depth)]
+    else:
+        sizes = [in_features or width] + [width] * (depth - 1) + [out_features or width]
+        layers = [nn.Flatten()] if flatten else []
+        for i in range(depth):
+            layers.append(nn.Linear(sizes[i], sizes[i + 1]))
+            if i < depth - 1:
+                if _NORMS_1D[norm] is not None:
+                    layers.append(_NORMS_1D[norm](sizes[i + 1]))
+                layers.append(act())
+    model = nn.Sequential(*layers)
+    if seed is not None:
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for lin in (m for m in model.modules() if isinstance(m, nn.Linear)):
+                bound = 1 / math.sqrt(lin.in_features)
+                lin.weight.uniform_(-bound, bound, generator=g)
+                lin.bias.uniform_(-bound, bound, generator=g)
+    return model
+
+
 class Net(nn.Module):
     """The Lecture 19 demo CNN: the PyTorch CIFAR-10 tutorial net with its first convolution
-    widened to ``hidden_num_chans``. At 128 channels on 3x32x32 it has exactly 120,078 parameters.
+    widened to ``width`` channels (the CNN's width). At 128 on 3x32x32 it has exactly 120,078 parameters.
 
-    conv(C -> hidden, 5x5) -> ReLU -> maxpool 2 -> conv(hidden -> 16, 5x5) -> ReLU -> maxpool 2
+    conv(C -> width, 5x5) -> ReLU -> maxpool 2 -> conv(width -> 16, 5x5) -> ReLU -> maxpool 2
     -> linear(16*h*w -> 120) -> ReLU -> linear(120 -> 84) -> ReLU -> linear(84 -> classes).
 
     Other input shapes work: the flatten size is computed from ``image_size``; images smaller
     than 20 pixels (digits are 8x8) get 'same' padding (2) so two 5x5 convolutions fit.
     """
 
-    def __init__(self, hidden_num_chans: int = 128, in_channels: int = 3, num_classes: int = 10,
+    def __init__(self, width: int = 128, in_channels: int = 3, num_classes: int = 10,
                  image_size: int = 32):
         super().__init__()
         pad = 0 if image_size >= 20 else 2
-        self.conv1 = nn.Conv2d(in_channels, hidden_num_chans, 5, padding=pad)
+        self.conv1 = nn.Conv2d(in_channels, width, 5, padding=pad)
         self.pool = nn.MaxPool2d(2, 2)
-        self.conv2 = nn.Conv2d(hidden_num_chans, 16, 5, padding=pad)
+        self.conv2 = nn.Conv2d(width, 16, 5, padding=pad)
         side = image_size
         for _ in range(2):
             side = (side + 2 * pad - 4) // 2
@@ -57,12 +116,12 @@ class Net(nn.Module):
         return self.fc3(x)
 
 
-def net_for(shape, hidden_num_chans: int = 128, num_classes: int = 10) -> Net:
+def net_for(shape, width: int = 128, num_classes: int = 10) -> Net:
     """The lecture CNN sized for images of ``shape`` = (C, H, W), e.g. ``Splits.shape``."""
     c, h, w = shape
     if h != w:
         raise ValueError(f"Net expects square images, got {h}x{w}")
-    return Net(hidden_num_chans, in_channels=c, num_classes=num_classes, image_size=h)
+    return Net(width, in_channels=c, num_classes=num_classes, image_size=h)
 
 
 class GhostBatchNorm2d(nn.BatchNorm2d):

@@ -1,5 +1,6 @@
-"""Large-batch optimizers: LARS (and its LARC clipping mode), parameter groups that switch
-adaptation off, and multiplicative gradient noise.
+"""Optimizers: the one optimizer-by-name factory (:func:`make_optimizer`), large-batch
+optimizers (LARS and its LARC clipping mode), parameter groups that switch adaptation off, and
+multiplicative gradient noise.
 
 LARS (You, Gitman and Ginsburg 2017, arXiv 1708.03888) gives every parameter tensor (a layer's
 weight) its own *local* rate. For a parameter ``w`` with gradient ``g`` in a group with global
@@ -68,6 +69,38 @@ from typing import Callable, Iterable
 import torch
 from torch import nn
 from torch.optim import Optimizer
+
+
+OPTIMIZERS = ("sgd", "adam", "adamw")   # the names make_optimizer knows
+
+
+def make_optimizer(name: str, params, lr: float = 1e-3, *, momentum: float = 0.0,
+                   foreach: bool | None = None) -> Optimizer:
+    """The optimizer called ``name``, the one meaning of each name in the course:
+
+    * ``"sgd"``: ``torch.optim.SGD`` with ``momentum`` (0 by default: plain SGD, no state; give
+      ``momentum=0.9`` for SGD with momentum, one buffer per parameter);
+    * ``"adam"``, ``"adamw"``: ``torch.optim.Adam`` / ``AdamW`` (two moments per parameter);
+      ``momentum`` must stay 0 (Adam's betas are its momentum).
+
+    ``foreach=False`` steps one parameter at a time (the step's temporaries stay one tensor
+    wide, as the memory demos want); None lets PyTorch choose. A callable ``name`` is called
+    as ``name(params)``, for an optimizer the names do not cover."""
+    if callable(name):
+        return name(params)
+    if not isinstance(name, str):
+        raise TypeError(f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or a function params -> optimizer, "
+                        f"got {type(name).__name__}")
+    kind = name.lower()
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, foreach=foreach)
+    if kind in ("adam", "adamw"):
+        if momentum:
+            raise ValueError(f"momentum={momentum} is for 'sgd'; {name!r} has its betas")
+        cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
+        return cls(params, lr=lr, foreach=foreach)
+    raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}, "
+                     "or pass a function params -> optimizer")
 
 
 def _check_number(name: str, value, *, low: float = 0.0, strict: bool = False) -> float:
@@ -351,5 +384,5 @@ def add_gradient_noise(model: nn.Module, sigma: float, generator: torch.Generato
     return GradientNoise([p.register_hook(hook) for p in model.parameters() if p.requires_grad])
 
 
-__all__ = ["LARS", "lars_param_groups", "is_excluded", "noise_sigma", "multiply_gradient_noise_",
+__all__ = ["make_optimizer", "OPTIMIZERS", "LARS", "lars_param_groups", "is_excluded", "noise_sigma", "multiply_gradient_noise_",
            "add_gradient_noise", "GradientNoise"]

@@ -26,6 +26,7 @@ from collections import Counter
 import torch
 from torch.autograd.profiler import record_function
 
+from .data import EpochLoader
 from .train import Callback, fit
 
 # Phase of an event, by name: our labels first, then the names PyTorch's own ops carry.
@@ -73,7 +74,7 @@ class ProfilerStep(Callback):
         self.prof.step()
 
 
-class LabeledLoader:
+class LabeledLoader(EpochLoader):
     """A loader whose every ``next()`` is recorded as ``phase:data`` (time the loop waits for a batch)."""
 
     def __init__(self, loader):
@@ -89,10 +90,7 @@ class LabeledLoader:
                     return
             yield batch
 
-    def __len__(self):
-        return len(self.loader)
-
-    def __getattr__(self, name):                 # set_epoch, sampler, batch_size...
+    def __getattr__(self, name):                 # sampler, batch_size...
         return getattr(self.loader, name)
 
 

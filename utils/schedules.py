@@ -1,7 +1,7 @@
 """Learning-rate scaling rules and per-iteration schedules: gradual warmup, then decay.
 
-Scaling rules, for a rate ``base_lr`` tuned at batch ``base_batch`` and a new batch ``batch``
-(``k = batch / base_batch``):
+Scaling rules (:func:`lr_for_batch`), for a rate ``base_lr`` tuned at batch ``base_batch`` and a
+new batch ``batch`` (``k = batch / base_batch``):
 
 * linear (Goyal et al. 2017):   ``lr = base_lr * k``
 * square root (the variance argument): ``lr = base_lr * sqrt(k)``
@@ -48,31 +48,27 @@ def _positive(name, value, allow_zero=False):
     return value
 
 
-def linear_scaled_lr(base_lr: float, batch: int, base_batch: int) -> float:
-    """The linear scaling rule: ``base_lr * batch / base_batch``."""
+RULES = ("linear", "sqrt", "none")
+
+
+def lr_for_batch(base_lr: float, base_batch: int, batch: int, rule: str = "linear",
+                 max_lr: float | None = None) -> float:
+    """The learning rate for ``batch`` from ``base_lr`` tuned at ``base_batch``, with
+    ``k = batch / base_batch``: ``rule`` "linear" (Goyal et al.: ``base_lr * k``), "sqrt"
+    (``base_lr * sqrt(k)``) or "none" (``base_lr``); then capped at ``max_lr`` when given (past
+    some rate training diverges whatever the batch)."""
     _positive("base_lr", base_lr)
-    _positive("batch", batch)
     _positive("base_batch", base_batch)
-    return base_lr * batch / base_batch
-
-
-def sqrt_scaled_lr(base_lr: float, batch: int, base_batch: int) -> float:
-    """The square-root scaling rule: ``base_lr * sqrt(batch / base_batch)``."""
-    _positive("base_lr", base_lr)
     _positive("batch", batch)
-    _positive("base_batch", base_batch)
-    return base_lr * math.sqrt(batch / base_batch)
-
-
-def scaled_lr(base_lr: float, batch: int, base_batch: int, rule: str = "linear") -> float:
-    """``rule`` = "linear", "sqrt", or "none" (keep ``base_lr``)."""
     if rule == "linear":
-        return linear_scaled_lr(base_lr, batch, base_batch)
-    if rule == "sqrt":
-        return sqrt_scaled_lr(base_lr, batch, base_batch)
-    if rule == "none":
-        return _positive("base_lr", base_lr)
-    raise ValueError(f"unknown LR rule {rule!r}: the scaling rules are 'linear', 'sqrt' and 'none'")
+        lr = base_lr * batch / base_batch
+    elif rule == "sqrt":
+        lr = base_lr * math.sqrt(batch / base_batch)
+    elif rule == "none":
+        lr = base_lr
+    else:
+        raise ValueError(f"unknown LR rule {rule!r}: the scaling rules are 'linear', 'sqrt' and 'none'")
+    return min(lr, _positive("max_lr", max_lr)) if max_lr is not None else lr
 
 
 class WarmupDecay:
@@ -157,10 +153,10 @@ def goyal_schedule(base_lr: float, batch: int, base_batch: int, steps_per_epoch:
     ``base_lr`` to it over ``warmup_epochs`` (per iteration), then ``decay``."""
     if steps_per_epoch < 1 or epochs < 1:
         raise ValueError(f"steps_per_epoch and epochs must be >= 1, got {steps_per_epoch} and {epochs}")
-    peak = scaled_lr(base_lr, batch, base_batch, rule)
+    peak = lr_for_batch(base_lr, base_batch, batch, rule)
     warmup = round(_positive("warmup_epochs", warmup_epochs, allow_zero=True) * steps_per_epoch)
     total = steps_per_epoch * epochs
     return WarmupDecay(base_lr, peak, min(warmup, total), total, decay, **kw)
 
 
-__all__ = ["linear_scaled_lr", "sqrt_scaled_lr", "scaled_lr", "WarmupDecay", "goyal_schedule", "DECAYS"]
+__all__ = ["lr_for_batch", "RULES", "WarmupDecay", "goyal_schedule", "DECAYS"]

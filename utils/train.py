@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from .data import set_epoch   # the one helper, re-exported here as train.set_epoch
 from .device import autocast, synchronize
 
 
@@ -138,15 +139,6 @@ def _param_device(model: nn.Module) -> torch.device:
         return next(model.parameters()).device
     except StopIteration:
         return torch.device("cpu")
-
-
-def set_epoch(loader, epoch: int) -> None:
-    """Tell ``loader`` (or its sampler / batch sampler) which epoch starts: a rank-sharded or
-    shuffled loader draws that epoch's order from it. Loaders without ``set_epoch`` are left alone."""
-    for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-        if obj is not None and hasattr(obj, "set_epoch"):
-            obj.set_epoch(epoch)
-            return
 
 
 def _to(x, device, channels_last=False):

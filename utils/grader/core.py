@@ -39,7 +39,7 @@ import utils.data
 import utils.models
 import utils.train
 
-from . import checkpoint, sandbox, static
+from . import sandbox, static, weights
 from .spec import ROOT, Spec
 
 PROBE_SITE = Path(__file__).with_name("_probe")
@@ -581,11 +581,11 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
         copy = own / "model.pt"                          # (named as the student wrote it, for the messages)
         copy.write_bytes(model)
         try:
-            sd = checkpoint.load_state_dict(copy, spec.max_output_mb << 20)
+            sd = weights.load_state_dict(copy, spec.max_output_mb << 20)
             device = "cuda" if spec.device == "cuda" and torch.cuda.is_available() else "cpu"
-            report["accuracy"] = round(checkpoint.evaluate(spec, sd, heldout, device), 5)
-            saved_print = checkpoint.fingerprint(sd)
-        except checkpoint.CheckpointRejected as e:
+            report["accuracy"] = round(weights.evaluate(spec, sd, heldout, device), 5)
+            saved_print = weights.fingerprint(sd)
+        except weights.CheckpointRejected as e:
             reasons.append(_reason(e.code, str(e)))
     graded, weight_reasons = None, []
     if saved_print is not None:
@@ -600,7 +600,7 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
         copy.write_bytes(wrapped[: (spec.max_output_mb << 20) + 1])
         try:
             device = "cuda" if spec.device == "cuda" and torch.cuda.is_available() else "cpu"
-            acc0 = checkpoint.evaluate(spec, checkpoint.load_state_dict(copy, spec.max_output_mb << 20),
+            acc0 = weights.evaluate(spec, weights.load_state_dict(copy, spec.max_output_mb << 20),
                                        heldout, device)
             evidence["accuracy_when_ddp_wrapped"] = round(acc0, 5)
             chance = 1.0 / max(2, int(heldout.tensors[1].max()) + 1)
@@ -609,7 +609,7 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
                                             "DistributedDataParallel wrapped it: most of the training must "
                                             "happen under DDP, on every rank")
                 evidence["data_parallel"] = report["data_parallel"] = False
-        except checkpoint.CheckpointRejected:
+        except weights.CheckpointRejected:
             evidence["problems"].append("the weights DDP wrapped could not be read")
     if report["accuracy"] is not None and report["accuracy"] < spec.target_val_acc:
         reasons.append(_reason("accuracy", f"held-out accuracy {report['accuracy']:.4f} is below the target "

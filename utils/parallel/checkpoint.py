@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..data import EpochLoader
+
 # ----------------------------------------------------------------------------------------
 # Checkpoints: rank 0 writes, atomically; every rank resumes
 # ----------------------------------------------------------------------------------------
@@ -116,21 +118,15 @@ def load_checkpoint(path, model: nn.Module, optimizer=None, scheduler=None, *, m
     return ckpt
 
 
-class EpochOffset:
+class EpochOffset(EpochLoader):
     """A loader seen by ``fit`` as starting at epoch 0, while its sampler gets the real epoch
     ``offset + e``: a resumed run reshuffles exactly as the uninterrupted one did."""
 
     def __init__(self, loader, offset: int):
-        self.loader, self.offset = loader, int(offset)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.loader.set_epoch(self.offset + epoch)
+        self.loader, self.epoch_offset = loader, int(offset)
 
     def __iter__(self):
         return iter(self.loader)
-
-    def __len__(self):
-        return len(self.loader)
 
     def __getattr__(self, name):
         return getattr(self.loader, name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..models import mlp
 from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
 
 __all__ = ["check_tensor_parallel", "check_zero_memory", "check_gpipe_microbatches"]
@@ -16,8 +17,8 @@ __all__ = ["check_tensor_parallel", "check_zero_memory", "check_gpipe_microbatch
 # ---------------------------------------------------------------------------- exercise 1
 
 def _mlp(d, hidden, seed):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(d, hidden), nn.GELU(), nn.Linear(hidden, d))
+    torch.manual_seed(seed)             # the weights, then the check's inputs, from the global RNG
+    return mlp(hidden, 2, in_features=d, out_features=d, activation="gelu")
 
 
 def check_tensor_parallel(column_shard, row_shard) -> None:
@@ -105,8 +106,8 @@ def check_zero_memory(zero_memory) -> None:
 
 def _stages(seed):
     torch.manual_seed(seed)
-    return (nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 6)),
-            nn.Sequential(nn.Linear(6, 12), nn.Tanh(), nn.Linear(12, 3)))
+    return (mlp(12, 2, in_features=6, out_features=6, activation="tanh"),
+            mlp(12, 2, in_features=6, out_features=3, activation="tanh"))
 
 
 def _loss(out, y):

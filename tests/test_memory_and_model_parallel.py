@@ -1,15 +1,14 @@
-"""Stage 5: memory accounting, ZeRO/FSDP2, tensor and pipeline parallelism, against outside oracles:
-closed forms, one process, PyTorch's own implementations. Four process launches in all (shared
+"""Memory accounting, activation checkpointing, ZeRO/FSDP2, tensor and pipeline parallelism,
+against outside oracles: closed forms, one process, PyTorch's own implementations. Four process launches in all (shared
 by module-scoped fixtures), small sizes."""
 import math
 
 import pytest
 import torch
-from torch import nn
 
 import utils.checks
 from utils import parallel, memory
-from utils.bench import parameter_bytes
+from utils.memory import parameter_bytes
 from utils.checks import CheckFailed
 from utils.parallel import pipeline, shard, tensor_parallel
 
@@ -32,7 +31,7 @@ def test_checkpointing_keeps_one_input_per_segment_and_matches_the_gradients(seg
     W, L, B = 8, 6, 4
     x = torch.randn(B, W)
     plain, ck = memory.block_mlp(W, L), memory.block_mlp(W, L)
-    fwd = memory.checkpointed_forward(segment)
+    fwd = memory.activation_checkpointed_forward(segment)
     plain(x).pow(2).mean().backward()
     with memory.count_forwards(ck) as calls:
         fwd(ck, x).pow(2).mean().backward()
@@ -55,7 +54,7 @@ def test_cpu_peak_replays_allocations_in_order():
     assert memory.peak_bytes(fn) == 3 << 20
 
 
-@pytest.mark.parametrize("opt", memory.OPTIMIZERS)
+@pytest.mark.parametrize("opt", memory.OPTIMIZER_SETTINGS)
 def test_budget_parts_are_exact_and_the_peak_within_tolerance(opt):
     W, L, B = 32, 2, 32
     pred = memory.budget(W, L, B, opt)

@@ -133,11 +133,13 @@ def check_lars_step(lars_step):
 
 
 def check_lr_for_batch(lr_for_batch):
-    """``lr_for_batch(base_lr, base_batch, batch, rule)`` with rule "linear" or "sqrt"."""
+    """``lr_for_batch(base_lr, base_batch, batch, rule)`` with rule "linear" or "sqrt", compared
+    with :func:`utils.schedules.lr_for_batch` (same arguments, same order)."""
+    from ..schedules import lr_for_batch as reference
     name = "lr_for_batch"
-    cases = [(0.1, 256, 8192, "linear", 3.2), (0.1, 256, 1024, "sqrt", 0.2),
-             (0.05, 16, 8, "linear", 0.025), (0.05, 16, 16, "sqrt", 0.05)]
-    for base_lr, base_batch, batch, rule, want in cases:
+    cases = [(0.1, 256, 8192, "linear"), (0.1, 256, 1024, "sqrt"), (0.05, 16, 8, "linear"), (0.05, 16, 16, "sqrt")]
+    for base_lr, base_batch, batch, rule in cases:
+        want = reference(base_lr, base_batch, batch, rule)        # 3.2, 0.2, 0.025, 0.05
         got = _call(name, lr_for_batch, base_lr, base_batch, batch, rule)
         if not _close(got, want):
             inverse = base_lr * (base_batch / batch if rule == "linear" else math.sqrt(base_batch / batch))

@@ -1,11 +1,12 @@
 """Self-checks for stage 1: gradient descent vs SGD, batch size (lab1).
 
 Each check runs the student's function on a small case whose answer is known (hand-computed,
-the closed-form least-squares solution, or the reference in utils.sgd) and, when it is wrong,
-names the likely mistake."""
+the closed-form least-squares solution, or the references in utils.linear_regression and
+utils.gradient_noise) and, when it is wrong, names the likely mistake."""
 import torch
 
-from .. import sgd as _sgd
+from .. import gradient_noise as _noise
+from .. import linear_regression as _linreg
 from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
 
 __all__ = ["check_gd_step", "check_sgd", "check_noise_scale"]
@@ -63,8 +64,8 @@ def check_gd_step(gd_step) -> None:
               f"({got[0]:.4f}, {got[1]:.4f}), expected ({want[0]:.4f}, {want[1]:.4f})",
               "r = w*x + b - y; w_new = w - lr * 2*mean(r*x); b_new = b - lr * 2*mean(r)")
     # Many steps must reach the closed-form least-squares solution.
-    x, y = _sgd.LinearProblem().sample(64, seed=3)
-    w_star, b_star = _sgd.least_squares(x, y)
+    x, y = _linreg.LinearProblem().sample(64, seed=3)
+    w_star, b_star = _linreg.least_squares(x, y)
     w, b = 0.0, 0.0
     for _ in range(400):
         w, b = _pair(name, _call(name, gd_step, x, y, w, b, 0.2))
@@ -72,7 +73,7 @@ def check_gd_step(gd_step) -> None:
         _fail(name, f"400 steps at lr=0.2 ended at ({w:.4f}, {b:.4f}), not at the least-squares "
               f"solution ({w_star:.4f}, {b_star:.4f})",
               "each call must use the (w, b) it is given and return the moved pair, without state kept between calls")
-    _passed(name, f"one step matches the hand computation; 400 steps reach least squares within 1e-3")
+    _passed(name, "one step matches the hand computation; 400 steps reach least squares within 1e-3")
 
 
 def _trajectory(name, got, steps):
@@ -94,18 +95,18 @@ def _trajectory(name, got, steps):
 
 def check_sgd(sgd) -> None:
     """``sgd(x, y, w0, b0, lr, steps, batch_size, seed)``: minibatch SGD taking its batches from
-    ``utils.sgd.minibatches(len(x), batch_size, seed)``; returns the (steps + 1, 2) trajectory."""
+    ``utils.linear_regression.minibatches(len(x), batch_size, seed)``; returns the (steps + 1, 2) trajectory."""
     name = "sgd"
-    x, y = _sgd.LinearProblem().sample(12, seed=5)
+    x, y = _linreg.LinearProblem().sample(12, seed=5)
     w0, b0, lr, steps, B, seed = -1.0, 2.0, 0.05, 9, 3, 7
-    ref = _sgd.sgd(x, y, w0, b0, lr, steps, B, seed)
+    ref = _linreg.sgd(x, y, w0, b0, lr, steps, B, seed)
     got = _trajectory(name, _call(name, sgd, x.clone(), y.clone(), w0, b0, lr, steps, B, seed), steps)
     if not _close(got[0], ref[0]):
         _fail(name, f"the first row is {got[0].tolist()}, not the start ({w0}, {b0})",
               "the path starts with (w0, b0) before any step")
     if not torch.allclose(got, ref, rtol=1e-6, atol=1e-9):
-        gd_path = _sgd.sgd(x, y, w0, b0, lr, steps, len(x), seed)
-        summed = _sgd.sgd(x, y, w0, b0, lr * B, steps, B, seed)
+        gd_path = _linreg.sgd(x, y, w0, b0, lr, steps, len(x), seed)
+        summed = _linreg.sgd(x, y, w0, b0, lr * B, steps, B, seed)
         if torch.allclose(got, gd_path, rtol=1e-6, atol=1e-9):
             _fail(name, "with batch_size=3 of 12 points the path equals full-batch GD: every step used all the data",
                   "compute the gradient on x[idx], y[idx] only, for the idx of the current minibatch")
@@ -119,7 +120,7 @@ def check_sgd(sgd) -> None:
         full = _trajectory(name, _call(name, sgd, x.clone(), y.clone(), w0, b0, lr, steps, len(x), seed), steps)
         if torch.allclose(full, gd_path, rtol=1e-6, atol=1e-9):
             _fail(name, "full-batch runs are right but minibatch runs do not use the expected batches",
-                  f"draw batches with `for _, idx in zip(range(steps), utils.sgd.minibatches(len(x), batch_size, seed))`")
+                  "draw batches with `for _, idx in zip(range(steps), utils.linear_regression.minibatches(len(x), batch_size, seed))`")
         _fail(name, f"the path differs from the reference from step 1 on (got {got[1].tolist()}, "
               f"expected {ref[1].tolist()})",
               "check the update w -= lr * 2*mean(r*x), b -= lr * 2*mean(r) on the batch (your gd_step on x[idx], y[idx])")
@@ -173,10 +174,10 @@ def check_noise_scale(b_simple) -> None:
               "per pair: G2 = (B_big g - B_small s)/(B_big - B_small), trS = (s - g)/(1/B_small - 1/B_big); "
               "then trS.mean() / G2.mean()")
     # A statistical case: fresh samples of a linear-regression population with a known B_simple.
-    prob = _sgd.LinearProblem()
+    prob = _linreg.LinearProblem()
     w, b = 2.3, -1.0
     exact = prob.noise_scale(w, b)
-    s, g = _sgd.linear_grad_sq_norms(prob, w, b, 4, 128, 4000, seed=0)
+    s, g = _noise.linear_grad_sq_norms(prob, w, b, 4, 128, 4000, seed=0)
     est = float(_call(name, b_simple, s, g, 4, 128))
     if abs(est / exact - 1) > 0.2:
         _fail(name, f"on a linear-regression stream with exact B_simple = {exact:.2f} it estimated {est:.2f}",

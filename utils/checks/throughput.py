@@ -5,6 +5,7 @@ import time
 import torch
 from torch import nn
 
+from .. import models
 from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
 
 __all__ = ["check_state_bytes", "check_time_step", "check_wait_fraction"]
@@ -16,7 +17,7 @@ __all__ = ["check_state_bytes", "check_time_step", "check_wait_fraction"]
 
 def _counted(model: nn.Module, optimizer: str, momentum: float) -> dict:
     """The oracle: build the real optimizer, take one step, count what it holds."""
-    from ..bench import counted_state_bytes
+    from ..memory import counted_state_bytes
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "sgd":
         opt = torch.optim.SGD(trainable, lr=0.1, momentum=momentum)
@@ -41,7 +42,7 @@ def check_state_bytes(state_bytes) -> None:
 
     def mlp(dtype=torch.float32, freeze_first=False):
         torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 3)).to(dtype)
+        m = models.mlp(20, 2, in_features=10, out_features=3).to(dtype)     # Linear(10, 20), ReLU, Linear(20, 3)
         if freeze_first:
             m[0].requires_grad_(False)
         return m
