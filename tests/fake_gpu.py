@@ -26,8 +26,9 @@ from torch.cuda._utils import _get_device_index
 
 
 class FakeCuda:
-    def __init__(self, n: int = 1, *, uuids=None, capability=(9, 0), name="Fake H100"):
+    def __init__(self, n: int = 1, *, uuids=None, capability=(9, 0), name="Fake H100", initialized=True):
         self.n = n
+        self.initialized = initialized     # False: CUDA not initialised until set_device (a CPU rank)
         self.uuids = list(uuids or [f"fake-gpu-{i}" for i in range(n)])
         self.capability, self.name = capability, name
         self.current = 0
@@ -43,6 +44,7 @@ class FakeCuda:
             raise RuntimeError("CUDA error: invalid device ordinal")
         if idx >= 0:
             self.current = idx
+        self.initialized = True                    # torch._C._cuda_setDevice initialises CUDA
         self.set_device_calls.append(idx)
 
     def current_device(self):
@@ -113,11 +115,12 @@ class FakeCuda:
         return FakeEvent
 
     # -- installing -----------------------------------------------------------------------
-    def install(self, setattr_, *, nccl_on_gloo: bool = False):
-        """Patch torch.cuda (and optionally NCCL) with ``setattr_(obj, name, value)``."""
+    def install(self, setattr_, *, nccl_on_gloo: bool = False, accelerator: bool = False):
+        """Patch torch.cuda (and optionally NCCL, and the current accelerator) with
+        ``setattr_(obj, name, value)``."""
         c = torch.cuda
         setattr_(c, "is_available", lambda: True)
-        setattr_(c, "is_initialized", lambda: True)
+        setattr_(c, "is_initialized", lambda: self.initialized)
         setattr_(c, "device_count", lambda: self.n)
         setattr_(c, "set_device", self.set_device)
         setattr_(c, "current_device", self.current_device)
@@ -127,6 +130,8 @@ class FakeCuda:
         setattr_(c, "device", self.make_device_class())
         setattr_(c, "current_stream", self.current_stream)
         setattr_(c, "Event", self.make_event_class())
+        if accelerator:          # torch.accelerator / the default DeviceMesh see CUDA, as on a GPU box
+            setattr_(torch._C, "_get_accelerator", lambda *a, **k: torch.device("cuda"))
         if nccl_on_gloo:
             real_init = dist.init_process_group
 
@@ -138,6 +143,8 @@ class FakeCuda:
         return self
 
 
-def install_in_rank(n: int, uuids) -> FakeCuda:
-    """In a spawned rank: this process sees ``n`` fake GPUs with these UUIDs, NCCL runs on gloo."""
-    return FakeCuda(n, uuids=uuids).install(setattr, nccl_on_gloo=True)
+def install_in_rank(n: int, uuids, **kw) -> FakeCuda:
+    """In a spawned rank: this process sees ``n`` fake GPUs with these UUIDs, NCCL runs on gloo.
+    ``kw``: ``initialized`` (FakeCuda) and ``accelerator`` (install)."""
+    init = {k: kw.pop(k) for k in ("initialized",) if k in kw}
+    return FakeCuda(n, uuids=uuids, **init).install(setattr, nccl_on_gloo=True, **kw)

@@ -460,3 +460,25 @@ def test_failing_rank_is_reported_although_its_teardown_hangs():
         parallel.launch(fail_with_stuck_teardown_worker, 2, timeout=300, stream=False)
     assert time.monotonic() - t0 < 90, "the report must not wait for the launch timeout"
     assert e.value.rank == 1 and "rank 1 broke" in e.value.remote_traceback
+
+
+# ---------------------------------------------------------------------------- FSDP2 on gloo, fewer GPUs than ranks
+
+def fsdp2_one_gpu_worker(kw):
+    """A rank of a box with one GPU that nobody has touched yet (CUDA not initialised): two ranks
+    share it, so they agree on gloo on the CPU; fully_shard must shard over the CPU ranks."""
+    install_in_rank(1, ["the-only-gpu"], initialized=False, accelerator=True)
+    from utils.parallel import shard
+    return shard.shard_worker(["fsdp2"], measure_peak=False, **kw)
+
+
+@pytest.mark.skipif(parallel.shard.fully_shard is None, reason="FSDP2 needs torch 2.4+")
+def test_fsdp2_under_gloo_with_fewer_gpus_than_ranks_uses_the_ranks_device_mesh():
+    """Without a mesh, fully_shard made a CUDA mesh and set cuda:LOCAL_RANK: rank 1 died with
+    'invalid device ordinal'. The losses must equal the one-process Adam run (the oracle)."""
+    kw = dict(width=16, depth=3, batch_size=8, steps=3)
+    res = parallel.launch(fsdp2_one_gpu_worker, 2, kw, timeout=180, stream=False)
+    ref = parallel.shard.reference_losses(**kw)
+    for r in res:
+        assert r["backend"] == "gloo", r
+        assert r["fsdp2"]["loss"] == pytest.approx(ref, rel=1e-5, abs=1e-6)
