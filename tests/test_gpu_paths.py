@@ -482,3 +482,26 @@ def test_fsdp2_under_gloo_with_fewer_gpus_than_ranks_uses_the_ranks_device_mesh(
     for r in res:
         assert r["backend"] == "gloo", r
         assert r["fsdp2"]["loss"] == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------- NCCL and Docker's 64 MB /dev/shm
+
+def shm_worker(free_mib):
+    os.environ.pop("LAB_DIST_BACKEND", None)                          # let the ranks decide, as under torchrun
+    install_in_rank(1, [f"gpu-of-rank-{os.environ['RANK']}"])        # one GPU per rank: NCCL
+    group._shm_free_bytes = lambda path=group.SHM_DIR: free_mib * 2**20
+    ctx = parallel.setup()
+    return ctx.backend
+
+
+def test_nccl_with_a_small_dev_shm_is_refused_before_the_group_exists():
+    """Docker's default --shm-size (64 MB): NCCL would die with 'Error while creating shared memory
+    segment'; setup() refuses first and says what to do. Enough shared memory: NCCL as before."""
+    with pytest.raises(parallel.LaunchError, match=r"--shm-size.*--ipc=host"):
+        parallel.launch(shm_worker, 2, 64, timeout=120, stream=False)
+    assert parallel.launch(shm_worker, 2, 8192, timeout=120, stream=False) == ["nccl", "nccl"]
+
+
+def test_one_nccl_rank_alone_needs_no_shared_memory(one_gpu, alone, monkeypatch):
+    monkeypatch.setattr(group, "_shm_free_bytes", lambda path=group.SHM_DIR: 64 * 2**20)
+    assert parallel.setup().backend == "nccl"

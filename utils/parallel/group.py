@@ -167,6 +167,7 @@ def setup(backend: str | None = None, *, device=None, timeout: float | None = No
                            f"{local_rank} sees {n} GPU(s), {local_world} processes on this node). Start at "
                            f"most one process per GPU, or use backend='gloo' (ranks may share a device).")
     if backend == "nccl":
+        _check_shm_for_nccl(local_world)
         dev = own
     elif device is not None:
         dev = rank_device(local_rank, device)        # gloo on a GPU: ranks may share it
@@ -176,6 +177,32 @@ def setup(backend: str | None = None, *, device=None, timeout: float | None = No
         torch.cuda.set_device(dev)                  # pin the GPU before the group exists
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     return DistContext(rank, world, local_rank, local_world, backend, dev)
+
+
+SHM_DIR = "/dev/shm"
+NCCL_MIN_SHM_BYTES = 256 * 2**20     # NCCL's shared-memory transport and proxy buffers between local ranks
+
+
+def _shm_free_bytes(path: str = SHM_DIR) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except (AttributeError, OSError):          # not Linux, or no /dev/shm: nothing to check
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _check_shm_for_nccl(local_world: int) -> None:
+    """NCCL ranks on one node talk through segments in /dev/shm. Docker gives a container 64 MB by
+    default, and NCCL then dies in its first collective with "Error while creating shared memory
+    segment", which names no cure. Refuse before the group exists, and say what to do."""
+    free = _shm_free_bytes()
+    if local_world < 2 or free is None or free >= NCCL_MIN_SHM_BYTES:
+        return
+    raise RuntimeError(
+        f"{SHM_DIR} has {free / 2**20:,.0f} MiB free, but NCCL between the {local_world} processes on this "
+        f"node needs at least {NCCL_MIN_SHM_BYTES // 2**20} MiB of shared memory (it would fail with 'Error "
+        f"while creating shared memory segment'). In Docker, start the container with a bigger --shm-size "
+        f"(e.g. --shm-size=8g) or with --ipc=host; or use backend='gloo'.")
 
 
 def _store(rank: int, world: int, alone: bool, timeout: timedelta):
