@@ -505,3 +505,32 @@ def test_nccl_with_a_small_dev_shm_is_refused_before_the_group_exists():
 def test_one_nccl_rank_alone_needs_no_shared_memory(one_gpu, alone, monkeypatch):
     monkeypatch.setattr(group, "_shm_free_bytes", lambda path=group.SHM_DIR: 64 * 2**20)
     assert parallel.setup().backend == "nccl"
+
+
+# ---------------------------------------------------------------------------- torchrun of the notebook's interpreter
+
+# A command that starts the `torchrun` found on PATH: a list element "torchrun" before an option, a shell escape
+# (!torchrun, %sx torchrun) or a command string that begins with it. PATH's torchrun may belong to
+# another Python (another torch, no utils), not the kernel's: use sys.executable -m torch.distributed.run.
+BARE_TORCHRUN = re.compile(r"""(?:^\s*[!%]\w*\s*torchrun\b|["']torchrun["']\s*,\s*f?["']-|["']torchrun\s+-)""", re.M)
+
+
+def _code_cells(path):
+    import json
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        if cell["cell_type"] == "code":
+            yield i, "".join(cell["source"])
+
+
+def test_no_notebook_runs_the_torchrun_on_path():
+    found = [f"{p.relative_to(ROOT)} cell {i}: {m.group(0).strip()}"
+             for p in sorted(ROOT.glob("*/*.ipynb")) for i, src in _code_cells(p) for m in BARE_TORCHRUN.finditer(src)]
+    assert not found, "run torchrun as [sys.executable, '-m', 'torch.distributed.run', ...]:\n" + "\n".join(found)
+
+
+def test_the_torchrun_scan_would_see_the_old_nsight_cell():
+    old = '''nsys = ["nsys", "profile", "-o", str(report), "torchrun", "--standalone", "-m", "utils.ddp_train"]'''
+    assert BARE_TORCHRUN.search(old) and BARE_TORCHRUN.search("!torchrun --standalone x.py")
+    assert BARE_TORCHRUN.search('subprocess.run("torchrun --nproc-per-node 2 x.py", shell=True)')
+    assert not BARE_TORCHRUN.search('print("torchrun", " ".join(args))')      # a label, not a command
+    assert not BARE_TORCHRUN.search("srun torchrun --nnodes 2 \\\\")         # a cluster's sbatch text
