@@ -534,3 +534,35 @@ def test_the_torchrun_scan_would_see_the_old_nsight_cell():
     assert BARE_TORCHRUN.search('subprocess.run("torchrun --nproc-per-node 2 x.py", shell=True)')
     assert not BARE_TORCHRUN.search('print("torchrun", " ".join(args))')      # a label, not a command
     assert not BARE_TORCHRUN.search("srun torchrun --nnodes 2 \\\\")         # a cluster's sbatch text
+
+
+# ---------------------------------------------------------------------------- TF32 off in the equivalence demos
+
+@pytest.mark.parametrize("worker, kw", [
+    (parallel.shard_worker, dict(strategies=["ddp"], width=8, depth=1, batch_size=4, steps=1, measure_peak=False)),
+    (parallel.tp_worker, dict(width=8, batch_size=4)),
+])
+def test_equivalence_workers_turn_tf32_off(worker, kw, alone):
+    """cuDNN (and cuBLAS where allowed) compute float32 in TF32 on Ampere+ (10-bit mantissa):
+    GPU ranks then miss the CPU oracle's 1e-5. Every worker whose result is compared with one must
+    turn TF32 off in its process, as it starts."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True     # what set_float32_matmul_precision("high") does
+    torch.backends.cudnn.allow_tf32 = True           # cuDNN's default
+    try:
+        worker(**kw)
+        assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def tf32_after_pp_worker(kw):
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    parallel.pp_worker(**kw)
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def test_the_pipeline_worker_turns_tf32_off():
+    """pp_worker needs two stages: two ranks, each starting with TF32 on."""
+    kw = dict(width=8, depth=2, batch_size=4, micro_batches=(1,), repeats=1)
+    assert parallel.launch(tf32_after_pp_worker, 2, kw, timeout=120, stream=False) == [(False, False)] * 2

@@ -205,6 +205,17 @@ def _check_shm_for_nccl(local_world: int) -> None:
         f"(e.g. --shm-size=8g) or with --ipc=host; or use backend='gloo'.")
 
 
+def exact_fp32() -> None:
+    """Turn TF32 off in this process, for demos that compare GPU ranks with a CPU oracle to 1e-5.
+
+    On Ampere and newer, cuDNN convolutions run in TF32 by default (``torch.backends.cudnn.allow_tf32``)
+    and so do float32 matmuls where ``torch.backends.cuda.matmul.allow_tf32`` (or
+    ``torch.set_float32_matmul_precision("high")``) is set: inputs rounded to 10 mantissa bits,
+    differences of 1e-3, far above the asserts' tolerances. Equivalence workers call this first."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+
+
 def _store(rank: int, world: int, alone: bool, timeout: timedelta):
     """The key-value store the ranks meet in.
 

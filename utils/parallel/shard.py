@@ -233,7 +233,8 @@ def shard_worker(strategies=STRATEGIES, *, width: int = 64, depth: int = 4, batc
     ``resume_dir``: with ``"fsdp2"``, load it first (on any number of ranks) and train the
     remaining steps (the other strategies start afresh)."""
     from ..memory import block_mlp, peak_bytes
-    from .group import setup, teardown
+    from .group import exact_fp32, setup, teardown
+    exact_fp32()                                 # the losses are compared with reference_losses to 1e-5
     ctx = setup()
     try:
         if batch_size % ctx.world_size:
