@@ -625,3 +625,34 @@ def test_lab3_checks_pass_the_solution_under_nccl(monkeypatch):
     ring, average = _solution_functions()
     stage3.check_ring_all_reduce(ring)
     stage3.check_average_gradients(average)
+
+
+# ---------------------------------------------------------------------------- multi-rank demos sized for the ranks' device
+
+def test_multi_rank_demos_on_one_gpu_take_smoke_sizes_and_say_so(monkeypatch, capsys):
+    """Two ranks, one GPU: launch() picks gloo and the ranks run on the CPU, one thread each; the
+    gpu profile's sizes there took minutes (notebook 05's pipeline) and timed a CPU."""
+    from utils import config
+    gpu = config.profile("gpu")
+    FakeCuda(1).install(monkeypatch.setattr, nccl_on_gloo=True)
+    got = parallel.sizes_for_ranks(gpu, 2)
+    assert got.name == "smoke" and got.pp_width == config.profile("smoke").pp_width
+    assert "ranks run on gloo on the CPU" in capsys.readouterr().out
+    FakeCuda(4).install(monkeypatch.setattr, nccl_on_gloo=True)
+    assert parallel.sizes_for_ranks(gpu, 4) is gpu, "a GPU per rank: the gpu sizes, on the GPUs"
+    assert parallel.sizes_for_ranks(gpu, 8).name == "smoke"
+    assert capsys.readouterr().out.count("note:") == 1
+
+
+RANK_SIZED = {"notebooks/05_memory_and_model_parallel.ipynb": r"\bcfg\.(?:shard|tp|pp)_\w+",
+              "notebooks/03_ddp.ipynb": r"\bcfg\.(?:ddp_message_sizes|ddp_timing_repeats|ddp_mlp_width|ddp_bucket_caps_mb)"}
+
+
+@pytest.mark.parametrize("path", sorted(RANK_SIZED))
+def test_notebooks_size_multi_rank_demos_by_the_ranks_device(path):
+    """The launched demos of notebooks 03 and 05 read their sizes from parallel.sizes_for_ranks
+    (rcfg), never from the notebook's profile directly."""
+    found = [f"cell {i}: {m}" for i, src in _code_cells(ROOT / path) for line in src.splitlines()
+             if "sizes_for_ranks(" not in line for m in re.findall(RANK_SIZED[path], line)]
+    assert not found, found
+    assert any("parallel.sizes_for_ranks(cfg" in src for _, src in _code_cells(ROOT / path))

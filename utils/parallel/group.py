@@ -58,6 +58,24 @@ def choose_backend(nprocs_per_node: int) -> str:
     return "gloo"
 
 
+def sizes_for_ranks(cfg, nprocs: int, *, quiet: bool = False):
+    """The profile a demo of ``nprocs`` launched ranks should take its sizes from.
+
+    ``cfg`` when every rank gets a GPU of its own (launch picks NCCL), or when ``cfg`` is already
+    the smoke profile. Otherwise (one GPU, or none, for two ranks) the ranks fall back to gloo on
+    the CPU, one thread each: the gpu profile's sizes would take minutes there and time a CPU, so
+    the smoke profile's sizes are returned, and a line says so (``quiet=True``: no line)."""
+    from ..config import profile
+    backend = choose_backend(nprocs)
+    if backend == "nccl" or cfg.name == "smoke":
+        return cfg
+    if not quiet:
+        print(f"note: {nprocs} ranks, {visible_gpus()} GPU(s) in sight: the ranks run on gloo on the CPU (one thread "
+              f"each), so these multi-rank demos use the smoke profile's sizes, not the {cfg.name} profile's "
+              f"(with {nprocs} GPUs, one per rank, they use the {cfg.name} sizes on the GPUs)", flush=True)
+    return profile("smoke")
+
+
 def visible_gpus() -> int:
     """GPUs this process can see (after CUDA_VISIBLE_DEVICES), 0 without CUDA."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
