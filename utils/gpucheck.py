@@ -206,9 +206,10 @@ class BudgetSpent(Exception):
 
 
 def run_checks(checks, out, *, info=None, mode=None, profile=None, ctx_extra=None,
-               budget_s: float | None = None) -> tuple[Report, int]:
+               budget_s: float | None = None, started: float | None = None) -> tuple[Report, int]:
     """Run ``checks`` (a list of :class:`Check`), write ``out/report.json``, return (report, exit code).
-    ``budget_s``: seconds for all of them (None: no limit); see the module's docstring."""
+    ``budget_s``: seconds for all of them (None: no limit), counted from ``started`` (a
+    ``time.perf_counter()`` value; default now); see the module's docstring."""
     info = info if info is not None else hardware()
     mode = mode or ("gpu" if info.get("gpus") else "cpu")
     profile = profile or ("gpu" if mode == "gpu" else "smoke")
@@ -217,7 +218,7 @@ def run_checks(checks, out, *, info=None, mode=None, profile=None, ctx_extra=Non
     report.extra = {k: extra.pop(k) for k in ("profile_reason", "offline", "datasets_missing") if k in extra}
     report.extra["budget_s"] = budget_s
     ctx = Context(Path(out), mode, profile, info, budget_s=budget_s if budget_s is not None else float("inf"),
-                  **{k: v for k, v in extra.items() if k in ("offline", "missing", "full_bench")})
+                  t0=started if started is not None else time.perf_counter(), **{k: v for k, v in extra.items() if k in ("offline", "missing", "full_bench")})
     report.write()
     for check in checks:
         report.run(check, ctx)
@@ -749,7 +750,7 @@ def main(argv=None) -> int:
     extra = {"profile_reason": why, "offline": offline, "datasets_missing": missing, "missing": tuple(missing),
              "full_bench": args.full_bench}
     report, code = run_checks(checks, args.out, info=info, profile=profile, ctx_extra=extra,
-                              budget_s=args.budget_s - (time.perf_counter() - t0))
+                              budget_s=args.budget_s, started=t0)
     counts = {s: sum(r.status == s for r in report.results) for s in STATUSES}
     print(f"== {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped in "
           f"{time.perf_counter() - t0:.0f} s (budget {args.budget_s:g} s); report: {args.out / 'report.json'} ==",
