@@ -26,8 +26,9 @@ from torch.cuda._utils import _get_device_index
 
 
 class FakeCuda:
-    def __init__(self, n: int = 1, *, uuids=None, capability=(9, 0), name="Fake H100"):
+    def __init__(self, n: int = 1, *, uuids=None, capability=(9, 0), name="Fake H100", initialized=True):
         self.n = n
+        self.initialized = initialized     # False: CUDA not initialised until set_device (a CPU rank)
         self.uuids = list(uuids or [f"fake-gpu-{i}" for i in range(n)])
         self.capability, self.name = capability, name
         self.current = 0
@@ -43,6 +44,7 @@ class FakeCuda:
             raise RuntimeError("CUDA error: invalid device ordinal")
         if idx >= 0:
             self.current = idx
+        self.initialized = True                    # torch._C._cuda_setDevice initialises CUDA
         self.set_device_calls.append(idx)
 
     def current_device(self):
@@ -113,11 +115,12 @@ class FakeCuda:
         return FakeEvent
 
     # -- installing -----------------------------------------------------------------------
-    def install(self, setattr_, *, nccl_on_gloo: bool = False):
-        """Patch torch.cuda (and optionally NCCL) with ``setattr_(obj, name, value)``."""
+    def install(self, setattr_, *, nccl_on_gloo: bool = False, accelerator: bool = False):
+        """Patch torch.cuda (and optionally NCCL, and the current accelerator) with
+        ``setattr_(obj, name, value)``."""
         c = torch.cuda
         setattr_(c, "is_available", lambda: True)
-        setattr_(c, "is_initialized", lambda: True)
+        setattr_(c, "is_initialized", lambda: self.initialized)
         setattr_(c, "device_count", lambda: self.n)
         setattr_(c, "set_device", self.set_device)
         setattr_(c, "current_device", self.current_device)
@@ -127,6 +130,8 @@ class FakeCuda:
         setattr_(c, "device", self.make_device_class())
         setattr_(c, "current_stream", self.current_stream)
         setattr_(c, "Event", self.make_event_class())
+        if accelerator:          # torch.accelerator / the default DeviceMesh see CUDA, as on a GPU box
+            setattr_(torch._C, "_get_accelerator", lambda *a, **k: torch.device("cuda"))
         if nccl_on_gloo:
             real_init = dist.init_process_group
 
@@ -138,6 +143,106 @@ class FakeCuda:
         return self
 
 
-def install_in_rank(n: int, uuids) -> FakeCuda:
-    """In a spawned rank: this process sees ``n`` fake GPUs with these UUIDs, NCCL runs on gloo."""
-    return FakeCuda(n, uuids=uuids).install(setattr, nccl_on_gloo=True)
+def install_in_rank(n: int, uuids, **kw) -> FakeCuda:
+    """In a spawned rank: this process sees ``n`` fake GPUs with these UUIDs, NCCL runs on gloo.
+    ``kw``: ``initialized`` (FakeCuda) and ``accelerator`` (install)."""
+    init = {k: kw.pop(k) for k in ("initialized",) if k in kw}
+    return FakeCuda(n, uuids=uuids, **init).install(setattr, nccl_on_gloo=True, **kw)
+
+
+# ----------------------------------------------------------------------------------------
+# A fake NCCL that, like NCCL, takes only tensors on the GPU
+# ----------------------------------------------------------------------------------------
+
+NCCL_CPU_ERROR = "No backend type associated with device type cpu"     # torch's words, NCCL-only group
+
+
+class OnFakeGpu(torch.Tensor):
+    """A tensor "on the fake GPU": real values in a CPU tensor (``inner``), every op run on those.
+    A CPU build runs autograd only on CPU and ``meta`` devices, so it reports ``device == meta``
+    (not cuda): what matters is that it is not a CPU tensor. Mixing it with a CPU tensor in an op
+    raises as mixing devices does on a GPU; ``.cpu()`` gives the plain values back."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        r = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(),
+                                                storage_offset=inner.storage_offset(), dtype=inner.dtype,
+                                                device=torch.device("meta"), requires_grad=inner.requires_grad)
+        r.inner = inner
+        return r
+
+    def __repr__(self):
+        return f"OnFakeGpu({self.inner!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves, tree_map
+        kwargs = kwargs or {}
+        cpu = [a for a in tree_leaves((args, kwargs))
+               if isinstance(a, torch.Tensor) and not isinstance(a, OnFakeGpu) and a.dim() > 0]
+        if cpu:
+            raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices, "
+                               "cuda:0 and cpu!")
+        to_cpu = (func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None
+                  and torch.device(kwargs["device"]).type == "cpu")
+
+        def unwrap(a):
+            if isinstance(a, OnFakeGpu):
+                return a.inner
+            return torch.device("cpu") if isinstance(a, torch.device) and a.type in ("cuda", "meta") else a
+        out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
+        if to_cpu:
+            return out
+        if func._schema.is_mutable and args and isinstance(args[0], OnFakeGpu):
+            return args[0]                                 # in place: the tensor itself
+        return tree_map(lambda t: OnFakeGpu(t) if isinstance(t, torch.Tensor) else t, out)
+
+
+def _check_on_gpu(tensors):
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and not isinstance(t, OnFakeGpu):
+            raise RuntimeError(NCCL_CPU_ERROR)
+
+
+def _inner(t):
+    if isinstance(t, (list, tuple)):
+        return type(t)(_inner(x) for x in t)
+    return t.inner if isinstance(t, OnFakeGpu) else t
+
+
+def install_nccl_device_rule(setattr_) -> None:
+    """Tensors moved to a CUDA device (``.to("cuda:i")``, ``.cuda()``, ``module.to(ctx.device)``)
+    become :class:`OnFakeGpu`; the collectives and point-to-point ops refuse any other tensor
+    with NCCL's error, then run on gloo with the values. Use in a rank with ``install_in_rank``."""
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        dev = torch._C._nn._parse_to(*args, **kwargs)[0]
+        if dev is not None and dev.type == "cuda" and not isinstance(self, OnFakeGpu):
+            rest = [a for a in args if not isinstance(a, (str, torch.device))]
+            t = real_to(self, "cpu", *rest, **{k: v for k, v in kwargs.items() if k != "device"})
+            return OnFakeGpu(t.detach().clone())
+        return real_to(self, *args, **kwargs)
+    setattr_(torch.Tensor, "to", to)
+    setattr_(torch.Tensor, "cuda", lambda self, device=None, **kw: to(self, torch.device("cuda", device or 0)))
+
+    def wrap(name):
+        fn = getattr(dist, name)
+
+        def op(*args, **kwargs):
+            from torch.utils._pytree import tree_leaves
+            _check_on_gpu(tree_leaves((args, kwargs)))
+            return fn(*[_inner(a) for a in args], **{k: _inner(v) for k, v in kwargs.items()})
+        op.__name__ = name
+        setattr_(dist, name, op)
+        return op
+
+    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
+                 "reduce", "send", "recv"):
+        wrap(name)
+    real_batch = dist.batch_isend_irecv         # (isend / irecv stay torch's own: P2POp accepts only those)
+
+    def batch_isend_irecv(ops):
+        _check_on_gpu([o.tensor for o in ops])
+        return real_batch([dist.P2POp(o.op, o.tensor.inner, o.peer, o.group, o.tag) for o in ops])
+    setattr_(dist, "batch_isend_irecv", batch_isend_irecv)

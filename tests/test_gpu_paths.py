@@ -453,3 +453,199 @@ def test_failing_rank_is_reported_although_its_teardown_hangs():
         parallel.launch(fail_with_stuck_teardown_worker, 2, timeout=300, stream=False)
     assert time.monotonic() - t0 < 90, "the report must not wait for the launch timeout"
     assert e.value.rank == 1 and "rank 1 broke" in e.value.remote_traceback
+
+
+# ---------------------------------------------------------------------------- FSDP2 on gloo, fewer GPUs than ranks
+
+def fsdp2_one_gpu_worker(kw):
+    """A rank of a box with one GPU that nobody has touched yet (CUDA not initialised): two ranks
+    share it, so they agree on gloo on the CPU; fully_shard must shard over the CPU ranks."""
+    install_in_rank(1, ["the-only-gpu"], initialized=False, accelerator=True)
+    from utils.parallel import shard
+    return shard.shard_worker(["fsdp2"], measure_peak=False, **kw)
+
+
+@pytest.mark.skipif(parallel.shard.fully_shard is None, reason="FSDP2 needs torch 2.4+")
+def test_fsdp2_under_gloo_with_fewer_gpus_than_ranks_uses_the_ranks_device_mesh():
+    """Without a mesh, fully_shard made a CUDA mesh and set cuda:LOCAL_RANK: rank 1 died with
+    'invalid device ordinal'. The losses must equal the one-process Adam run (the oracle)."""
+    kw = dict(width=16, depth=3, batch_size=8, steps=3)
+    res = parallel.launch(fsdp2_one_gpu_worker, 2, kw, timeout=180, stream=False)
+    ref = parallel.shard.reference_losses(**kw)
+    for r in res:
+        assert r["backend"] == "gloo", r
+        assert r["fsdp2"]["loss"] == pytest.approx(ref, rel=1e-5, abs=1e-6)
+
+
+# ---------------------------------------------------------------------------- NCCL and Docker's 64 MB /dev/shm
+
+def shm_worker(free_mib):
+    os.environ.pop("LAB_DIST_BACKEND", None)                          # let the ranks decide, as under torchrun
+    install_in_rank(1, [f"gpu-of-rank-{os.environ['RANK']}"])        # one GPU per rank: NCCL
+    group._shm_free_bytes = lambda path=group.SHM_DIR: free_mib * 2**20
+    ctx = parallel.setup()
+    return ctx.backend
+
+
+def test_nccl_with_a_small_dev_shm_is_refused_before_the_group_exists():
+    """Docker's default --shm-size (64 MB): NCCL would die with 'Error while creating shared memory
+    segment'; setup() refuses first and says what to do. Enough shared memory: NCCL as before."""
+    with pytest.raises(parallel.LaunchError, match=r"--shm-size.*--ipc=host"):
+        parallel.launch(shm_worker, 2, 64, timeout=120, stream=False)
+    assert parallel.launch(shm_worker, 2, 8192, timeout=120, stream=False) == ["nccl", "nccl"]
+
+
+def test_one_nccl_rank_alone_needs_no_shared_memory(one_gpu, alone, monkeypatch):
+    monkeypatch.setattr(group, "_shm_free_bytes", lambda path=group.SHM_DIR: 64 * 2**20)
+    assert parallel.setup().backend == "nccl"
+
+
+# ---------------------------------------------------------------------------- torchrun of the notebook's interpreter
+
+# A command that starts the `torchrun` found on PATH: a list element "torchrun" before an option, a shell escape
+# (!torchrun, %sx torchrun) or a command string that begins with it. PATH's torchrun may belong to
+# another Python (another torch, no utils), not the kernel's: use sys.executable -m torch.distributed.run.
+BARE_TORCHRUN = re.compile(r"""(?:^\s*[!%]\w*\s*torchrun\b|["']torchrun["']\s*,\s*f?["']-|["']torchrun\s+-)""", re.M)
+
+
+def _code_cells(path):
+    import json
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        if cell["cell_type"] == "code":
+            yield i, "".join(cell["source"])
+
+
+def test_no_notebook_runs_the_torchrun_on_path():
+    found = [f"{p.relative_to(ROOT)} cell {i}: {m.group(0).strip()}"
+             for p in sorted(ROOT.glob("*/*.ipynb")) for i, src in _code_cells(p) for m in BARE_TORCHRUN.finditer(src)]
+    assert not found, "run torchrun as [sys.executable, '-m', 'torch.distributed.run', ...]:\n" + "\n".join(found)
+
+
+def test_the_torchrun_scan_would_see_the_old_nsight_cell():
+    old = '''nsys = ["nsys", "profile", "-o", str(report), "torchrun", "--standalone", "-m", "utils.ddp_train"]'''
+    assert BARE_TORCHRUN.search(old) and BARE_TORCHRUN.search("!torchrun --standalone x.py")
+    assert BARE_TORCHRUN.search('subprocess.run("torchrun --nproc-per-node 2 x.py", shell=True)')
+    assert not BARE_TORCHRUN.search('print("torchrun", " ".join(args))')      # a label, not a command
+    assert not BARE_TORCHRUN.search("srun torchrun --nnodes 2 \\\\")         # a cluster's sbatch text
+
+
+# ---------------------------------------------------------------------------- TF32 off in the equivalence demos
+
+@pytest.mark.parametrize("worker, kw", [
+    (parallel.shard_worker, dict(strategies=["ddp"], width=8, depth=1, batch_size=4, steps=1, measure_peak=False)),
+    (parallel.tp_worker, dict(width=8, batch_size=4)),
+])
+def test_equivalence_workers_turn_tf32_off(worker, kw, alone):
+    """cuDNN (and cuBLAS where allowed) compute float32 in TF32 on Ampere+ (10-bit mantissa):
+    GPU ranks then miss the CPU oracle's 1e-5. Every worker whose result is compared with one must
+    turn TF32 off in its process, as it starts."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True     # what set_float32_matmul_precision("high") does
+    torch.backends.cudnn.allow_tf32 = True           # cuDNN's default
+    try:
+        worker(**kw)
+        assert torch.backends.cuda.matmul.allow_tf32 is False and torch.backends.cudnn.allow_tf32 is False
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def tf32_after_pp_worker(kw):
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    parallel.pp_worker(**kw)
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def test_the_pipeline_worker_turns_tf32_off():
+    """pp_worker needs two stages: two ranks, each starting with TF32 on."""
+    kw = dict(width=8, depth=2, batch_size=4, micro_batches=(1,), repeats=1)
+    assert parallel.launch(tf32_after_pp_worker, 2, kw, timeout=120, stream=False) == [(False, False)] * 2
+
+
+# ---------------------------------------------------------------------------- lab 3's checks under (fake) NCCL
+
+def _solution_functions():
+    """ring_all_reduce and average_gradients as solutions/lab3_ddp.ipynb writes them, defined in a
+    module file (the checks read a function's source)."""
+    import importlib.util
+    import json
+    import tempfile
+    cells = ["".join(c["source"]) for c in json.loads((ROOT / "solutions" / "lab3_ddp.ipynb").read_text())["cells"]
+             if c["cell_type"] == "code"]
+    src = "import torch\nimport torch.distributed as dist\n\n" + "\n\n".join(
+        c for c in cells if c.startswith(("def ring_all_reduce", "def average_gradients")))
+    path = Path(tempfile.mkdtemp()) / "lab3_solution.py"
+    path.write_text(src)
+    spec = importlib.util.spec_from_file_location("lab3_solution", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.ring_all_reduce, mod.average_gradients
+
+
+def _in_fake_nccl_rank():
+    from fake_gpu import install_nccl_device_rule
+    install_in_rank(3, ["gpu-a", "gpu-b", "gpu-c"])          # one node, a GPU per rank: NCCL (on gloo)
+    install_nccl_device_rule(setattr)                          # ... which refuses CPU tensors, as NCCL does
+
+
+def fake_nccl_ring_worker(*args):
+    _in_fake_nccl_rank()
+    from utils.checks import ddp as stage3
+    return stage3._ring_worker(*args)
+
+
+def fake_nccl_avg_worker(*args):
+    _in_fake_nccl_rank()
+    from utils.checks import ddp as stage3
+    return stage3._avg_worker(*args)
+
+
+def test_the_fake_nccl_refuses_cpu_tensors_as_nccl_does():
+    from fake_gpu import NCCL_CPU_ERROR, OnFakeGpu
+    assert NCCL_CPU_ERROR == "No backend type associated with device type cpu"
+    x = OnFakeGpu(torch.arange(4.0))
+    with pytest.raises(RuntimeError, match="same device"):
+        x + torch.ones(4)                                       # mixing devices raises, as on a GPU
+    assert torch.equal((x * 2).cpu(), torch.arange(4.0) * 2)
+
+
+def test_lab3_checks_pass_the_solution_under_nccl(monkeypatch):
+    """On a GPU server the launcher picks NCCL for the checks' processes; the checks built CPU
+    tensors and a correct answer got "No backend type associated with device type cpu"."""
+    from utils.checks import ddp as stage3
+    FakeCuda(3).install(monkeypatch.setattr, nccl_on_gloo=True)     # the notebook sees 3 GPUs: launch picks NCCL
+    monkeypatch.setattr(stage3, "_ring_worker", fake_nccl_ring_worker)
+    monkeypatch.setattr(stage3, "_avg_worker", fake_nccl_avg_worker)
+    ring, average = _solution_functions()
+    stage3.check_ring_all_reduce(ring)
+    stage3.check_average_gradients(average)
+
+
+# ---------------------------------------------------------------------------- multi-rank demos sized for the ranks' device
+
+def test_multi_rank_demos_on_one_gpu_take_smoke_sizes_and_say_so(monkeypatch, capsys):
+    """Two ranks, one GPU: launch() picks gloo and the ranks run on the CPU, one thread each; the
+    gpu profile's sizes there took minutes (notebook 05's pipeline) and timed a CPU."""
+    from utils import config
+    gpu = config.profile("gpu")
+    FakeCuda(1).install(monkeypatch.setattr, nccl_on_gloo=True)
+    got = parallel.sizes_for_ranks(gpu, 2)
+    assert got.name == "smoke" and got.pp_width == config.profile("smoke").pp_width
+    assert "ranks run on gloo on the CPU" in capsys.readouterr().out
+    FakeCuda(4).install(monkeypatch.setattr, nccl_on_gloo=True)
+    assert parallel.sizes_for_ranks(gpu, 4) is gpu, "a GPU per rank: the gpu sizes, on the GPUs"
+    assert parallel.sizes_for_ranks(gpu, 8).name == "smoke"
+    assert capsys.readouterr().out.count("note:") == 1
+
+
+RANK_SIZED = {"notebooks/05_memory_and_model_parallel.ipynb": r"\bcfg\.(?:shard|tp|pp)_\w+",
+              "notebooks/03_ddp.ipynb": r"\bcfg\.(?:ddp_message_sizes|ddp_timing_repeats|ddp_mlp_width|ddp_bucket_caps_mb)"}
+
+
+@pytest.mark.parametrize("path", sorted(RANK_SIZED))
+def test_notebooks_size_multi_rank_demos_by_the_ranks_device(path):
+    """The launched demos of notebooks 03 and 05 read their sizes from parallel.sizes_for_ranks
+    (rcfg), never from the notebook's profile directly."""
+    found = [f"cell {i}: {m}" for i, src in _code_cells(ROOT / path) for line in src.splitlines()
+             if "sizes_for_ranks(" not in line for m in re.findall(RANK_SIZED[path], line)]
+    assert not found, found
+    assert any("parallel.sizes_for_ranks(cfg" in src for _, src in _code_cells(ROOT / path))

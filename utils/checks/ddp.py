@@ -3,7 +3,11 @@
 The ring all-reduce and gradient averaging must run on real processes, but a function defined
 in a notebook cannot be imported by a spawned process. So these checks send the *source* of
 your function to the processes, which define it again (with ``torch``, ``dist`` =
-``torch.distributed``, ``nn``, ``F``, ``math``, ``os`` in scope) and call it. Keep your function self-contained: use only those names.
+``torch.distributed``, ``nn``, ``F``, ``math``, ``os`` in scope; nothing of ``utils.parallel``,
+which the exercises build) and call it. Keep your function self-contained: use only those names.
+
+The processes run on the backend the launcher picks (NCCL with a GPU per process), so every
+tensor is built on the rank's device (NCCL takes GPU tensors only), with TF32 off.
 """
 from __future__ import annotations
 
@@ -84,7 +88,7 @@ def _ring_worker(source, fn_name):
     fn = _define(source, fn_name)
     out = []
     for n in RING_SIZES:
-        x = torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)
+        x = (torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device)   # NCCL: GPU tensors
         ret = fn(x)
         out.append({"inplace": x, "returned": ret if isinstance(ret, torch.Tensor) else None})
     return out
@@ -154,10 +158,12 @@ def _local_grads(x, y):
 
 def _avg_worker(source, fn_name):
     from utils import parallel
+    parallel.exact_fp32()                  # compared with one CPU process to 1e-6: no TF32 on the GPU
     ctx = parallel.setup(timeout=20)
     fn = _define(source, fn_name)
     x, y = _grad_data(ctx.world_size)
-    model = _grad_model()
+    x, y = x.to(ctx.device), y.to(ctx.device)              # NCCL all-reduces GPU tensors only
+    model = _grad_model().to(ctx.device)
     nn.functional.cross_entropy(model(x[ctx.rank::ctx.world_size]), y[ctx.rank::ctx.world_size]).backward()
     fn(model)
     return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]

@@ -31,14 +31,15 @@ from .checkpoint import (Checkpointer, EpochOffset, load_checkpoint, rng_state, 
                          set_rng_state)
 from .env import RendezvousEnv, expand_hostlist, expand_tasks_per_node, rendezvous_env
 from .collectives import alpha_beta_fit, average_gradients, ring_all_reduce, ring_allreduce_bytes
-from .group import DEFAULT_TIMEOUT_S, DistContext, choose_backend, ddp, free_port, setup, teardown
+from .group import (DEFAULT_TIMEOUT_S, DistContext, choose_backend, ddp, exact_fp32, free_port, setup, sizes_for_ranks,
+                    teardown)
 from .launcher import LaunchError, LaunchTimeout, WorkerNotImportable, launch, torchrun
 from .pipeline import bubble_fraction, gpipe_step, pp_worker, schedule
 from .shard import CommCounter, rank_bytes, ring_bytes, shard_worker, zero_bytes
 from .tensor_parallel import TPMLP, column_shard, row_shard, tp_worker
 
 __all__ = [
-    "DistContext", "setup", "teardown", "choose_backend", "free_port", "ddp", "launch",
+    "DistContext", "setup", "teardown", "exact_fp32", "sizes_for_ranks", "choose_backend", "free_port", "ddp", "launch",
     "LaunchError", "LaunchTimeout", "WorkerNotImportable", "ring_all_reduce", "average_gradients",
     "rng_state", "set_rng_state", "save_checkpoint", "load_checkpoint", "EpochOffset",
     "Checkpointer", "ring_allreduce_bytes", "alpha_beta_fit", "torchrun", "DEFAULT_TIMEOUT_S",

@@ -58,6 +58,24 @@ def choose_backend(nprocs_per_node: int) -> str:
     return "gloo"
 
 
+def sizes_for_ranks(cfg, nprocs: int, *, quiet: bool = False):
+    """The profile a demo of ``nprocs`` launched ranks should take its sizes from.
+
+    ``cfg`` when every rank gets a GPU of its own (launch picks NCCL), or when ``cfg`` is already
+    the smoke profile. Otherwise (one GPU, or none, for two ranks) the ranks fall back to gloo on
+    the CPU, one thread each: the gpu profile's sizes would take minutes there and time a CPU, so
+    the smoke profile's sizes are returned, and a line says so (``quiet=True``: no line)."""
+    from ..config import profile
+    backend = choose_backend(nprocs)
+    if backend == "nccl" or cfg.name == "smoke":
+        return cfg
+    if not quiet:
+        print(f"note: {nprocs} ranks, {visible_gpus()} GPU(s) in sight: the ranks run on gloo on the CPU (one thread "
+              f"each), so these multi-rank demos use the smoke profile's sizes, not the {cfg.name} profile's "
+              f"(with {nprocs} GPUs, one per rank, they use the {cfg.name} sizes on the GPUs)", flush=True)
+    return profile("smoke")
+
+
 def visible_gpus() -> int:
     """GPUs this process can see (after CUDA_VISIBLE_DEVICES), 0 without CUDA."""
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
@@ -167,6 +185,7 @@ def setup(backend: str | None = None, *, device=None, timeout: float | None = No
                            f"{local_rank} sees {n} GPU(s), {local_world} processes on this node). Start at "
                            f"most one process per GPU, or use backend='gloo' (ranks may share a device).")
     if backend == "nccl":
+        _check_shm_for_nccl(local_world)
         dev = own
     elif device is not None:
         dev = rank_device(local_rank, device)        # gloo on a GPU: ranks may share it
@@ -176,6 +195,43 @@ def setup(backend: str | None = None, *, device=None, timeout: float | None = No
         torch.cuda.set_device(dev)                  # pin the GPU before the group exists
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     return DistContext(rank, world, local_rank, local_world, backend, dev)
+
+
+SHM_DIR = "/dev/shm"
+NCCL_MIN_SHM_BYTES = 256 * 2**20     # NCCL's shared-memory transport and proxy buffers between local ranks
+
+
+def _shm_free_bytes(path: str = SHM_DIR) -> int | None:
+    try:
+        st = os.statvfs(path)
+    except (AttributeError, OSError):          # not Linux, or no /dev/shm: nothing to check
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _check_shm_for_nccl(local_world: int) -> None:
+    """NCCL ranks on one node talk through segments in /dev/shm. Docker gives a container 64 MB by
+    default, and NCCL then dies in its first collective with "Error while creating shared memory
+    segment", which names no cure. Refuse before the group exists, and say what to do."""
+    free = _shm_free_bytes()
+    if local_world < 2 or free is None or free >= NCCL_MIN_SHM_BYTES:
+        return
+    raise RuntimeError(
+        f"{SHM_DIR} has {free / 2**20:,.0f} MiB free, but NCCL between the {local_world} processes on this "
+        f"node needs at least {NCCL_MIN_SHM_BYTES // 2**20} MiB of shared memory (it would fail with 'Error "
+        f"while creating shared memory segment'). In Docker, start the container with a bigger --shm-size "
+        f"(e.g. --shm-size=8g) or with --ipc=host; or use backend='gloo'.")
+
+
+def exact_fp32() -> None:
+    """Turn TF32 off in this process, for demos that compare GPU ranks with a CPU oracle to 1e-5.
+
+    On Ampere and newer, cuDNN convolutions run in TF32 by default (``torch.backends.cudnn.allow_tf32``)
+    and so do float32 matmuls where ``torch.backends.cuda.matmul.allow_tf32`` (or
+    ``torch.set_float32_matmul_precision("high")``) is set: inputs rounded to 10 mantissa bits,
+    differences of 1e-3, far above the asserts' tolerances. Equivalence workers call this first."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def _store(rank: int, world: int, alone: bool, timeout: timedelta):

@@ -241,7 +241,8 @@ def pp_worker(width: int = 32, depth: int = 4, batch_size: int = 16, micro_batch
     Schedule1F1B with ``library_m`` micro-batches. Gradients of every variant against one
     process on the whole batch (the max difference, per variant)."""
     from ..memory import block_mlp
-    from .group import setup, teardown
+    from .group import exact_fp32, setup, teardown
+    exact_fp32()                                 # gradients compared with the CPU oracle to 1e-5
     ctx = setup()
     try:
         p, r = ctx.world_size, ctx.rank

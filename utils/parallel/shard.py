@@ -186,7 +186,12 @@ def shard_model(model: nn.Module, strategy: str, ctx, lr: float):
     if strategy in ("fsdp2", "fsdp2_bf16"):
         if fully_shard is None:
             raise RuntimeError("FSDP2 (fully_shard) needs torch 2.4 or later")
-        kw = {}
+        # The mesh of the ranks' own device type: without one, fully_shard builds a mesh of the
+        # accelerator's type (CUDA whenever one is visible) and pins cuda:LOCAL_RANK, so gloo ranks on
+        # the CPU of a box with fewer GPUs than ranks die ("invalid device ordinal"; torch 2.4
+        # segfaults, pytorch#132471).
+        from torch.distributed.device_mesh import init_device_mesh
+        kw = {"mesh": init_device_mesh(ctx.device.type, (ctx.world_size,))}
         if strategy == "fsdp2_bf16":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for block in model:                  # one all-gather per block: only one is whole at a time
@@ -228,7 +233,8 @@ def shard_worker(strategies=STRATEGIES, *, width: int = 64, depth: int = 4, batc
     ``resume_dir``: with ``"fsdp2"``, load it first (on any number of ranks) and train the
     remaining steps (the other strategies start afresh)."""
     from ..memory import block_mlp, peak_bytes
-    from .group import setup, teardown
+    from .group import exact_fp32, setup, teardown
+    exact_fp32()                                 # the losses are compared with reference_losses to 1e-5
     ctx = setup()
     try:
         if batch_size % ctx.world_size:

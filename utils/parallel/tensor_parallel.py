@@ -108,7 +108,8 @@ def tp_worker(width: int = 32, batch_size: int = 8, expand: int = 4, seed: int =
     the data). Returns the one-process reference, the hand split and ``parallelize_module``:
     outputs, loss, gradients (reassembled to full shape) and collectives counted per pass."""
     from ..memory import block_mlp
-    from .group import setup, teardown
+    from .group import exact_fp32, setup, teardown
+    exact_fp32()                                 # compared with the one-process CPU reference to 1e-5
     ctx = setup()
     try:
         n, r = ctx.world_size, ctx.rank
