@@ -23,6 +23,7 @@ from torch import nn
 
 from fake_gpu import FakeCuda, install_in_rank
 from utils import bench, data, ddp_train, device, parallel, models, monitor
+from utils.demos import pp_demo, shard_demo, tp_demo
 from utils.parallel import group
 from utils.train import fit
 
@@ -461,8 +462,8 @@ def fsdp2_one_gpu_worker(kw):
     """A rank of a box with one GPU that nobody has touched yet (CUDA not initialised): two ranks
     share it, so they agree on gloo on the CPU; fully_shard must shard over the CPU ranks."""
     install_in_rank(1, ["the-only-gpu"], initialized=False, accelerator=True)
-    from utils.parallel import shard
-    return shard.shard_worker(["fsdp2"], measure_peak=False, **kw)
+    from utils.demos import shard_demo
+    return shard_demo.worker(["fsdp2"], measure_peak=False, **kw)
 
 
 @pytest.mark.skipif(parallel.shard.fully_shard is None, reason="FSDP2 needs torch 2.4+")
@@ -471,7 +472,7 @@ def test_fsdp2_under_gloo_with_fewer_gpus_than_ranks_uses_the_ranks_device_mesh(
     'invalid device ordinal'. The losses must equal the one-process Adam run (the oracle)."""
     kw = dict(width=16, depth=3, batch_size=8, steps=3)
     res = parallel.launch(fsdp2_one_gpu_worker, 2, kw, timeout=180, stream=False)
-    ref = parallel.shard.reference_losses(**kw)
+    ref = shard_demo.reference_losses(**kw)
     for r in res:
         assert r["backend"] == "gloo", r
         assert r["fsdp2"]["loss"] == pytest.approx(ref, rel=1e-5, abs=1e-6)
@@ -532,8 +533,8 @@ def test_the_torchrun_scan_would_see_the_old_nsight_cell():
 # ---------------------------------------------------------------------------- TF32 off in the equivalence demos
 
 @pytest.mark.parametrize("worker, kw", [
-    (parallel.shard_worker, dict(strategies=["ddp"], width=8, depth=1, batch_size=4, steps=1, measure_peak=False)),
-    (parallel.tp_worker, dict(width=8, batch_size=4)),
+    (shard_demo.worker, dict(strategies=["ddp"], width=8, depth=1, batch_size=4, steps=1, measure_peak=False)),
+    (tp_demo.worker, dict(width=8, batch_size=4)),
 ])
 def test_equivalence_workers_turn_tf32_off(worker, kw, alone):
     """cuDNN (and cuBLAS where allowed) compute float32 in TF32 on Ampere+ (10-bit mantissa):
@@ -551,7 +552,7 @@ def test_equivalence_workers_turn_tf32_off(worker, kw, alone):
 
 def tf32_after_pp_worker(kw):
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    parallel.pp_worker(**kw)
+    pp_demo.worker(**kw)
     return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
 
 

@@ -8,6 +8,7 @@ import torch
 
 import utils.checks
 from utils import parallel, memory
+from utils.demos import pp_demo, shard_demo, tp_demo
 from utils.memory import parameter_bytes
 from utils.checks import CheckFailed
 from utils.parallel import pipeline, shard, tensor_parallel
@@ -127,14 +128,14 @@ KW = dict(width=16, depth=2, batch_size=8, steps=4)
 @pytest.fixture(scope="module")
 def sharded(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("dcp") / "ckpt")
-    two = parallel.launch(shard.shard_worker, 2, save_dir=ckpt, save_after=2, measure_peak=False, timeout=240, **KW)
-    four = parallel.launch(shard.shard_worker, 4, ("fsdp2",), resume_dir=ckpt, measure_peak=False, timeout=240, **KW)
+    two = parallel.launch(shard_demo.worker, 2, save_dir=ckpt, save_after=2, measure_peak=False, timeout=240, **KW)
+    four = parallel.launch(shard_demo.worker, 4, ("fsdp2",), resume_dir=ckpt, measure_peak=False, timeout=240, **KW)
     return two, four, ckpt
 
 
 def test_every_strategy_trains_like_one_process(sharded):
     two, four, _ = sharded
-    ref = shard.reference_losses(**KW)
+    ref = shard_demo.reference_losses(**KW)
     for s in ("ddp", "zero1", "fsdp2"):
         assert two[0][s]["loss"] == pytest.approx(ref, rel=1e-6, abs=1e-6), s
     assert two[0]["fsdp2_bf16"]["loss"] == pytest.approx(ref, rel=2e-2)
@@ -171,7 +172,7 @@ def test_dcp_export_is_the_gathered_state(sharded, tmp_path):
 
 
 def test_tensor_parallel_by_hand_equals_one_process_and_parallelize_module():
-    out = parallel.launch(tensor_parallel.tp_worker, 2, width=8, batch_size=4, timeout=240, stream=False)
+    out = parallel.launch(tp_demo.worker, 2, width=8, batch_size=4, timeout=240, stream=False)
     for r in out:
         for k in ("y", "w1", "w2"):
             torch.testing.assert_close(r["hand"][k], r["ref"][k], rtol=1e-5, atol=1e-6)
@@ -184,7 +185,7 @@ def test_tensor_parallel_by_hand_equals_one_process_and_parallelize_module():
 
 
 def test_pipeline_by_hand_and_with_pipelining_equal_one_process():
-    out = parallel.launch(pipeline.pp_worker, 2, width=8, depth=2, batch_size=8, micro_batches=(1, 2, 4),
+    out = parallel.launch(pp_demo.worker, 2, width=8, depth=2, batch_size=8, micro_batches=(1, 2, 4),
                       repeats=1, library_m=2, timeout=240, stream=False)
     for r in out:
         assert all(v["grad_err"] < 1e-6 for v in r["hand"].values())

@@ -21,11 +21,14 @@ One module per concern:
 ``launcher``    ``launch()`` from a notebook, ``torchrun()`` from Python
 ``collectives`` the ring all-reduce by hand, gradient averaging, the alpha-beta model
 ``checkpoint``  RNG state, atomic rank-0 checkpoints, exact resume
-``shard``       ZeRO/FSDP2 bytes per rank, collectives counted, sharded (DCP) checkpoints
+``shard``       ZeRO/FSDP2 wrapping, bytes per rank, collectives counted, sharded (DCP) checkpoints
 ``tensor_parallel`` the Megatron column/row split by hand, and with ``parallelize_module``
 ``pipeline``    GPipe/1F1B schedules and their bubble, the micro-batch loop by hand
 ``env``         rank and rendezvous from torchrun's variables, else SLURM's (``srun`` alone)
 =============== ==========================================================================
+
+The experiments the notebooks launch with these (``shard_demo``, ``tp_demo``, ``pp_demo``, ...)
+live in :mod:`utils.demos`; nothing here imports them.
 """
 from .checkpoint import (Checkpointer, EpochOffset, load_checkpoint, rng_state, save_checkpoint,
                          set_rng_state)
@@ -34,16 +37,16 @@ from .collectives import alpha_beta_fit, average_gradients, ring_all_reduce, rin
 from .group import (DEFAULT_TIMEOUT_S, DistContext, choose_backend, ddp, exact_fp32, free_port, setup, sizes_for_ranks,
                     teardown)
 from .launcher import LaunchError, LaunchTimeout, WorkerNotImportable, launch, torchrun
-from .pipeline import bubble_fraction, gpipe_step, pp_worker, schedule
-from .shard import CommCounter, rank_bytes, ring_bytes, shard_worker, zero_bytes
-from .tensor_parallel import TPMLP, column_shard, row_shard, tp_worker
+from .pipeline import bubble_fraction, gpipe_step, schedule
+from .shard import CommCounter, rank_bytes, ring_bytes, zero_bytes
+from .tensor_parallel import TPMLP, column_shard, row_shard
 
 __all__ = [
     "DistContext", "setup", "teardown", "exact_fp32", "sizes_for_ranks", "choose_backend", "free_port", "ddp", "launch",
     "LaunchError", "LaunchTimeout", "WorkerNotImportable", "ring_all_reduce", "average_gradients",
     "rng_state", "set_rng_state", "save_checkpoint", "load_checkpoint", "EpochOffset",
     "Checkpointer", "ring_allreduce_bytes", "alpha_beta_fit", "torchrun", "DEFAULT_TIMEOUT_S",
-    "zero_bytes", "rank_bytes", "ring_bytes", "CommCounter", "shard_worker", "column_shard", "row_shard",
-    "TPMLP", "tp_worker", "bubble_fraction", "schedule", "gpipe_step", "pp_worker",
+    "zero_bytes", "rank_bytes", "ring_bytes", "CommCounter", "column_shard", "row_shard",
+    "TPMLP", "bubble_fraction", "schedule", "gpipe_step",
     "rendezvous_env", "RendezvousEnv", "expand_hostlist", "expand_tasks_per_node",
 ]
