@@ -4,10 +4,12 @@ The budget of one training step is
 
     parameters + gradients + optimizer state + activations saved for backward (+ temporaries)
 
-The first three are exact byte counts (``utils.bench``: :func:`~utils.bench.parameter_bytes`,
-:func:`~utils.bench.grad_bytes`, :func:`~utils.bench.optimizer_state_bytes`: SGD 0x the
-parameters, SGD with momentum 1x, Adam 2x). The activations of :func:`block_mlp` have a closed
-form (:func:`mlp_activation_bytes`). Two measures check the prediction:
+The first three are exact byte counts, for any model (:func:`parameter_bytes`, :func:`grad_bytes`,
+:func:`optimizer_state_bytes`: SGD 0x the parameters, SGD with momentum 1x, Adam 2x; Adam and
+AdamW 3x with amsgrad); :func:`activation_bytes` estimates the activations of any model, and
+:func:`predict_memory` adds them up (:func:`measure_memory` measures the peak on a GPU). The
+activations of :func:`block_mlp` have a closed form (:func:`mlp_activation_bytes`). Two
+measures check the prediction:
 
 * :class:`SavedTensors`: the bytes autograd saves for backward, counted as they are saved
   (``torch.autograd.graph.saved_tensors_hooks``), each storage once, parameters excluded;
@@ -16,10 +18,10 @@ form (:func:`mlp_activation_bytes`). Two measures check the prediction:
   profiler's record of every allocation and free (``profile_memory=True``), replayed in time order.
 
 The resident set size (RSS) of the process is not a measure: the C library keeps freed memory,
-so RSS hides most of what checkpointing saves.
+so RSS hides most of what activation checkpointing saves.
 
-Activation checkpointing (:func:`activation_checkpointed_forward`) keeps only the inputs of each segment
-and recomputes the rest during backward: less memory for one more forward.
+Activation checkpointing (:func:`activation_checkpointed_forward`) keeps only the inputs of each
+segment and recomputes the rest during backward: less memory for one more forward.
 """
 from __future__ import annotations
 
@@ -285,14 +287,14 @@ def mlp_activation_bytes(width: int, depth: int, batch_size: int, *, expand: int
     weight that backward needs to pass the gradient to the layer's input (every weight but the
     first layer's, whose input needs no gradient), and the fp32 copy the loss makes (``.float()``).
 
-    ``segment``: checkpointing every ``segment`` blocks (fp32): what is kept is each segment's
+    ``segment``: activation checkpointing every ``segment`` blocks (fp32): what is kept is each segment's
     input and the output for the loss, ``ceil(depth / segment) + 1`` tensors of ``batch x width``;
     the rest is recomputed during backward, one segment at a time."""
     amp_dtype, _ = resolve_amp_dtype(amp_dtype)
     act = batch_size * width
     if segment:
         if amp_dtype is not None:
-            raise ValueError("the closed form with checkpointing is for fp32")
+            raise ValueError("the closed form with activation checkpointing is for fp32")
         return (math.ceil(depth / segment) + 1) * act * 4
     if amp_dtype is None:
         return (depth * (1 + 2 * expand) + 1) * act * 4
@@ -443,7 +445,7 @@ def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam
 
 def activation_checkpointed_forward(segment: int | None):
     """A ``forward(model, x)`` for a ``nn.Sequential`` that checkpoints every ``segment``
-    consecutive blocks (``None`` or 0: no checkpointing).
+    consecutive blocks (``None`` or 0: no activation checkpointing).
 
     Each segment keeps only its input; its inner activations are recomputed during backward
     (non-reentrant ``torch.utils.checkpoint``). Small segments keep many inputs; large ones
@@ -468,7 +470,7 @@ def activation_checkpointed_forward(segment: int | None):
 
 class count_forwards:
     """Count how many times each block's forward runs (``with count_forwards(model) as c``):
-    with checkpointing, every checkpointed block runs twice per step (forward, recompute)."""
+    with activation checkpointing, every checkpointed block runs twice per step (forward, recompute)."""
 
     def __init__(self, model: nn.Sequential):
         self.model, self.calls, self._handles = model, [0] * len(model), []
