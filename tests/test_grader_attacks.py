@@ -675,11 +675,19 @@ def _limits():
                           tmpfs_bytes=8 << 20)
 
 
-@pytest.mark.parametrize("tool", ["bwrap", "unshare"])
+@pytest.fixture(params=["bwrap", "unshare"])
+def tool(request):
+    """Each sandbox mechanism in turn, skipped with the probe's reason where it is not installed
+    or cannot isolate here."""
+    try:
+        sandbox.probe_isolation(request.param)
+    except sandbox.SandboxUnavailable as e:
+        pytest.skip(str(e))
+    return request.param
+
+
 def test_each_sandbox_tool_isolates(tmp_path, tool):
     """bwrap and the unshare fallback, checked from inside with the probe's own checks."""
-    if not sandbox.shutil.which(tool):
-        pytest.skip(f"{tool} is not installed")
     job = tmp_path / "work"
     job.mkdir()
     res = sandbox.run([sys.executable, "-I", "-c", sandbox._CHECK + "\nprint(open('/etc/hostname').read() "
@@ -714,7 +722,7 @@ def _cgroup_dirs() -> set[str]:
     return found
 
 
-def test_class_of_30_with_two_at_a_time_leaves_nothing_behind(tmp_path):
+def test_class_of_30_with_two_at_a_time_leaves_nothing_behind(tmp_path, tool):
     """30 trivially fast jobs, 2 at a time, each leaving a daemon, a setsid child and files in
     every tmpfs: afterwards no process of any job, no cgroup, no mount and no file is left."""
     mounts_before = Path("/proc/self/mountinfo").read_text()
@@ -732,7 +740,7 @@ def test_class_of_30_with_two_at_a_time_leaves_nothing_behind(tmp_path):
         work = job / "work"
         work.mkdir(parents=True)
         res = sandbox.run([sys.executable, "-c", script], job_dir=work, log_path=job / "log", env={},
-                          budget_s=30, limits=_limits(), channel=True)
+                          budget_s=30, limits=_limits(), channel=True, tool=tool)
         import shutil
         shutil.rmtree(job)
         return res

@@ -4,7 +4,8 @@ behind. Threat model and limits: utils/grader/README.md.
 
 A job runs as
 
-    sh (joins the job's cgroups) -> bwrap (or unshare + _sandbox_init's mount setup)
+    _sandbox_init --outer (dies with the grader, joins the job's cgroups)
+        -> bwrap (or unshare + _sandbox_init's mount setup)
         -> _sandbox_init.py (rlimits, subreaper, non-dumpable) -> torchrun -> ranks
 
 with new user, PID, IPC, UTS, network (loopback only) and mount namespaces; the system, the
@@ -605,13 +606,14 @@ def _check_ok(out: dict) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def probe_isolation() -> dict:
-    """The first sandbox that really isolates here (bwrap, then unshare), checked by running a
-    probe inside it; raises :class:`SandboxUnavailable` when none does."""
+def probe_isolation(tool: str | None = None) -> dict:
+    """The first sandbox that really isolates here (bwrap, then unshare; only ``tool`` or
+    $SCALING_LABS_SANDBOX where given), checked by running a probe inside it; raises
+    :class:`SandboxUnavailable` when none does."""
     import tempfile
     if not sys.platform.startswith("linux"):
         raise SandboxUnavailable("the grader's sandbox needs Linux namespaces; grade on Linux")
-    forced = os.environ.get(FORCE_VAR)
+    forced = tool or os.environ.get(FORCE_VAR)
     tools = [t for t in ("bwrap", "unshare") if not forced or t == forced]
     tried = []
     for tool in tools:
@@ -790,10 +792,10 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
         prefix, plan = unshare_command(job_dir, limits, gpus)
         init += ["--setup", json.dumps(plan)]
         # unshare keeps the environment it is given: pass only the allowlist
-    full = prefix + init + ["--"] + cmd
-    if cg is not None:           # join the job's cgroup(s) before anything of the job starts
-        full = ["/bin/sh", "-c", 'for f do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done; '
-                'shift; exec "$@"', "sh"] + cg.procs_files + ["--"] + full
+    # First, outside: die with the grader (a SIGKILLed grader takes the sandbox along, unshare's
+    # as well as bwrap's), and join the job's cgroup(s) before anything of the job starts.
+    full = ([sys.executable, "-I", "-S", str(INIT), "--outer", str(os.getpid())]
+            + (cg.procs_files if cg is not None else []) + ["--"] + prefix + init + ["--"] + cmd)
     pass_fds = ((chan.w.fileno(),) if chan is not None else ()) + (status_w.fileno(),)
     with open(log_path, "wb") as log:
         t0 = time.perf_counter()
