@@ -432,6 +432,13 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
     """Grade one submission (a .py file or a folder) against ``spec``; never raises except
     :class:`sandbox.SandboxUnavailable` (nothing can be graded safely on this machine)."""
     iso = sandbox.probe_isolation()                      # refuses before anything runs
+    imports = sandbox.import_path((spec.path, spec.heldout if spec.heldout.endswith(".npz") else "",
+                                   spec.data_dir, workroot))
+    missing = sandbox.unbound_modules(imports)
+    if missing:
+        raise sandbox.SandboxUnavailable(
+            "refusing to grade: the job could not import " + "; ".join(missing) + ". Install the packages "
+            "in the grader's virtual environment (make .venv), or where the sandbox may bind them")
     submission = Path(submission)
     t_start = time.perf_counter()
     report = {
@@ -447,7 +454,7 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
     try:
         job = Path(tempfile.mkdtemp(prefix=f"grade-{re.sub(r'[^A-Za-z0-9_.-]', '_', report['student'])[:40]}-",
                                     dir=workroot))
-        _grade(submission, spec, report, job, iso, gpus)
+        _grade(submission, spec, report, job, iso, gpus, imports)
     except Refused as e:
         report["reasons"].append(_reason(e.code, str(e)))
     except Exception as e:                               # the grader never crashes on a submission
@@ -475,7 +482,7 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
     return report
 
 
-def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpus):
+def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpus, imports: dict):
     reasons = report["reasons"]
     if not submission.exists():
         raise Refused("no_entry", f"{submission} does not exist")
@@ -515,12 +522,13 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
            "--log-dir", f"{sandbox.JOB_DIR}/.logs", "--redirects", "3",
            entry, "--data-dir", "data", "--out", "model.pt"]
     env = {"PYTHONPATH": f"{PROBE_SITE}:{ROOT}", "PYTHONSAFEPATH": "1", "DATA_DIR": f"{sandbox.JOB_DIR}/data",
+           sandbox.SYS_PATH_VAR: os.pathsep.join(imports["path"]),
            "CUDA_VISIBLE_DEVICES": "" if gpus is None else ",".join(map(str, gpus))}
     limits = limits_for(spec)
     launcher_log = job / "launcher.log"                  # grader-owned: the job's stdout/stderr
     res = sandbox.run(cmd, job_dir=work, log_path=launcher_log, env=env, budget_s=spec.time_budget_s,
                       limits=limits, tool=iso["tool"], gpus=gpus, channel=True,
-                      name=job.name)
+                      name=job.name, extra_ro=imports["bind"])
     cg_desc = next((s.cgroup for s in res.seen if s.cgroup and "grader-" in s.cgroup), "")
     report["isolation"] = sandbox.isolation_summary(iso, res.cgroup, limits, spec.device)
     report["resources"] = {"processes_seen": len(res.seen), "outside_job_cgroup": res.cgroup_escapes[:5],

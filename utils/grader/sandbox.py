@@ -445,7 +445,84 @@ def _python_roots() -> list[str]:
     return out
 
 
-def _system_layout(job_dir: Path) -> list[tuple[str, str, str]]:
+SYS_PATH_VAR = "SCALING_LABS_SYS_PATH"       # the grader's import path, for the probe to rebuild in the job
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _in_venv(path: str, below: str) -> bool:
+    """Is ``path`` inside a virtual environment (a folder with pyvenv.cfg) strictly below ``below``?"""
+    d = path
+    while _under(d, below) and d != below:
+        if os.path.isfile(os.path.join(d, "pyvenv.cfg")):
+            return True
+        d = os.path.dirname(d)
+    return False
+
+
+def import_path(hidden=()) -> dict:
+    """The grader's whole import path, for the job: every existing entry of ``sys.path`` that
+    the binds of the system, the Python installation and ``utils/`` do not hold already (a
+    folder a ``.pth`` file adds, the user site, ``PYTHONPATH``) is bound read-only at its real
+    path, unless it would show the job more than packages: a folder holding (or being) the
+    project, the grader's home or working directory, the temp dir (job dirs, the data cache),
+    the datasets, or a path of ``hidden`` (the spec, its held-out file). Returns
+    ``{"bind": [...], "path": [...] (sys.path order, real paths the job will see),
+    "refused": {entry: why}}``."""
+    home = os.path.expanduser("~")
+    import tempfile
+    protected = {str(PROJECT), home, tempfile.gettempdir(), os.getcwd(),
+                 os.environ.get("DATA_DIR") or os.path.join(home, ".cache")}
+    protected |= {str(h) for h in hidden if h}
+    protected = {os.path.realpath(os.path.abspath(p)) for p in protected}
+    covered = ["/usr", str(PACKAGE)] + _python_roots()
+    out = {"bind": [], "path": [], "refused": {}}
+    for entry in sys.path:
+        if not entry or not os.path.exists(entry):
+            continue
+        real = os.path.realpath(entry)
+        if any(_under(real, c) for c in covered):
+            out["path"].append(real)
+            continue
+        inside = [p for p in protected if _under(p, real)]
+        if inside:
+            out["refused"][entry] = f"it holds {inside[0]}"
+        elif _under(real, str(PROJECT)) and not _in_venv(real, str(PROJECT)):
+            out["refused"][entry] = f"it is part of the project {PROJECT} (only utils/ and virtual environments are bound)"
+        elif real.startswith("/proc") or real.startswith("/dev") or real.startswith("/sys"):
+            out["refused"][entry] = "not a folder of Python packages"
+        else:
+            if real not in out["bind"]:
+                out["bind"].append(real)
+            out["path"].append(real)
+    return out
+
+
+def unbound_modules(imports: dict, modules=("torch", "numpy")) -> list[str]:
+    """Why a module the job needs would not be found in it: where the grader imports it from
+    is neither bound nor held by a bind (``imports``: :func:`import_path`)."""
+    import importlib.util
+    seen = [*imports["path"], str(PACKAGE)]
+    why = []
+    for name in modules:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        origin = (spec.submodule_search_locations or [None])[0] if spec and spec.submodule_search_locations \
+            else (spec.origin if spec else None)
+        if not origin:
+            continue                              # not importable here either: nothing to bind
+        real = os.path.realpath(origin)
+        if not any(_under(real, p) for p in seen):
+            entry = next((e for e in sys.path if e and _under(real, os.path.realpath(e))), os.path.dirname(real))
+            why.append(f"{name} (from {entry}: {imports['refused'].get(entry, 'not on the import path')})")
+    return why
+
+
+def _system_layout(job_dir: Path, extra=()) -> list[tuple[str, str, str]]:
     """(kind, source, destination) for the read-only system: /usr, the /bin-/lib links or dirs,
     a few files of /etc (not /etc as a whole: /etc/shadow and friends stay out), and an
     /etc/hosts of the grader's that names the sandbox's host name (torchrun resolves it)."""
@@ -464,6 +541,8 @@ def _system_layout(job_dir: Path) -> list[tuple[str, str, str]]:
     for r in _python_roots():
         plan.append(("ro", r, r))
     plan.append(("ro", str(PACKAGE), str(PACKAGE)))
+    for r in extra:                  # the rest of the grader's import path (import_path)
+        plan.append(("ro", r, r))
     return plan
 
 
@@ -516,7 +595,7 @@ def _bwrap_help() -> str:
         return ""
 
 
-def bwrap_command(job_dir: Path, limits: Limits, gpus=None) -> list[str]:
+def bwrap_command(job_dir: Path, limits: Limits, gpus=None, extra=()) -> list[str]:
     bwrap = shutil.which("bwrap")
     cmd = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
            "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
@@ -536,7 +615,7 @@ def bwrap_command(job_dir: Path, limits: Limits, gpus=None) -> list[str]:
         cmd += ["--ro-bind-try", d, d]
     for d in ("/tmp", "/var/tmp", "/dev/shm"):
         cmd += ["--perms", "1777", "--size", str(limits.tmpfs_bytes), "--tmpfs", d]
-    for kind, src, dst in _system_layout(job_dir):
+    for kind, src, dst in _system_layout(job_dir, extra):
         cmd += ["--symlink", src, dst] if kind == "symlink" else ["--ro-bind", src, dst]
     for node in _devices(gpus):
         cmd += ["--dev-bind", node, node]
@@ -546,13 +625,13 @@ def bwrap_command(job_dir: Path, limits: Limits, gpus=None) -> list[str]:
     return cmd
 
 
-def unshare_command(job_dir: Path, limits: Limits, gpus=None) -> tuple[list[str], dict]:
+def unshare_command(job_dir: Path, limits: Limits, gpus=None, extra=()) -> tuple[list[str], dict]:
     """unshare's namespaces; _sandbox_init builds the same file system inside (``--setup``)."""
     cmd = [shutil.which("unshare"), "--user", "--map-root-user", "--mount", "--pid", "--fork",
            "--kill-child", "--net", "--ipc", "--uts"]
     newroot = job_dir.parent / (job_dir.name + ".root")     # an empty mount point, grader-owned
     newroot.mkdir(mode=0o700, exist_ok=True)
-    plan = {"layout": _system_layout(job_dir), "hostname": HOSTNAME, "proc_read_only": PROC_READ_ONLY,
+    plan = {"layout": _system_layout(job_dir, extra), "hostname": HOSTNAME, "proc_read_only": PROC_READ_ONLY,
             "dev_nodes": _dev_nodes(), "devices": _devices(gpus), "sys": gpus is not None,
             "newroot": str(newroot),
             "job": str(job_dir), "job_dest": JOB_DIR, "tmpfs_bytes": limits.tmpfs_bytes}
@@ -766,9 +845,10 @@ def allowed_env(extra: dict | None = None) -> dict:
 
 def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: float, limits: Limits,
         tool: str | None = None, gpus=None, cgroup: bool = True, channel: bool = False,
-        tick_s: float = 0.1, name: str | None = None) -> RunResult:
+        tick_s: float = 0.1, name: str | None = None, extra_ro=()) -> RunResult:
     """Run ``cmd`` in a fresh sandbox until it exits or ``budget_s`` passes; leave nothing behind.
-    ``job_dir`` becomes /job (its cwd); ``env`` is added to :func:`allowed_env`."""
+    ``job_dir`` becomes /job (its cwd); ``env`` is added to :func:`allowed_env`; ``extra_ro``:
+    more folders bound read-only at their own paths (:func:`import_path`)."""
     tool = tool or probe_isolation()["tool"]
     job_dir.chmod(0o700)
     cg = JobCgroup.create(f"grader-{os.getpid()}-{name or uuid.uuid4().hex[:12]}", limits) if cgroup else None
@@ -784,12 +864,12 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
     if limits.address_space:
         init += ["--as", str(limits.memory_bytes)]
     if tool == "bwrap":
-        prefix = bwrap_command(job_dir, limits, gpus)
+        prefix = bwrap_command(job_dir, limits, gpus, extra_ro)
         for k, v in inner_env.items():
             prefix += ["--setenv", k, v]
         prefix += ["--"]
     else:
-        prefix, plan = unshare_command(job_dir, limits, gpus)
+        prefix, plan = unshare_command(job_dir, limits, gpus, extra_ro)
         init += ["--setup", json.dumps(plan)]
         # unshare keeps the environment it is given: pass only the allowlist
     # First, outside: die with the grader (a SIGKILLed grader takes the sandbox along, unshare's
