@@ -302,6 +302,12 @@ BAD_SCRIPTS = {
     "no_output": "print('final validation accuracy: 0.999')\n",
     "background_child": "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', "
                         "'import time; time.sleep(600)'], start_new_session=True)\n",
+    # Exits without a traceback: the student's own last words on stderr are the feedback.
+    "system_exit": "raise SystemExit('stopping: CRASH-CAUSE-A lr must be positive')\n",
+    "argparse_error": "import argparse\np = argparse.ArgumentParser()\np.add_argument('--data-dir')\n"
+                      "p.add_argument('--out')\np.add_argument('--epochs', required=True)\np.parse_args()\n",
+    "exit_message_long": "import sys\nsys.stderr.write('noise ' * 2000 + '\\n')\n"
+                         "sys.exit('CRASH-CAUSE-C ' + 'y' * 1000)\n",
 }
 
 HANG_BUDGET_S = 30     # the bad inputs' budget: long enough for torchrun to start on a busy 2-core box
@@ -316,6 +322,10 @@ EXPECTED = {
     "huge_file": ("error", "output_limit", "MiB limit"),
     "no_output": ("error", "no_output", "without writing model.pt"),
     "background_child": ("error", "background_processes", "still running"),
+    "system_exit": ("error", "crashed", "without a Python traceback; the last lines it wrote to stderr: "
+                    "stopping: CRASH-CAUSE-A lr must be positive"),
+    "argparse_error": ("error", "crashed", "error: the following arguments are required: --epochs"),
+    "exit_message_long": ("error", "crashed", "CRASH-CAUSE-C yyy"),
     "pickle_exploit": ("error", "unsafe_checkpoint", "NOT executed"),
     "wrong_keys": ("error", "wrong_keys", "missing"),
     "nan_weights": ("error", "nan_weights", "NaN"),
@@ -356,6 +366,40 @@ def test_batch_grades_every_bad_input_with_its_reason(batch_run):
     _assert_gradescope(doc, per_submission=False)
     assert sorted(t["name"] for t in doc["tests"]) == sorted(EXPECTED)
     assert all(t["status"] == "failed" and t["score"] == 0 for t in doc["tests"])
+
+
+def test_a_rank_exiting_without_a_traceback_gets_its_own_words_back(batch_run, spec):
+    """SystemExit('...'), argparse's error, sys.exit('...'): no traceback, so the last lines the
+    rank wrote to stderr (its own words, a few lines, each cut short) are the feedback, the same in
+    the report, the gradebook and Gradescope's results.json (the class's, and the autograder's for
+    one submission), and nothing of another student's or of the grader's is in it."""
+    proc, tmp_path = batch_run
+    proc.wait(timeout=300)
+    out = tmp_path / "out"
+    rows = {r["student"]: r for r in csv.DictReader((out / "gradebook.csv").open())}
+    tests = {t["name"]: t for t in json.loads((out / "results.json").read_text())["tests"]}
+    reports = {p.stem: json.loads(p.read_text()) for p in (out / "reports").glob("*.json")}
+    words = {"system_exit": "stopping: CRASH-CAUSE-A lr must be positive",
+             "argparse_error": "error: the following arguments are required: --epochs",
+             "exit_message_long": "CRASH-CAUSE-C yyy"}
+    for student, said in words.items():
+        r = reports[student]
+        one = gradescope_result(r, spec)
+        surfaces = {"report": r["reason"], "excerpt": r["error_excerpt"], "gradebook": rows[student]["reason"],
+                    "results.json": tests[student]["output"], "autograder": one["output"],
+                    "autograder test": one["tests"][1]["output"]}
+        for where, text in surfaces.items():
+            assert said in text, (student, where, text)
+            assert str(tmp_path) not in text and str(ROOT) not in text and "Traceback" not in text, (where, text)
+        assert "rank 0: exited with code" in r["reason"] or "rank 1: exited with code" in r["reason"], r["reason"]
+    assert "usage: assessment.py" in reports["argparse_error"]["reason"]
+    long = reports["exit_message_long"]["reason"]
+    assert "y" * 201 not in long and "noise " * 40 not in long and len(long) < 900, long
+    for student, r in reports.items():         # each student's words in their own feedback only
+        for other, said in words.items():
+            if other != student:
+                mark = next((w for w in said.split() if "CRASH" in w), said)
+                assert mark not in r["reason"] + rows[student]["reason"] + tests[student]["output"], (student, other)
 
 
 # ----------------------------------------------------------------------------------------

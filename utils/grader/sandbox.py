@@ -579,12 +579,85 @@ def _dev_nodes() -> list[tuple[str, str]]:
             if os.path.exists(f"{own}/{n}" if own else f"/dev/{n}")]
 
 
-def _devices(gpus) -> list[str]:
-    if gpus is None:
+def _devices(minors) -> list[str]:
+    """The device nodes of a CUDA job: the driver's, and /dev/nvidiaN for each device minor N."""
+    if minors is None:
         return []
     nodes = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]
-    nodes += [f"/dev/nvidia{g}" for g in gpus]
+    nodes += [f"/dev/nvidia{m}" for m in minors]
     return [n for n in nodes if os.path.exists(n)]
+
+
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def nvidia_gpus(proc_dir: str = NVIDIA_GPUS) -> list[dict]:
+    """The driver's GPUs in PCI bus order: {"bus", "uuid", "minor"}, from each GPU's
+    ``information`` file (``GPU UUID:``, ``Device Minor:``); [] without the driver."""
+    out = []
+    try:
+        buses = sorted(os.listdir(proc_dir))
+    except OSError:
+        return out
+    for bus in buses:
+        fields = {}
+        try:
+            with open(os.path.join(proc_dir, bus, "information")) as f:
+                for line in f:
+                    k, sep, v = line.partition(":")
+                    if sep:
+                        fields[k.strip()] = v.strip()
+            out.append({"bus": bus.lower(), "uuid": fields["GPU UUID"], "minor": int(fields["Device Minor"])})
+        except (OSError, KeyError, ValueError):
+            continue
+    return out
+
+
+def visible_gpus(table: list[dict], cuda_visible: str | None) -> list[dict]:
+    """``table``'s GPUs as the grader's CUDA numbers them under its CUDA_VISIBLE_DEVICES: an
+    integer is an index in PCI bus order (CUDA's with CUDA_DEVICE_ORDER=PCI_BUS_ID, or GPUs of one
+    model), ``GPU-...`` a UUID or an unambiguous prefix of one; as CUDA does, the first invalid
+    entry ends the list and a repeated one empties it."""
+    if cuda_visible is None:
+        return list(table)
+    out = []
+    for item in cuda_visible.split(","):
+        item = item.strip()
+        if item.isdigit():
+            found = [table[int(item)]] if int(item) < len(table) else []
+        else:
+            found = [g for g in table if item and g["uuid"].lower().startswith(item.lower())]
+        if len(found) != 1:
+            break
+        if found[0] in out:
+            return []
+        out.append(found[0])
+    return out
+
+
+def gpu_binding(gpus: list[int], uuids: list[str] | None = None, table: list[dict] | None = None,
+                cuda_visible: str | None = None) -> tuple[list[int], str]:
+    """(device minors to bind, CUDA_VISIBLE_DEVICES for the job) for the grader's CUDA indices
+    ``gpus``. A CUDA index is not a device minor (the grader's own CUDA_VISIBLE_DEVICES and
+    CUDA's ordering renumber the GPUs), and inside the sandbox CUDA numbers what it sees from 0:
+    the job gets the GPUs' UUIDs, which name the same devices whatever CUDA enumerates there.
+    ``uuids``: the UUID of each of the grader's CUDA indices (from torch, when CUDA is up); else
+    they come from ``table`` (:func:`nvidia_gpus`) under ``cuda_visible`` (the grader's
+    CUDA_VISIBLE_DEVICES). Without the driver's table: the indices as minors, and 0..k-1."""
+    table = nvidia_gpus() if table is None else table
+    by_uuid = {g["uuid"].lower(): g for g in table}
+    if uuids is None:
+        seen = visible_gpus(table, cuda_visible)
+        uuids = [g["uuid"] for g in seen]
+    picked = []
+    for i in gpus:
+        g = by_uuid.get(uuids[i].lower()) if 0 <= i < len(uuids) else None
+        if g is None:
+            break
+        picked.append(g)
+    if len(picked) == len(gpus) and picked:
+        return [g["minor"] for g in picked], ",".join(g["uuid"] for g in picked)
+    return list(gpus), ",".join(str(k) for k in range(len(gpus)))
 
 
 @functools.lru_cache(maxsize=None)
