@@ -810,7 +810,7 @@ def isolation_summary(iso: dict, cgroup: dict | None, limits: Limits, spec_devic
                "network: loopback only",
                "no capabilities; " + ("uid 65534" if tool == "bwrap" else "uid 0, all capabilities dropped,")
                + " in its own user namespace",
-               "system, Python, venv and utils/ read-only; nothing else of the host",
+               "system, Python, venv, the grader's import path and utils/ read-only; nothing else of the host",
                "writable: its job dir (0700) and private tmpfs /tmp, /var/tmp, /dev/shm",
                "environment cleared, then an allowlist",
                "evidence over a socket the grader created; exit status from the grader's wait",
@@ -920,8 +920,9 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
         tool: str | None = None, gpus=None, cgroup: bool = True, channel: bool = False,
         tick_s: float = 0.1, name: str | None = None, extra_ro=()) -> RunResult:
     """Run ``cmd`` in a fresh sandbox until it exits or ``budget_s`` passes; leave nothing behind.
-    ``job_dir`` becomes /job (its cwd); ``env`` is added to :func:`allowed_env`; ``extra_ro``:
-    more folders bound read-only at their own paths (:func:`import_path`)."""
+    ``job_dir`` becomes /job (its cwd); ``env`` is added to :func:`allowed_env`; ``gpus``: the
+    device minors of the GPUs to bind (:func:`gpu_binding`); ``extra_ro``: more folders bound
+    read-only at their own paths (:func:`import_path`)."""
     tool = tool or probe_isolation()["tool"]
     job_dir.chmod(0o700)
     cg = JobCgroup.create(f"grader-{os.getpid()}-{name or uuid.uuid4().hex[:12]}", limits) if cgroup else None
