@@ -399,7 +399,8 @@ def test_a_rank_exiting_without_a_traceback_gets_its_own_words_back(batch_run, s
         for other, said in words.items():
             if other != student:
                 mark = next((w for w in said.split() if "CRASH" in w), said)
-                assert mark not in r["reason"] + rows[student]["reason"] + tests[student]["output"], (student, other)
+                seen = r["reason"] + rows[student]["reason"] + tests[student]["output"]
+                assert mark not in seen, (student, other)
 
 
 # ----------------------------------------------------------------------------------------

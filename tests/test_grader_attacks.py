@@ -592,7 +592,8 @@ def test_attack_forged_ddp_evidence_fails(attacked):
     # a normal user under bwrap). Two verdicts are right, both with no_output (no model.pt):
     # not_distributed (records from a process not known as that rank: refused) or, when both ranks
     # were seen, not_data_parallel (the records claim nccl, which a CPU job cannot run).
-    assert _codes(forged) in ({"no_output", "not_data_parallel"}, {"no_output", "not_distributed"}), forged["reason"]
+    right = ({"no_output", "not_data_parallel"}, {"no_output", "not_distributed"})
+    assert _codes(forged) in right, forged["reason"]
     assert not forged["data_parallel"] and forged["status"] == "error", forged["reason"]
     if "not_data_parallel" in _codes(forged):
         assert "only gloo" in forged["reason"], forged["reason"]

@@ -88,7 +88,8 @@ def _fake_proc(tmp_path) -> str:
     for bus, uuid, minor in GPUS:
         (d / bus).mkdir(parents=True)
         (d / bus / "information").write_text(
-            f"Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 123\nGPU UUID: \t {uuid}\nVideo BIOS: \t ??.??.??.??.??\n"
+            f"Model: \t\t NVIDIA H100 80GB HBM3\nIRQ:   \t\t 123\nGPU UUID: \t {uuid}\n"
+            f"Video BIOS: \t ??.??.??.??.??\n"
             f"Bus Type: \t PCIe\nDMA Size: \t 52 bits\nDMA Mask: \t 0xfffffffffffff\nBus Location: \t {bus}\n"
             f"Device Minor: \t {minor}\nGPU Excluded:\t No\n")
     return str(d)

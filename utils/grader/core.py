@@ -250,7 +250,8 @@ def stderr_tail(text: str) -> str | None:
              if l.strip() and not l.startswith("[... earlier output not shown]")]
     if not lines:
         return None
-    tail = [l if len(l) <= STDERR_TAIL_WIDTH else l[:STDERR_TAIL_WIDTH] + "..." for l in lines[-STDERR_TAIL_LINES:]]
+    tail = [l if len(l) <= STDERR_TAIL_WIDTH else l[:STDERR_TAIL_WIDTH] + "..."
+            for l in lines[-STDERR_TAIL_LINES:]]
     return printable(" | ".join(tail))
 
 

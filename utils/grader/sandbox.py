@@ -490,7 +490,8 @@ def import_path(hidden=()) -> dict:
         if inside:
             out["refused"][entry] = f"it holds {inside[0]}"
         elif _under(real, str(PROJECT)) and not _in_venv(real, str(PROJECT)):
-            out["refused"][entry] = f"it is part of the project {PROJECT} (only utils/ and virtual environments are bound)"
+            out["refused"][entry] = (f"it is part of the project {PROJECT} (only utils/ and virtual "
+                                     "environments are bound)")
         elif real.startswith("/proc") or real.startswith("/dev") or real.startswith("/sys"):
             out["refused"][entry] = "not a folder of Python packages"
         else:
@@ -517,7 +518,8 @@ def unbound_modules(imports: dict, modules=("torch", "numpy")) -> list[str]:
             continue                              # not importable here either: nothing to bind
         real = os.path.realpath(origin)
         if not any(_under(real, p) for p in seen):
-            entry = next((e for e in sys.path if e and _under(real, os.path.realpath(e))), os.path.dirname(real))
+            entry = next((e for e in sys.path if e and _under(real, os.path.realpath(e))),
+                         os.path.dirname(real))
             why.append(f"{name} (from {entry}: {imports['refused'].get(entry, 'not on the import path')})")
     return why
 
