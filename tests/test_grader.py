@@ -613,3 +613,12 @@ def test_feedback_names_the_failing_rank_and_its_own_error():
     killed = launcher.replace("exitcode  : 1 (pid: 7)", "exitcode  : -9 (pid: 7)")
     assert failing_rank(killed, {"0": {"stdout": "", "stderr": ""}, "1": {"stdout": "", "stderr": ""}}) == \
         ("0", "killed by SIGKILL (out of memory?)")
+    # No traceback (argparse, SystemExit): the rank's own last lines on stderr, cut short.
+    quiet = launcher.replace("exitcode  : 1 (pid: 7)", "exitcode  : 2 (pid: 7)")
+    said = "[rank0]: usage: a.py --epochs E\n[rank0]: a.py: error: the following arguments are required: --epochs\n"
+    assert failing_rank(quiet, {"0": {"stdout": "", "stderr": said}, "1": {"stdout": "", "stderr": ""}}) == \
+        ("0", "exited with code 2 without a Python traceback; the last lines it wrote to stderr: usage: a.py "
+              "--epochs E | a.py: error: the following arguments are required: --epochs")
+    long = "\n".join(f"line {i} " + "x" * 500 for i in range(50))
+    _, err = failing_rank(quiet, {"0": {"stdout": "", "stderr": long}})
+    assert err.count("line ") == 3 and "line 49 " in err and len(err) < 800, err
