@@ -123,3 +123,19 @@ def test_gpus_2_and_3_are_bound_by_minor_and_named_as_cuda_enumerates_them(tmp_p
 def test_gpu_binding_without_the_driver_table_numbers_from_zero():
     assert sandbox.gpu_binding([2, 3], table=[]) == ([2, 3], "0,1")
     assert sandbox.visible_gpus([{"uuid": "GPU-a", "minor": 0, "bus": "x"}], "0,0") == []
+
+
+def test_without_the_proc_table_nvml_gives_the_minors(tmp_path, monkeypatch):
+    """Where /proc/driver/nvidia is hidden, nvidia-ml-py's minor numbers (a fake NVML here)."""
+    import types
+    devices = [GPUS[3], GPUS[0], GPUS[2], GPUS[1]]       # NVML may list them in any order
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlDeviceGetCount=lambda: len(devices),
+        nvmlDeviceGetHandleByIndex=lambda i: devices[i], nvmlDeviceGetUUID=lambda h: h[1].encode(),
+        nvmlDeviceGetPciInfo=lambda h: types.SimpleNamespace(busId=("0000" + h[0]).upper().encode()),
+        nvmlDeviceGetMinorNumber=lambda h: h[2])
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    table = sandbox.nvidia_gpus(str(tmp_path / "no-driver-table"))
+    assert [(g["uuid"], g["minor"]) for g in table] == [(u, m) for _, u, m in GPUS]
+    minors, visible = sandbox.gpu_binding([2, 3], table=table, cuda_visible="3,1,2,0")
+    assert visible.split(",") == [GPUS[2][1], GPUS[0][1]] and minors == [GPUS[2][2], GPUS[0][2]]

@@ -593,14 +593,39 @@ def _devices(minors) -> list[str]:
 NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
 
 
-def nvidia_gpus(proc_dir: str = NVIDIA_GPUS) -> list[dict]:
+def _nvml_gpus() -> list[dict]:
+    """The same table from NVML (nvidia-ml-py), where /proc/driver/nvidia is hidden; [] without it."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    out = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid, bus = pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetPciInfo(h).busId
+            out.append({"bus": (bus.decode() if isinstance(bus, bytes) else bus).lower(),
+                        "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+                        "minor": int(pynvml.nvmlDeviceGetMinorNumber(h))})
+    except Exception:
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return sorted(out, key=lambda g: g["bus"])
+
+
+def nvidia_gpus(proc_dir: str = NVIDIA_GPUS, nvml: bool = True) -> list[dict]:
     """The driver's GPUs in PCI bus order: {"bus", "uuid", "minor"}, from each GPU's
-    ``information`` file (``GPU UUID:``, ``Device Minor:``); [] without the driver."""
+    ``information`` file (``GPU UUID:``, ``Device Minor:``), else from NVML; [] without either."""
     out = []
     try:
         buses = sorted(os.listdir(proc_dir))
     except OSError:
-        return out
+        return _nvml_gpus() if nvml else out
     for bus in buses:
         fields = {}
         try:
@@ -612,7 +637,7 @@ def nvidia_gpus(proc_dir: str = NVIDIA_GPUS) -> list[dict]:
             out.append({"bus": bus.lower(), "uuid": fields["GPU UUID"], "minor": int(fields["Device Minor"])})
         except (OSError, KeyError, ValueError):
             continue
-    return out
+    return out or (_nvml_gpus() if nvml else out)
 
 
 def visible_gpus(table: list[dict], cuda_visible: str | None) -> list[dict]:
