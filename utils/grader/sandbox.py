@@ -56,13 +56,18 @@ class SandboxUnavailable(RuntimeError):
 # /proc, read from the grader's side
 # ----------------------------------------------------------------------------------------
 
+PF_EXITING = 0x4                             # /proc/PID/stat's flags: the process is in exit()
+
+
 def _stat(pid: int):
-    """(ppid, state, start_ticks) of ``pid`` or None."""
+    """(ppid, state, start_ticks) of ``pid`` or None; state "X" for a process already in exit()
+    (its SIGKILL delivered, its memory going: no code of it runs again, only the kernel's teardown,
+    which on a busy box can outlast the grader's grace period)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             raw = f.read()
         rest = raw[raw.rindex(")") + 2:].split()
-        return int(rest[1]), rest[0], int(rest[19])
+        return int(rest[1]), "X" if int(rest[6]) & PF_EXITING else rest[0], int(rest[19])
     except (OSError, ValueError, IndexError):
         return None
 
