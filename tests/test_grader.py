@@ -112,11 +112,19 @@ def test_reference_solution_passes(graded, spec):
 
 def test_unchanged_serial_script_fails_on_accuracy_and_ranks(graded, spec):
     r = graded["serial"]
-    assert r["status"] == "failed", r["reason"]
-    assert {"accuracy", "not_distributed"} <= codes(r), (
-        f"the serial script must fail on accuracy and on the measured ranks, got {r['reasons']}")
-    assert r["accuracy"] < spec.target_val_acc and r["ranks_measured"] == 0
-    assert "init_process_group" in r["reason"]
+    # Under torchrun both copies of the serial script save through the same model.pt.tmp and
+    # os.replace it: when their saves overlap, the second replace finds no file and that rank
+    # crashes (seen as a normal user under bwrap on a busy box). Both verdicts are right: failed
+    # on accuracy and ranks, or an error naming that crash (the ranks are not judged after one).
+    if "crashed" in codes(r):
+        assert r["status"] == "error" and codes(r) == {"crashed", "accuracy"}, r["reason"]
+        assert "FileNotFoundError" in r["reason"] and "model.pt.tmp" in r["reason"], r["reason"]
+    else:
+        assert r["status"] == "failed", r["reason"]
+        assert {"accuracy", "not_distributed"} <= codes(r), (
+            f"the serial script must fail on accuracy and on the measured ranks, got {r['reasons']}")
+        assert r["ranks_measured"] == 0 and "init_process_group" in r["reason"]
+    assert r["accuracy"] < spec.target_val_acc
     warnings = " ".join(r["static_warnings"])
     assert "init_process_group" in warnings and "every rank" in warnings, r["static_warnings"]
 
