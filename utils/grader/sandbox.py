@@ -391,13 +391,16 @@ class JobCgroup:
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs]
 
-    def members(self) -> set[int]:
+    def members(self, live_only: bool = False) -> set[int]:
+        """The job's processes in its cgroup; ``live_only``: not those already in exit() or dead."""
         pids = set()
         for d in self.dirs:
             try:
                 pids |= {int(p) for p in (d / "cgroup.procs").read_text().split()}
             except (OSError, ValueError):
                 pass
+        if live_only:
+            pids = {p for p in pids if (_stat(p) or (0, "X"))[1] not in ("Z", "X")}
         return pids
 
     def contains(self, cgroup_text: str) -> bool:
@@ -419,7 +422,7 @@ class JobCgroup:
             time.sleep(0.02)
         for d in self.dirs:
             _rmdir(d)
-        return left
+        return [p for p in left if (_stat(p) or (0, "X"))[1] not in ("Z", "X")]
 
 
 def _rmdir(d: Path) -> None:
@@ -1032,7 +1035,7 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
     for _ in range(50):
         live = processes_in_pidns(watch.pidns) + [s.pid for s in watch.still_alive()]
         if cg is not None:
-            live += list(cg.members())
+            live += list(cg.members(live_only=True))
         live = sorted(set(live))
         if not live:
             break
