@@ -101,6 +101,8 @@ ATTACKS = {
         steps = [[1.0 + k, 2.0 + k + rank, 200000, 1] for k in range(300)]
         s.send(json.dumps({{"kind": "exit", "rank": rank, "first_step": 0, "steps": steps, "total_steps": 300,
                            "grad_bytes": 129848, "ddp_models": 1, "fingerprints": []}}).encode())
+        import time
+        time.sleep(1.5)         # alive long enough for the grader to see each rank: the records are tied to it
         """,
     # 5. ... and a real process group where rank 0 trains alone while rank 1 idles.
     "attack_rank0_alone": """
@@ -340,7 +342,10 @@ ATTACKS = {
         import ctypes                                       # steal the init's status socket
         libc = ctypes.CDLL(None, use_errno=True)
         pidfd = libc.syscall(434, 1, 0)                     # pidfd_open(1), x86_64
-        fds = os.listdir("/proc/1/fd") if os.path.isdir("/proc/1/fd") else []
+        try:                                                # as uid 65534 (bwrap) the list is refused:
+            fds = os.listdir("/proc/1/fd")                  # then guess the numbers
+        except OSError:
+            fds = [str(n) for n in range(64)]
         for fd in fds:
             got = libc.syscall(438, pidfd, int(fd), 0) if pidfd >= 0 else -1    # pidfd_getfd
             try:
@@ -581,8 +586,19 @@ def test_attack_state_does_not_outlive_a_job(attacked):
 def test_attack_forged_ddp_evidence_fails(attacked):
     """Class 5: forged records, rank 0 training alone, and unsynchronised ranks all fail."""
     forged = attacked["reports"]["attack_forged_evidence"]
-    assert "not_data_parallel" in _codes(forged) and not forged["data_parallel"], forged["reason"]
-    assert "only gloo" in forged["reason"], forged["reason"]
+    # Its ranks send their records and exit within milliseconds. A record counts only from a process
+    # the grader saw as torchrun's worker for that rank (it looks every 0.1 s); whether it saw a rank
+    # this short-lived is chance (on a busy box, as any user, with either sandbox: seen 1 of 2 ranks as
+    # a normal user under bwrap). Two verdicts are right, both with no_output (no model.pt):
+    # not_distributed (records from a process not known as that rank: refused) or, when both ranks
+    # were seen, not_data_parallel (the records claim nccl, which a CPU job cannot run).
+    right = ({"no_output", "not_data_parallel"}, {"no_output", "not_distributed"})
+    assert _codes(forged) in right, forged["reason"]
+    assert not forged["data_parallel"] and forged["status"] == "error", forged["reason"]
+    if "not_data_parallel" in _codes(forged):
+        assert "only gloo" in forged["reason"], forged["reason"]
+    else:
+        assert "came from a process that is not rank" in forged["reason"], forged["reason"]
     gloo = attacked["reports"]["attack_forged_gloo"]
     assert "not_data_parallel" in _codes(gloo) and "loopback traffic" in gloo["reason"], gloo["reason"]
     assert gloo["ranks_measured"] == 2, "the records came from the right processes: only traffic betrays them"
@@ -675,11 +691,19 @@ def _limits():
                           tmpfs_bytes=8 << 20)
 
 
-@pytest.mark.parametrize("tool", ["bwrap", "unshare"])
+@pytest.fixture(params=["bwrap", "unshare"])
+def tool(request):
+    """Each sandbox mechanism in turn, skipped with the probe's reason where it is not installed
+    or cannot isolate here."""
+    try:
+        sandbox.probe_isolation(request.param)
+    except sandbox.SandboxUnavailable as e:
+        pytest.skip(str(e))
+    return request.param
+
+
 def test_each_sandbox_tool_isolates(tmp_path, tool):
     """bwrap and the unshare fallback, checked from inside with the probe's own checks."""
-    if not sandbox.shutil.which(tool):
-        pytest.skip(f"{tool} is not installed")
     job = tmp_path / "work"
     job.mkdir()
     res = sandbox.run([sys.executable, "-I", "-c", sandbox._CHECK + "\nprint(open('/etc/hostname').read() "
@@ -714,7 +738,7 @@ def _cgroup_dirs() -> set[str]:
     return found
 
 
-def test_class_of_30_with_two_at_a_time_leaves_nothing_behind(tmp_path):
+def test_class_of_30_with_two_at_a_time_leaves_nothing_behind(tmp_path, tool):
     """30 trivially fast jobs, 2 at a time, each leaving a daemon, a setsid child and files in
     every tmpfs: afterwards no process of any job, no cgroup, no mount and no file is left."""
     mounts_before = Path("/proc/self/mountinfo").read_text()
@@ -732,7 +756,7 @@ def test_class_of_30_with_two_at_a_time_leaves_nothing_behind(tmp_path):
         work = job / "work"
         work.mkdir(parents=True)
         res = sandbox.run([sys.executable, "-c", script], job_dir=work, log_path=job / "log", env={},
-                          budget_s=30, limits=_limits(), channel=True)
+                          budget_s=30, limits=_limits(), channel=True, tool=tool)
         import shutil
         shutil.rmtree(job)
         return res

@@ -1,6 +1,12 @@
 """The first process of a graded job inside its sandbox (standard library only, run as a script).
 
     python -I _sandbox_init.py [--fsize B] [--nproc N] [--cpu S] [--as B] [--setup JSON] -- COMMAND...
+    python -I -S _sandbox_init.py --outer GRADER_PID [CGROUP_PROCS_FILE...] -- bwrap|unshare ...
+
+``--outer`` runs outside the sandbox, between the grader and bwrap or unshare: it asks the kernel
+for SIGKILL when the grader dies (PR_SET_PDEATHSIG, kept across the exec), joins the job's
+cgroups, and execs the sandbox. A SIGKILLed grader thus takes unshare along, and unshare's
+--kill-child takes this init, whose death empties its PID namespace (bwrap: --die-with-parent).
 
 With ``--setup`` (the ``unshare`` fallback, where bubblewrap is missing) it first builds the
 sandbox's file system itself, as bwrap would: a tmpfs root holding read-only binds of the
@@ -181,11 +187,32 @@ def _opt(opts, name, default=None):
     return opts[opts.index(name) + 1] if name in opts else default
 
 
+def outer(opts, cmd):
+    """Outside the sandbox: die with the grader, join the job's cgroups, exec bwrap or unshare."""
+    _check(_LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
+    if os.getppid() != int(_opt(opts, "--outer")):     # the grader died before the line above
+        return 125
+    for path in opts[opts.index("--outer") + 2:]:     # before anything of the job starts
+        try:
+            with open(path, "w") as f:
+                f.write(str(os.getpid()))
+        except OSError as e:
+            print(f"could not join the job's cgroup {path}: {e}", file=sys.stderr)
+            return 125
+    try:
+        os.execv(cmd[0], cmd)
+    except OSError as e:
+        print(f"could not start {cmd[0]}: {e}", file=sys.stderr)
+    return 127
+
+
 def main(argv):
     if "--" not in argv:
         print("usage: _sandbox_init.py [options] -- COMMAND...", file=sys.stderr)
         return 2
     opts, cmd = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    if "--outer" in opts:
+        return outer(opts, cmd)
     setup = _opt(opts, "--setup")
     if setup:
         try:

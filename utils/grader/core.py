@@ -240,6 +240,21 @@ def rank_error(text: str) -> str | None:
     return printable(errs[-1][:240] + (f" ({where})" if where else ""))
 
 
+STDERR_TAIL_LINES, STDERR_TAIL_WIDTH = 3, 200
+
+
+def stderr_tail(text: str) -> str | None:
+    """The last lines a rank wrote to stderr (its own words: SystemExit's message, argparse's
+    usage error), a few, each cut short; None when it wrote nothing."""
+    lines = [l.strip() for l in _RANK_PREFIX.sub("", text).splitlines()
+             if l.strip() and not l.startswith("[... earlier output not shown]")]
+    if not lines:
+        return None
+    tail = [l if len(l) <= STDERR_TAIL_WIDTH else l[:STDERR_TAIL_WIDTH] + "..."
+            for l in lines[-STDERR_TAIL_LINES:]]
+    return printable(" | ".join(tail))
+
+
 def failing_rank(launcher_log: str, logs: dict) -> tuple[str | None, str | None]:
     """(rank, its error) of the first failure: torchrun's 'Root Cause' names the rank."""
     m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", launcher_log, re.S)
@@ -259,7 +274,9 @@ def failing_rank(launcher_log: str, logs: dict) -> tuple[str | None, str | None]
                 name = f"signal {-int(code.group(1))}"
             return m.group(1), f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
         if code:
-            return m.group(1), f"exited with code {code.group(1)} without a Python traceback"
+            said = stderr_tail(logs.get(m.group(1), {}).get("stderr", ""))
+            return m.group(1), f"exited with code {code.group(1)} without a Python traceback" + \
+                (f"; the last lines it wrote to stderr: {said}" if said else "")
     return None, None
 
 
@@ -432,6 +449,13 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
     """Grade one submission (a .py file or a folder) against ``spec``; never raises except
     :class:`sandbox.SandboxUnavailable` (nothing can be graded safely on this machine)."""
     iso = sandbox.probe_isolation()                      # refuses before anything runs
+    imports = sandbox.import_path((spec.path, spec.heldout if spec.heldout.endswith(".npz") else "",
+                                   spec.data_dir, workroot))
+    missing = sandbox.unbound_modules(imports)
+    if missing:
+        raise sandbox.SandboxUnavailable(
+            "refusing to grade: the job could not import " + "; ".join(missing) + ". Install the packages "
+            "in the grader's virtual environment (make .venv), or where the sandbox may bind them")
     submission = Path(submission)
     t_start = time.perf_counter()
     report = {
@@ -447,7 +471,7 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
     try:
         job = Path(tempfile.mkdtemp(prefix=f"grade-{re.sub(r'[^A-Za-z0-9_.-]', '_', report['student'])[:40]}-",
                                     dir=workroot))
-        _grade(submission, spec, report, job, iso, gpus)
+        _grade(submission, spec, report, job, iso, gpus, imports)
     except Refused as e:
         report["reasons"].append(_reason(e.code, str(e)))
     except Exception as e:                               # the grader never crashes on a submission
@@ -475,7 +499,7 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
     return report
 
 
-def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpus):
+def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpus, imports: dict):
     reasons = report["reasons"]
     if not submission.exists():
         raise Refused("no_entry", f"{submission} does not exist")
@@ -514,13 +538,15 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
            "--nproc-per-node", str(spec.nprocs), "--monitor-interval", "0.2",
            "--log-dir", f"{sandbox.JOB_DIR}/.logs", "--redirects", "3",
            entry, "--data-dir", "data", "--out", "model.pt"]
+    minors, visible = (None, "") if gpus is None else \
+        sandbox.gpu_binding(gpus, _cuda_uuids(), cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
     env = {"PYTHONPATH": f"{PROBE_SITE}:{ROOT}", "PYTHONSAFEPATH": "1", "DATA_DIR": f"{sandbox.JOB_DIR}/data",
-           "CUDA_VISIBLE_DEVICES": "" if gpus is None else ",".join(map(str, gpus))}
+           sandbox.SYS_PATH_VAR: os.pathsep.join(imports["path"]), "CUDA_VISIBLE_DEVICES": visible}
     limits = limits_for(spec)
     launcher_log = job / "launcher.log"                  # grader-owned: the job's stdout/stderr
     res = sandbox.run(cmd, job_dir=work, log_path=launcher_log, env=env, budget_s=spec.time_budget_s,
-                      limits=limits, tool=iso["tool"], gpus=gpus, channel=True,
-                      name=job.name)
+                      limits=limits, tool=iso["tool"], gpus=minors, channel=True,
+                      name=job.name, extra_ro=imports["bind"])
     cg_desc = next((s.cgroup for s in res.seen if s.cgroup and "grader-" in s.cgroup), "")
     report["isolation"] = sandbox.isolation_summary(iso, res.cgroup, limits, spec.device)
     report["resources"] = {"processes_seen": len(res.seen), "outside_job_cgroup": res.cgroup_escapes[:5],
@@ -630,6 +656,20 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
                                "Wrap the model in DistributedDataParallel and give each rank its own shard"))
     if report["ranks_measured"] == spec.nprocs:
         reasons.extend(_reason(code, message) for code, message in weight_reasons)
+
+
+def _cuda_uuids() -> list[str] | None:
+    """The UUID of each of this process's CUDA devices, as torch numbers them (None without CUDA)."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        out = []
+        for i in range(torch.cuda.device_count()):
+            u = str(torch.cuda.get_device_properties(i).uuid)
+            out.append(u if u.startswith(("GPU-", "MIG-")) else f"GPU-{u}")
+        return out
+    except Exception:                       # an older torch, or no UUID: the driver's table decides
+        return None
 
 
 def _cgroup_line(text: str) -> str:

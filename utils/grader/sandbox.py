@@ -4,7 +4,8 @@ behind. Threat model and limits: utils/grader/README.md.
 
 A job runs as
 
-    sh (joins the job's cgroups) -> bwrap (or unshare + _sandbox_init's mount setup)
+    _sandbox_init --outer (dies with the grader, joins the job's cgroups)
+        -> bwrap (or unshare + _sandbox_init's mount setup)
         -> _sandbox_init.py (rlimits, subreaper, non-dumpable) -> torchrun -> ranks
 
 with new user, PID, IPC, UTS, network (loopback only) and mount namespaces; the system, the
@@ -55,13 +56,18 @@ class SandboxUnavailable(RuntimeError):
 # /proc, read from the grader's side
 # ----------------------------------------------------------------------------------------
 
+PF_EXITING = 0x4                             # /proc/PID/stat's flags: the process is in exit()
+
+
 def _stat(pid: int):
-    """(ppid, state, start_ticks) of ``pid`` or None."""
+    """(ppid, state, start_ticks) of ``pid`` or None; state "X" for a process already in exit()
+    (its SIGKILL delivered, its memory going: no code of it runs again, only the kernel's teardown,
+    which on a busy box can outlast the grader's grace period)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             raw = f.read()
         rest = raw[raw.rindex(")") + 2:].split()
-        return int(rest[1]), rest[0], int(rest[19])
+        return int(rest[1]), "X" if int(rest[6]) & PF_EXITING else rest[0], int(rest[19])
     except (OSError, ValueError, IndexError):
         return None
 
@@ -385,13 +391,16 @@ class JobCgroup:
     def procs_files(self) -> list[str]:
         return [str(d / "cgroup.procs") for d in self.dirs]
 
-    def members(self) -> set[int]:
+    def members(self, live_only: bool = False) -> set[int]:
+        """The job's processes in its cgroup; ``live_only``: not those already in exit() or dead."""
         pids = set()
         for d in self.dirs:
             try:
                 pids |= {int(p) for p in (d / "cgroup.procs").read_text().split()}
             except (OSError, ValueError):
                 pass
+        if live_only:
+            pids = {p for p in pids if (_stat(p) or (0, "X"))[1] not in ("Z", "X")}
         return pids
 
     def contains(self, cgroup_text: str) -> bool:
@@ -413,7 +422,7 @@ class JobCgroup:
             time.sleep(0.02)
         for d in self.dirs:
             _rmdir(d)
-        return left
+        return [p for p in left if (_stat(p) or (0, "X"))[1] not in ("Z", "X")]
 
 
 def _rmdir(d: Path) -> None:
@@ -444,7 +453,86 @@ def _python_roots() -> list[str]:
     return out
 
 
-def _system_layout(job_dir: Path) -> list[tuple[str, str, str]]:
+SYS_PATH_VAR = "SCALING_LABS_SYS_PATH"       # the grader's import path, for the probe to rebuild in the job
+
+
+def _under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
+
+
+def _in_venv(path: str, below: str) -> bool:
+    """Is ``path`` inside a virtual environment (a folder with pyvenv.cfg) strictly below ``below``?"""
+    d = path
+    while _under(d, below) and d != below:
+        if os.path.isfile(os.path.join(d, "pyvenv.cfg")):
+            return True
+        d = os.path.dirname(d)
+    return False
+
+
+def import_path(hidden=()) -> dict:
+    """The grader's whole import path, for the job: every existing entry of ``sys.path`` that
+    the binds of the system, the Python installation and ``utils/`` do not hold already (a
+    folder a ``.pth`` file adds, the user site, ``PYTHONPATH``) is bound read-only at its real
+    path, unless it would show the job more than packages: a folder holding (or being) the
+    project, the grader's home or working directory, the temp dir (job dirs, the data cache),
+    the datasets, or a path of ``hidden`` (the spec, its held-out file). Returns
+    ``{"bind": [...], "path": [...] (sys.path order, real paths the job will see),
+    "refused": {entry: why}}``."""
+    home = os.path.expanduser("~")
+    import tempfile
+    protected = {str(PROJECT), home, tempfile.gettempdir(), os.getcwd(),
+                 os.environ.get("DATA_DIR") or os.path.join(home, ".cache")}
+    protected |= {str(h) for h in hidden if h}
+    protected = {os.path.realpath(os.path.abspath(p)) for p in protected}
+    covered = ["/usr", str(PACKAGE)] + _python_roots()
+    out = {"bind": [], "path": [], "refused": {}}
+    for entry in sys.path:
+        if not entry or not os.path.exists(entry):
+            continue
+        real = os.path.realpath(entry)
+        if any(_under(real, c) for c in covered):
+            out["path"].append(real)
+            continue
+        inside = [p for p in protected if _under(p, real)]
+        if inside:
+            out["refused"][entry] = f"it holds {inside[0]}"
+        elif _under(real, str(PROJECT)) and not _in_venv(real, str(PROJECT)):
+            out["refused"][entry] = (f"it is part of the project {PROJECT} (only utils/ and virtual "
+                                     "environments are bound)")
+        elif real.startswith("/proc") or real.startswith("/dev") or real.startswith("/sys"):
+            out["refused"][entry] = "not a folder of Python packages"
+        else:
+            if real not in out["bind"]:
+                out["bind"].append(real)
+            out["path"].append(real)
+    return out
+
+
+def unbound_modules(imports: dict, modules=("torch", "numpy")) -> list[str]:
+    """Why a module the job needs would not be found in it: where the grader imports it from
+    is neither bound nor held by a bind (``imports``: :func:`import_path`)."""
+    import importlib.util
+    seen = [*imports["path"], str(PACKAGE)]
+    why = []
+    for name in modules:
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):
+            spec = None
+        origin = (spec.submodule_search_locations or [None])[0] if spec and spec.submodule_search_locations \
+            else (spec.origin if spec else None)
+        if not origin:
+            continue                              # not importable here either: nothing to bind
+        real = os.path.realpath(origin)
+        if not any(_under(real, p) for p in seen):
+            entry = next((e for e in sys.path if e and _under(real, os.path.realpath(e))),
+                         os.path.dirname(real))
+            why.append(f"{name} (from {entry}: {imports['refused'].get(entry, 'not on the import path')})")
+    return why
+
+
+def _system_layout(job_dir: Path, extra=()) -> list[tuple[str, str, str]]:
     """(kind, source, destination) for the read-only system: /usr, the /bin-/lib links or dirs,
     a few files of /etc (not /etc as a whole: /etc/shadow and friends stay out), and an
     /etc/hosts of the grader's that names the sandbox's host name (torchrun resolves it)."""
@@ -463,6 +551,8 @@ def _system_layout(job_dir: Path) -> list[tuple[str, str, str]]:
     for r in _python_roots():
         plan.append(("ro", r, r))
     plan.append(("ro", str(PACKAGE), str(PACKAGE)))
+    for r in extra:                  # the rest of the grader's import path (import_path)
+        plan.append(("ro", r, r))
     return plan
 
 
@@ -499,12 +589,110 @@ def _dev_nodes() -> list[tuple[str, str]]:
             if os.path.exists(f"{own}/{n}" if own else f"/dev/{n}")]
 
 
-def _devices(gpus) -> list[str]:
-    if gpus is None:
+def _devices(minors) -> list[str]:
+    """The device nodes of a CUDA job: the driver's, and /dev/nvidiaN for each device minor N."""
+    if minors is None:
         return []
     nodes = ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset"]
-    nodes += [f"/dev/nvidia{g}" for g in gpus]
+    nodes += [f"/dev/nvidia{m}" for m in minors]
     return [n for n in nodes if os.path.exists(n)]
+
+
+NVIDIA_GPUS = "/proc/driver/nvidia/gpus"
+
+
+def _nvml_gpus() -> list[dict]:
+    """The same table from NVML (nvidia-ml-py), where /proc/driver/nvidia is hidden; [] without it."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:
+        return []
+    out = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid, bus = pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetPciInfo(h).busId
+            out.append({"bus": (bus.decode() if isinstance(bus, bytes) else bus).lower(),
+                        "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+                        "minor": int(pynvml.nvmlDeviceGetMinorNumber(h))})
+    except Exception:
+        return []
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return sorted(out, key=lambda g: g["bus"])
+
+
+def nvidia_gpus(proc_dir: str = NVIDIA_GPUS, nvml: bool = True) -> list[dict]:
+    """The driver's GPUs in PCI bus order: {"bus", "uuid", "minor"}, from each GPU's
+    ``information`` file (``GPU UUID:``, ``Device Minor:``), else from NVML; [] without either."""
+    out = []
+    try:
+        buses = sorted(os.listdir(proc_dir))
+    except OSError:
+        return _nvml_gpus() if nvml else out
+    for bus in buses:
+        fields = {}
+        try:
+            with open(os.path.join(proc_dir, bus, "information")) as f:
+                for line in f:
+                    k, sep, v = line.partition(":")
+                    if sep:
+                        fields[k.strip()] = v.strip()
+            out.append({"bus": bus.lower(), "uuid": fields["GPU UUID"], "minor": int(fields["Device Minor"])})
+        except (OSError, KeyError, ValueError):
+            continue
+    return out or (_nvml_gpus() if nvml else out)
+
+
+def visible_gpus(table: list[dict], cuda_visible: str | None) -> list[dict]:
+    """``table``'s GPUs as the grader's CUDA numbers them under its CUDA_VISIBLE_DEVICES: an
+    integer is an index in PCI bus order (CUDA's with CUDA_DEVICE_ORDER=PCI_BUS_ID, or GPUs of one
+    model), ``GPU-...`` a UUID or an unambiguous prefix of one; as CUDA does, the first invalid
+    entry ends the list and a repeated one empties it."""
+    if cuda_visible is None:
+        return list(table)
+    out = []
+    for item in cuda_visible.split(","):
+        item = item.strip()
+        if item.isdigit():
+            found = [table[int(item)]] if int(item) < len(table) else []
+        else:
+            found = [g for g in table if item and g["uuid"].lower().startswith(item.lower())]
+        if len(found) != 1:
+            break
+        if found[0] in out:
+            return []
+        out.append(found[0])
+    return out
+
+
+def gpu_binding(gpus: list[int], uuids: list[str] | None = None, table: list[dict] | None = None,
+                cuda_visible: str | None = None) -> tuple[list[int], str]:
+    """(device minors to bind, CUDA_VISIBLE_DEVICES for the job) for the grader's CUDA indices
+    ``gpus``. A CUDA index is not a device minor (the grader's own CUDA_VISIBLE_DEVICES and
+    CUDA's ordering renumber the GPUs), and inside the sandbox CUDA numbers what it sees from 0:
+    the job gets the GPUs' UUIDs, which name the same devices whatever CUDA enumerates there.
+    ``uuids``: the UUID of each of the grader's CUDA indices (from torch, when CUDA is up); else
+    they come from ``table`` (:func:`nvidia_gpus`) under ``cuda_visible`` (the grader's
+    CUDA_VISIBLE_DEVICES). Without the driver's table: the indices as minors, and 0..k-1."""
+    table = nvidia_gpus() if table is None else table
+    by_uuid = {g["uuid"].lower(): g for g in table}
+    if uuids is None:
+        seen = visible_gpus(table, cuda_visible)
+        uuids = [g["uuid"] for g in seen]
+    picked = []
+    for i in gpus:
+        g = by_uuid.get(uuids[i].lower()) if 0 <= i < len(uuids) else None
+        if g is None:
+            break
+        picked.append(g)
+    if len(picked) == len(gpus) and picked:
+        return [g["minor"] for g in picked], ",".join(g["uuid"] for g in picked)
+    return list(gpus), ",".join(str(k) for k in range(len(gpus)))
 
 
 @functools.lru_cache(maxsize=None)
@@ -515,7 +703,7 @@ def _bwrap_help() -> str:
         return ""
 
 
-def bwrap_command(job_dir: Path, limits: Limits, gpus=None) -> list[str]:
+def bwrap_command(job_dir: Path, limits: Limits, gpus=None, extra=()) -> list[str]:
     bwrap = shutil.which("bwrap")
     cmd = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
            "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
@@ -535,7 +723,7 @@ def bwrap_command(job_dir: Path, limits: Limits, gpus=None) -> list[str]:
         cmd += ["--ro-bind-try", d, d]
     for d in ("/tmp", "/var/tmp", "/dev/shm"):
         cmd += ["--perms", "1777", "--size", str(limits.tmpfs_bytes), "--tmpfs", d]
-    for kind, src, dst in _system_layout(job_dir):
+    for kind, src, dst in _system_layout(job_dir, extra):
         cmd += ["--symlink", src, dst] if kind == "symlink" else ["--ro-bind", src, dst]
     for node in _devices(gpus):
         cmd += ["--dev-bind", node, node]
@@ -545,13 +733,13 @@ def bwrap_command(job_dir: Path, limits: Limits, gpus=None) -> list[str]:
     return cmd
 
 
-def unshare_command(job_dir: Path, limits: Limits, gpus=None) -> tuple[list[str], dict]:
+def unshare_command(job_dir: Path, limits: Limits, gpus=None, extra=()) -> tuple[list[str], dict]:
     """unshare's namespaces; _sandbox_init builds the same file system inside (``--setup``)."""
     cmd = [shutil.which("unshare"), "--user", "--map-root-user", "--mount", "--pid", "--fork",
            "--kill-child", "--net", "--ipc", "--uts"]
     newroot = job_dir.parent / (job_dir.name + ".root")     # an empty mount point, grader-owned
     newroot.mkdir(mode=0o700, exist_ok=True)
-    plan = {"layout": _system_layout(job_dir), "hostname": HOSTNAME, "proc_read_only": PROC_READ_ONLY,
+    plan = {"layout": _system_layout(job_dir, extra), "hostname": HOSTNAME, "proc_read_only": PROC_READ_ONLY,
             "dev_nodes": _dev_nodes(), "devices": _devices(gpus), "sys": gpus is not None,
             "newroot": str(newroot),
             "job": str(job_dir), "job_dest": JOB_DIR, "tmpfs_bytes": limits.tmpfs_bytes}
@@ -605,13 +793,14 @@ def _check_ok(out: dict) -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
-def probe_isolation() -> dict:
-    """The first sandbox that really isolates here (bwrap, then unshare), checked by running a
-    probe inside it; raises :class:`SandboxUnavailable` when none does."""
+def probe_isolation(tool: str | None = None) -> dict:
+    """The first sandbox that really isolates here (bwrap, then unshare; only ``tool`` or
+    $SCALING_LABS_SANDBOX where given), checked by running a probe inside it; raises
+    :class:`SandboxUnavailable` when none does."""
     import tempfile
     if not sys.platform.startswith("linux"):
         raise SandboxUnavailable("the grader's sandbox needs Linux namespaces; grade on Linux")
-    forced = os.environ.get(FORCE_VAR)
+    forced = tool or os.environ.get(FORCE_VAR)
     tools = [t for t in ("bwrap", "unshare") if not forced or t == forced]
     tried = []
     for tool in tools:
@@ -656,7 +845,7 @@ def isolation_summary(iso: dict, cgroup: dict | None, limits: Limits, spec_devic
                "network: loopback only",
                "no capabilities; " + ("uid 65534" if tool == "bwrap" else "uid 0, all capabilities dropped,")
                + " in its own user namespace",
-               "system, Python, venv and utils/ read-only; nothing else of the host",
+               "system, Python, venv, the grader's import path and utils/ read-only; nothing else of the host",
                "writable: its job dir (0700) and private tmpfs /tmp, /var/tmp, /dev/shm",
                "environment cleared, then an allowlist",
                "evidence over a socket the grader created; exit status from the grader's wait",
@@ -764,9 +953,11 @@ def allowed_env(extra: dict | None = None) -> dict:
 
 def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: float, limits: Limits,
         tool: str | None = None, gpus=None, cgroup: bool = True, channel: bool = False,
-        tick_s: float = 0.1, name: str | None = None) -> RunResult:
+        tick_s: float = 0.1, name: str | None = None, extra_ro=()) -> RunResult:
     """Run ``cmd`` in a fresh sandbox until it exits or ``budget_s`` passes; leave nothing behind.
-    ``job_dir`` becomes /job (its cwd); ``env`` is added to :func:`allowed_env`."""
+    ``job_dir`` becomes /job (its cwd); ``env`` is added to :func:`allowed_env`; ``gpus``: the
+    device minors of the GPUs to bind (:func:`gpu_binding`); ``extra_ro``: more folders bound
+    read-only at their own paths (:func:`import_path`)."""
     tool = tool or probe_isolation()["tool"]
     job_dir.chmod(0o700)
     cg = JobCgroup.create(f"grader-{os.getpid()}-{name or uuid.uuid4().hex[:12]}", limits) if cgroup else None
@@ -782,18 +973,18 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
     if limits.address_space:
         init += ["--as", str(limits.memory_bytes)]
     if tool == "bwrap":
-        prefix = bwrap_command(job_dir, limits, gpus)
+        prefix = bwrap_command(job_dir, limits, gpus, extra_ro)
         for k, v in inner_env.items():
             prefix += ["--setenv", k, v]
         prefix += ["--"]
     else:
-        prefix, plan = unshare_command(job_dir, limits, gpus)
+        prefix, plan = unshare_command(job_dir, limits, gpus, extra_ro)
         init += ["--setup", json.dumps(plan)]
         # unshare keeps the environment it is given: pass only the allowlist
-    full = prefix + init + ["--"] + cmd
-    if cg is not None:           # join the job's cgroup(s) before anything of the job starts
-        full = ["/bin/sh", "-c", 'for f do [ "$f" = -- ] && break; echo $$ > "$f" || exit 125; shift; done; '
-                'shift; exec "$@"', "sh"] + cg.procs_files + ["--"] + full
+    # First, outside: die with the grader (a SIGKILLed grader takes the sandbox along, unshare's
+    # as well as bwrap's), and join the job's cgroup(s) before anything of the job starts.
+    full = ([sys.executable, "-I", "-S", str(INIT), "--outer", str(os.getpid())]
+            + (cg.procs_files if cg is not None else []) + ["--"] + prefix + init + ["--"] + cmd)
     pass_fds = ((chan.w.fileno(),) if chan is not None else ()) + (status_w.fileno(),)
     with open(log_path, "wb") as log:
         t0 = time.perf_counter()
@@ -844,7 +1035,7 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
     for _ in range(50):
         live = processes_in_pidns(watch.pidns) + [s.pid for s in watch.still_alive()]
         if cg is not None:
-            live += list(cg.members())
+            live += list(cg.members(live_only=True))
         live = sorted(set(live))
         if not live:
             break

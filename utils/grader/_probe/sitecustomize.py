@@ -317,6 +317,22 @@ def _install():
     _pass_channel_to_children()
 
 
+def _import_path():
+    """The grader's import path in the job, in the grader's order: the folders that the sandbox
+    bound read-only for it (a .pth file's, the user site, PYTHONPATH: sandbox.import_path)."""
+    want = [p for p in os.environ.get("SCALING_LABS_SYS_PATH", "").split(os.pathsep) if p]
+    have = [os.path.realpath(p) if p else p for p in sys.path]
+    pos = next((i for i, p in enumerate(have) if p in want), len(sys.path))
+    for p in want:
+        if p in have:
+            pos = have.index(p) + 1
+        elif os.path.exists(p):
+            sys.path.insert(pos, p)
+            have.insert(pos, p)
+            pos += 1
+
+
+_import_path()
 if _FD:
     try:
         _install()
