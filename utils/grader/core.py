@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import dataclasses
 import datetime
 import hashlib
 import json
@@ -284,18 +285,24 @@ def failing_rank(launcher_log: str, logs: dict) -> tuple[str | None, str | None]
 # Evidence: did every rank train, on its own data, with gradients synchronised every step?
 # ----------------------------------------------------------------------------------------
 
-def verify_ranks(messages: list, workers: list, spec: Spec, loopback_octets: int, model_bytes: int = 0) -> dict:
-    """Checks on the probe's messages, each accepted only from the worker process torchrun
-    started for that rank (the kernel names the sender). ``model_bytes``: the size of the
-    assessment model's parameters, computed here: every step must all-reduce about that much.
-    Returns the evidence and its problems."""
-    n = spec.nprocs
+@dataclasses.dataclass
+class RankRecords:
+    """The probe's messages, parsed: each accepted only from the worker process torchrun started
+    for that rank (the kernel names the sender)."""
+    joined: dict            # rank -> its "rank" record (world size, all-reduce of ones, backend)
+    exits: dict             # rank -> {"steps": {i: [grad_sum, grad_hash, reduced_bytes, n]}, "total", ...}
+    wrapped: dict           # model index -> {part: (parts, bytes)}: the weights DDP wrapped, from rank 0
+    problems: list          # what could not be accepted, in words
+
+
+def parse_messages(messages: list, workers: list, n: int) -> RankRecords:
+    """Parse the probe's ``(pid, record)`` messages of an ``n``-rank job; nothing is judged here."""
     rank_of = {w.pid: w.env_rank for w in workers}
-    joined, exits, problems, wrap = {}, {}, [], {}
+    rec_ = RankRecords({}, {}, {}, [])
     for pid, rec in messages:
         kind = rec.get("kind")
         if kind == "error":
-            problems.append(f"probe: {str(rec.get('error'))[:150]}")
+            rec_.problems.append(f"probe: {str(rec.get('error'))[:150]}")
             continue
         if kind not in ("rank", "exit", "wrap"):
             continue
@@ -304,92 +311,119 @@ def verify_ranks(messages: list, workers: list, spec: Spec, loopback_octets: int
         except (KeyError, TypeError, ValueError):
             continue
         if rank_of.get(pid) != str(rank):
-            problems.append(f"a message for rank {rank} came from a process that is not rank {rank}")
-            continue
-        if kind == "wrap":
-            try:
-                m = int(rec.get("model", 0))
-                if rank == 0 and 0 <= m < 4 and 0 <= int(rec["part"]) < int(rec["parts"]) <= 64:
-                    wrap.setdefault(m, {})[int(rec["part"])] = (int(rec["parts"]),
-                                                                base64.b64decode(str(rec["data"])[:1 << 18]))
-            except (KeyError, TypeError, ValueError, binascii.Error):
-                problems.append("a malformed record of the weights DDP wrapped")
-            continue
-        if kind == "rank":
+            rec_.problems.append(f"a message for rank {rank} came from a process that is not rank {rank}")
+        elif kind == "wrap":
+            _parse_wrap(rec_, rank, rec)
+        elif kind == "rank":
             if rec.get("world_size") == n and rec.get("all_reduce_sum") == n:
-                joined[rank] = rec
+                rec_.joined[rank] = rec
             else:
-                problems.append(f"rank {rank}: world size {rec.get('world_size')}, all-reduce of ones gave "
-                                f"{rec.get('all_reduce_sum')} (needs {n})")
+                rec_.problems.append(f"rank {rank}: world size {rec.get('world_size')}, all-reduce of ones gave "
+                                     f"{rec.get('all_reduce_sum')} (needs {n})")
         else:
-            e = exits.setdefault(rank, {"steps": {}, "total": 0, "grad_bytes": 0, "fingerprints": [], "ddp": []})
-            try:
-                first = int(rec.get("first_step", 0))
-                for i, s in enumerate(list(rec.get("steps") or [])[:1000]):
-                    if 0 <= first + i < MAX_STEPS:
-                        e["steps"][first + i] = [float(s[0]), float(s[1]), int(s[2]), int(s[3])]
-                e["total"] = min(int(rec.get("total_steps", 0)), MAX_STEPS)
-                e["grad_bytes"] = int(rec.get("grad_bytes", 0))
-                if first == 0:
-                    e["fingerprints"] = [str(f) for f in (rec.get("fingerprints") or [])][:8]
-                    e["ddp"] = [[int(x), int(b)] for x, b in list(rec.get("ddp") or [])[:8]]
-            except (TypeError, ValueError, IndexError, OverflowError):
-                problems.append(f"rank {rank}: a malformed record")
+            _parse_exit(rec_, rank, rec)
+    return rec_
+
+
+def _parse_wrap(records: RankRecords, rank: int, rec: dict) -> None:
+    try:
+        m = int(rec.get("model", 0))
+        if rank == 0 and 0 <= m < 4 and 0 <= int(rec["part"]) < int(rec["parts"]) <= 64:
+            records.wrapped.setdefault(m, {})[int(rec["part"])] = (
+                int(rec["parts"]), base64.b64decode(str(rec["data"])[:1 << 18]))
+    except (KeyError, TypeError, ValueError, binascii.Error):
+        records.problems.append("a malformed record of the weights DDP wrapped")
+
+
+def _parse_exit(records: RankRecords, rank: int, rec: dict) -> None:
+    e = records.exits.setdefault(rank, {"steps": {}, "total": 0, "grad_bytes": 0, "fingerprints": [], "ddp": []})
+    try:
+        first = int(rec.get("first_step", 0))
+        for i, s in enumerate(list(rec.get("steps") or [])[:1000]):
+            if 0 <= first + i < MAX_STEPS:
+                e["steps"][first + i] = [float(s[0]), float(s[1]), int(s[2]), int(s[3])]
+        e["total"] = min(int(rec.get("total_steps", 0)), MAX_STEPS)
+        e["grad_bytes"] = int(rec.get("grad_bytes", 0))
+        if first == 0:
+            e["fingerprints"] = [str(f) for f in (rec.get("fingerprints") or [])][:8]
+            e["ddp"] = [[int(x), int(b)] for x, b in list(rec.get("ddp") or [])[:8]]
+    except (TypeError, ValueError, IndexError, OverflowError):
+        records.problems.append(f"rank {rank}: a malformed record")
+
+
+def collect_evidence(records: RankRecords, spec: Spec, loopback_octets: int) -> tuple[dict, dict]:
+    """(evidence for the report, each rank's optimizer steps in order with None for a missing one)."""
+    n = spec.nprocs
+    joined, exits = records.joined, records.exits
     ranks = sorted(r for r in joined if 0 <= r < n)
     steps = {r: [exits[r]["steps"].get(k) for k in range(exits[r]["total"])] if r in exits else [] for r in range(n)}
-    counts = {r: len(s) for r, s in steps.items()}
-    complete = all(None not in s for s in steps.values())
     ev = {"ranks_joined": ranks, "backend_expected": "nccl" if spec.device == "cuda" else "gloo",
           "backend_reported": next((joined[r].get("backend") for r in ranks), None),
-          "optimizer_steps": {str(r): c for r, c in counts.items()},
+          "optimizer_steps": {str(r): len(s) for r, s in steps.items()},
           "grad_bytes": max([exits[r]["grad_bytes"] for r in exits] or [0]),
           "reduced_bytes": {str(r): sum(s[2] for s in steps[r] if s) for r in range(n)},
           "loopback_bytes": loopback_octets,
-          "ddp_fingerprints": exits.get(0, {}).get("fingerprints", []), "problems": problems[:10],
-          "ddp_models": {str(r): exits[r]["ddp"] for r in sorted(exits)}, "data_parallel": False}
-    ev["_wrapped_weights"] = {}
-    for m, got in wrap.items():
+          "ddp_fingerprints": exits.get(0, {}).get("fingerprints", []), "problems": records.problems[:10],
+          "ddp_models": {str(r): exits[r]["ddp"] for r in sorted(exits)}, "data_parallel": False,
+          "_wrapped_weights": {}}
+    for m, got in records.wrapped.items():
         parts = {p for p, _ in got.values()}
         if len(parts) == 1 and set(got) == set(range(parts.pop())):
             ev["_wrapped_weights"][m] = b"".join(got[i][1] for i in range(len(got)))
-    if len(ranks) < n:
-        return ev
-    dp = []
+    return ev, steps
+
+
+def judge_data_parallel(ev: dict, steps: dict, backends: set, spec: Spec, model_bytes: int = 0) -> list:
+    """Why the ranks' records are not those of data-parallel training (an empty list: they are)."""
+    n, loopback_octets = spec.nprocs, ev["loopback_bytes"]
+    counts = {r: len(s) for r, s in steps.items()}
     idle = [r for r in range(n) if counts[r] == 0]
-    reported = {str(joined[r].get("backend")) for r in ranks}
-    if spec.device == "cpu" and reported != {"gloo"}:
-        dp.append(f"backend {', '.join(sorted(reported))} reported on a CPU-only job, where only gloo "
-                  "can run: the records were not the probe's")
-    elif not complete:
-        dp.append("the probe's records are incomplete (a rank did not exit normally)")
-    elif idle:
-        dp.append(f"rank {idle[0]} took no optimizer step (rank 0 took {counts[0]}): every rank must "
-                  "train, not only rank 0")
-    elif len(set(counts.values())) > 1:
-        dp.append("the ranks took different numbers of optimizer steps: "
-                  + ", ".join(f"rank {r}: {c}" for r, c in counts.items()))
-    else:
-        m = counts[0]
-        unsynced = sum(1 for k in range(m) if any(not math.isclose(steps[r][k][0], steps[0][k][0], rel_tol=1e-6,
-                                                                   abs_tol=1e-9) for r in range(1, n)))
-        grad_bytes = max(ev["grad_bytes"], model_bytes)
-        short = sum(1 for r in range(n) for k in range(m) if steps[r][k][2] < 0.45 * grad_bytes)
-        same = sum(1 for k in range(m) if all(math.isclose(steps[r][k][1], steps[0][k][1], rel_tol=1e-9,
-                                                           abs_tol=1e-12) for r in range(1, n)))
-        if unsynced:
-            dp.append(f"the gradients differed between ranks at {unsynced} of {m} optimizer steps: "
-                      "they were not synchronised before every step")
-        elif short:
-            dp.append(f"{short} of {n * m} rank-steps all-reduced less than the assessment model's "
-                      f"gradients ({grad_bytes} bytes): synchronise every gradient before every step")
-        elif same > m / 2:
-            dp.append(f"every rank contributed the same gradients at {same} of {m} steps: each rank "
-                      "must train on its own shard of the data")
-        claimed = sum(s[2] for s in steps[0])
-        if not dp and spec.device == "cpu" and loopback_octets < 0.5 * claimed:
-            dp.append(f"the job's loopback traffic, measured by the grader ({loopback_octets >> 10} KiB), "
-                      f"is less than the gradients the ranks report synchronising ({claimed >> 10} KiB)")
-    ev["problems"] = (dp + problems)[:10]
+    if spec.device == "cpu" and backends != {"gloo"}:
+        return [f"backend {', '.join(sorted(backends))} reported on a CPU-only job, where only gloo "
+                "can run: the records were not the probe's"]
+    if not all(None not in s for s in steps.values()):
+        return ["the probe's records are incomplete (a rank did not exit normally)"]
+    if idle:
+        return [f"rank {idle[0]} took no optimizer step (rank 0 took {counts[0]}): every rank must "
+                "train, not only rank 0"]
+    if len(set(counts.values())) > 1:
+        return ["the ranks took different numbers of optimizer steps: "
+                + ", ".join(f"rank {r}: {c}" for r, c in counts.items())]
+    m = counts[0]
+    grad_bytes = max(ev["grad_bytes"], model_bytes)
+    unsynced = sum(1 for k in range(m) if any(not math.isclose(steps[r][k][0], steps[0][k][0], rel_tol=1e-6,
+                                                               abs_tol=1e-9) for r in range(1, n)))
+    short = sum(1 for r in range(n) for k in range(m) if steps[r][k][2] < 0.45 * grad_bytes)
+    same = sum(1 for k in range(m) if all(math.isclose(steps[r][k][1], steps[0][k][1], rel_tol=1e-9,
+                                                       abs_tol=1e-12) for r in range(1, n)))
+    if unsynced:
+        return [f"the gradients differed between ranks at {unsynced} of {m} optimizer steps: "
+                "they were not synchronised before every step"]
+    if short:
+        return [f"{short} of {n * m} rank-steps all-reduced less than the assessment model's "
+                f"gradients ({grad_bytes} bytes): synchronise every gradient before every step"]
+    if same > m / 2:
+        return [f"every rank contributed the same gradients at {same} of {m} steps: each rank "
+                "must train on its own shard of the data"]
+    claimed = sum(s[2] for s in steps[0])
+    if spec.device == "cpu" and loopback_octets < 0.5 * claimed:
+        return [f"the job's loopback traffic, measured by the grader ({loopback_octets >> 10} KiB), "
+                f"is less than the gradients the ranks report synchronising ({claimed >> 10} KiB)"]
+    return []
+
+
+def verify_ranks(messages: list, workers: list, spec: Spec, loopback_octets: int, model_bytes: int = 0) -> dict:
+    """The evidence about the ranks, in three steps each readable alone: parse the probe's messages
+    (:func:`parse_messages`), collect the evidence (:func:`collect_evidence`), judge whether it is
+    data-parallel training (:func:`judge_data_parallel`). ``model_bytes``: the size of the
+    assessment model's parameters, computed here: every step must all-reduce about that much."""
+    records = parse_messages(messages, workers, spec.nprocs)
+    ev, steps = collect_evidence(records, spec, loopback_octets)
+    if len(ev["ranks_joined"]) < spec.nprocs:
+        return ev
+    backends = {str(records.joined[r].get("backend")) for r in ev["ranks_joined"]}
+    dp = judge_data_parallel(ev, steps, backends, spec, model_bytes)
+    ev["problems"] = (dp + records.problems)[:10]
     ev["data_parallel"] = not dp
     return ev
 
@@ -500,7 +534,30 @@ def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, 
 
 
 def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpus, imports: dict):
-    reasons = report["reasons"]
+    """One submission, in four steps each readable alone: prepare the job folder, run the job in
+    the sandbox, collect the evidence (logs, the probe's records, the saved weights), judge."""
+    work, entry, gpus, train_npz, heldout = _prepare_job(submission, spec, report, job, gpus)
+    res, logs = _run_job(spec, report, job, work, entry, iso, gpus, imports)
+    model_bytes = sum(p.numel() * p.element_size() for p in utils.models.build(
+        spec.model, tuple(heldout.tensors[0].shape[1:]), **dict(spec.model_kwargs)).parameters())
+    evidence = verify_ranks(res.messages, res.workers, spec, res.loopback_octets, model_bytes)
+    report["rank_evidence"] = evidence
+    report["ranks_measured"] = len(evidence["ranks_joined"])
+    report["data_parallel"] = evidence["data_parallel"]
+    _judge_run(res, logs, spec, report)
+    saved_print = _evaluate_weights(job, work, spec, heldout, res, report)
+    graded, weight_reasons = None, []
+    if saved_print is not None:
+        with np.load(train_npz) as f:
+            n_train = len(f["y"])
+        graded, weight_reasons = verify_weights(evidence, saved_print, n_train, spec.nprocs)
+    _check_learned_under_ddp(evidence, graded, job, spec, heldout, report)
+    _judge_result(res, evidence, weight_reasons, spec, report)
+
+
+def _prepare_job(submission: Path, spec: Spec, report: dict, job: Path, gpus):
+    """Snapshot the submission into the job folder, check its source, the GPUs and the data.
+    Returns (work folder, entry script, GPUs, the training data file, the held-out set)."""
     if not submission.exists():
         raise Refused("no_entry", f"{submission} does not exist")
     entry = find_entry(submission)
@@ -533,7 +590,12 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
     (work / "data" / "assessment.json").write_text(json.dumps(spec.public(), indent=1))
     for name in ("model.pt",):                           # a model must come from this run
         (work / name).unlink(missing_ok=True)
+    return work, entry, gpus, train_npz, heldout
 
+
+def _run_job(spec: Spec, report: dict, job: Path, work: Path, entry: str, iso: dict, gpus, imports: dict):
+    """Run the entry script under torchrun in the sandbox; record what the grader measured.
+    Returns (the sandbox's RunResult, the ranks' and the launcher's logs)."""
     cmd = [sys.executable, "-c", LAUNCHER, "--standalone",
            "--nproc-per-node", str(spec.nprocs), "--monitor-interval", "0.2",
            "--log-dir", f"{sandbox.JOB_DIR}/.logs", "--redirects", "3",
@@ -562,14 +624,13 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
     logs["launcher"] = printable((read_job_file(job, launcher_log, LOG_TAIL_BYTES, tail=True) or b"")
                                  .decode(errors="replace").replace("\r", "\n"))
     report["logs"] = logs
+    return res, logs
 
-    model_bytes = sum(p.numel() * p.element_size() for p in utils.models.build(
-        spec.model, tuple(heldout.tensors[0].shape[1:]), **dict(spec.model_kwargs)).parameters())
-    evidence = verify_ranks(res.messages, res.workers, spec, res.loopback_octets, model_bytes)
-    report["rank_evidence"] = evidence
-    report["ranks_measured"] = len(evidence["ranks_joined"])
-    report["data_parallel"] = evidence["data_parallel"]
 
+def _judge_run(res, logs: dict, spec: Spec, report: dict) -> None:
+    """Reasons from how the job ended: a timeout, a crash (with the rank's own message) or a
+    file over its size limit, processes left running."""
+    reasons = report["reasons"]
     limit_hit = any("File too large" in (v.get("stderr", "") + v.get("stdout", ""))
                     for k, v in logs.items() if isinstance(v, dict)) or "File too large" in logs["launcher"]
     if res.timed_out:
@@ -591,6 +652,11 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
                                f"submission exited ({', '.join((res.stragglers or res.leftovers)[:2])[:160]}); "
                                "the grader killed them: wait for (join) every process you start"))
 
+
+def _evaluate_weights(job: Path, work: Path, spec: Spec, heldout, res, report: dict) -> str | None:
+    """Load the saved model.pt safely (a grader-owned copy) and measure its held-out accuracy.
+    Returns the fingerprint of the weights, or None when there are none to grade."""
+    reasons = report["reasons"]
     model = read_job_file(work, work / "model.pt", (spec.max_output_mb << 20) + 1)
     saved_print = None
     if model is None:
@@ -613,14 +679,13 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
             saved_print = weights.fingerprint(sd)
         except weights.CheckpointRejected as e:
             reasons.append(_reason(e.code, str(e)))
-    graded, weight_reasons = None, []
-    if saved_print is not None:
-        with np.load(train_npz) as f:
-            n_train = len(f["y"])
-        graded, weight_reasons = verify_weights(evidence, saved_print, n_train, spec.nprocs)
+    return saved_print
+
+
+def _check_learned_under_ddp(evidence: dict, graded, job: Path, spec: Spec, heldout, report: dict) -> None:
+    """Evaluate the weights DDP started from: most of the learning must happen under DDP."""
     wrapped = evidence.pop("_wrapped_weights", {}).get(graded or 0)
     if wrapped and report["accuracy"] is not None:
-        # Where DDP started from, evaluated here: most of the learning must happen under DDP.
         (job / "grader").mkdir(mode=0o700, exist_ok=True)
         copy = job / "grader" / "weights-ddp-wrapped.pt"
         copy.write_bytes(wrapped[: (spec.max_output_mb << 20) + 1])
@@ -637,6 +702,12 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
                 evidence["data_parallel"] = report["data_parallel"] = False
         except weights.CheckpointRejected:
             evidence["problems"].append("the weights DDP wrapped could not be read")
+
+
+def _judge_result(res, evidence: dict, weight_reasons: list, spec: Spec, report: dict) -> None:
+    """Reasons from what the run achieved: accuracy, time, ranks that joined, data parallelism and
+    the graded weights (a crash is reported alone: it is the thing to fix first)."""
+    reasons = report["reasons"]
     if report["accuracy"] is not None and report["accuracy"] < spec.target_val_acc:
         reasons.append(_reason("accuracy", f"held-out accuracy {report['accuracy']:.4f} is below the target "
                                f"{spec.target_val_acc} (measured by the grader on data the script never had)"))

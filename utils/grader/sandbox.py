@@ -1052,8 +1052,10 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
     messages = chan.finish() if chan is not None else []
     escapes = []
     if cg is not None:
-        # (an exiting process shows the root cgroup, and no command line: not an escape)
-        escapes = [s.cmd for s in watch.seen.values() if s.cmd and s.cgroup and not cg.contains(s.cgroup)]
+        # (an exiting process shows the root cgroup, and no command line: not an escape; the outer
+        # step is the grader's own child, which may be seen before it moves itself into the cgroup)
+        escapes = [s.cmd for s in watch.seen.values()
+                   if s.pid != proc.pid and s.cmd and s.cgroup and not cg.contains(s.cgroup)]
     return RunResult(None if timed_out else proc.returncode, wall, timed_out, messages, watch.workers(),
                      stragglers, sorted(set(leftovers)), remaining, watch.loopback_octets, watch.pidns,
                      list(watch.seen.values()), escapes,
