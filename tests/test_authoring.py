@@ -130,16 +130,14 @@ def test_hints_never_contain_a_line_of_the_answer(lab):
     assert not leaked, f"{lab}: hints give away the answer's code: {leaked}"
 
 
-def test_leak_detector_catches_a_verbatim_hint():
+def test_leak_detector_catches_a_verbatim_hint(tmp_path):
     src = ("def f(a, b):\n    ### BEGIN SOLUTION\n    # HINT 3 (pseudo-code): return (a.argmax(dim=1) == b).float()\n"
            "    return (a.argmax(dim=1) == b).float()\n    ### END SOLUTION\n")
-    import tempfile, pathlib
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src)]
-    with tempfile.TemporaryDirectory() as d:
-        p = pathlib.Path(d) / "x.ipynb"
-        nbformat.write(nb, p)
-        assert leaked_lines(p) == ["return (a.argmax(dim=1) == b).float()"]
+    p = tmp_path / "x.ipynb"
+    nbformat.write(nb, p)
+    assert leaked_lines(p) == ["return (a.argmax(dim=1) == b).float()"]
 
 
 @pytest.mark.parametrize("lab", OWNED_TIERED)
