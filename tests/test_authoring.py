@@ -66,3 +66,121 @@ def test_generate_then_check_then_detect_drift(tmp_path, capsys):
     assert authoring.main(["--root", str(root)]) == 0
     assert not (root / "labs" / "orphan.ipynb").exists()
     assert "out of date" in capsys.readouterr().out
+
+
+# --- hints in tiers, never the answer -------------------------------------------------------
+
+ROOT = authoring.ROOT
+LABS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
+OWNED_TIERED = ["lab0_example", "lab1_gd_sgd_batch", "lab2_throughput", "lab4_large_batch",
+                "lab5_memory_and_model_parallel"]
+TRIVIAL = {"pass", "else:", "try:", "continue", "break", "return", "finally:"}
+
+
+def _norm(text: str) -> str:
+    return "".join(text.split())          # whitespace never distinguishes two lines of code
+
+
+def _blocks(path):
+    """[(answer code lines, hint lines)] for every solution block of a solutions/ notebook."""
+    out = []
+    for cell in nbformat.read(path, 4).cells:
+        if cell.cell_type != "code":
+            continue
+        block = None
+        for line in cell.source.splitlines():
+            s = line.strip()
+            if s.startswith(authoring.BEGIN):
+                block = ([], [])
+            elif s.startswith(authoring.END):
+                out.append(block)
+                block = None
+            elif block is not None and s:
+                block[1 if authoring.hint_tier(s) is not None else 0].append(s)
+    return out
+
+
+def _substantial(line: str) -> list[str]:
+    """The forms of an answer line a hint must not contain: the line, and without a leading
+    return/if/elif/while/for or an assignment's left side (so `return EXPR` leaks as EXPR)."""
+    if line.startswith("#"):
+        return []
+    forms = {line.rstrip(":")}
+    for kw in ("return ", "if ", "elif ", "while ", "for "):
+        if line.startswith(kw):
+            forms.add(line[len(kw):].rstrip(":"))
+    lhs, eq, rhs = line.partition("=")
+    if eq and not rhs.startswith("=") and lhs and lhs[-1] not in "<>!=+-*/":
+        forms.add(rhs)
+    return [f for f in map(_norm, forms) if len(f) >= 12 and f not in TRIVIAL]
+
+
+def leaked_lines(path) -> list[str]:
+    blocks = _blocks(path)
+    hints = _norm(" ".join(h for _, hs in blocks for h in hs))
+    return [line for answer, _ in blocks for line in answer
+            if any(form in hints for form in _substantial(line))]
+
+
+@pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.xfail(
+    strict=False, reason="lab 3's hints are being rewritten in tiers by another change (issue 22)"))
+    if lab.startswith("lab3") else lab for lab in LABS])
+def test_hints_never_contain_a_line_of_the_answer(lab):
+    leaked = leaked_lines(ROOT / "solutions" / f"{lab}.ipynb")
+    assert not leaked, f"{lab}: hints give away the answer's code: {leaked}"
+
+
+def test_leak_detector_catches_a_verbatim_hint(tmp_path):
+    src = ("def f(a, b):\n    ### BEGIN SOLUTION\n    # HINT 3 (pseudo-code): return (a.argmax(dim=1) == b).float()\n"
+           "    return (a.argmax(dim=1) == b).float()\n    ### END SOLUTION\n")
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src)]
+    p = tmp_path / "x.ipynb"
+    nbformat.write(nb, p)
+    assert leaked_lines(p) == ["return (a.argmax(dim=1) == b).float()"]
+
+
+@pytest.mark.parametrize("lab", OWNED_TIERED)
+def test_every_exercise_has_three_tiers_of_hints(lab):
+    for answer, hints in _blocks(ROOT / "solutions" / f"{lab}.ipynb"):
+        if not answer:
+            continue
+        tiers = {authoring.hint_tier(h) for h in hints}
+        assert {1, 2, 3} <= tiers, f"{lab}: a block's hints lack a tier: {hints}"
+
+
+def test_tiered_hints_are_kept_in_order_and_malformed_ones_are_errors():
+    ok = ("    ### BEGIN SOLUTION\n    # HINT 1 (the idea): a\n    # HINT 2 (look up): b\n"
+          "    # HINT 3 (pseudo-code): c\n    x = 1\n    ### END SOLUTION")
+    out = authoring.strip_solutions(ok)
+    assert out.splitlines()[:3] == ["    # HINT 1 (the idea): a", "    # HINT 2 (look up): b",
+                                    "    # HINT 3 (pseudo-code): c"]
+    assert "x = 1" not in out and authoring.PLACEHOLDER in out
+    for bad in ("# HINT 2 (the idea): a", "# HINT4: a", "# HINTS: a"):
+        with pytest.raises(authoring.AuthoringError, match="malformed hint"):
+            authoring.strip_solutions(f"### BEGIN SOLUTION\n{bad}\nx = 1\n### END SOLUTION")
+    with pytest.raises(authoring.AuthoringError, match="in order"):
+        authoring.strip_solutions("### BEGIN SOLUTION\n# HINT 3 (pseudo-code): a\n"
+                                  "# HINT 1 (the idea): b\nx = 1\n### END SOLUTION")
+
+
+def test_answer_keys_are_removed_and_empty_cells_dropped():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("Q1?\n### BEGIN ANSWER KEY\nsecret 42\n### END ANSWER KEY"),
+                nbformat.v4.new_markdown_cell("### BEGIN ANSWER KEY\nall secret\n### END ANSWER KEY"),
+                nbformat.v4.new_code_cell("my_prediction = None  # write your number here\n"
+                                          "### BEGIN ANSWER KEY\nmy_prediction = 4.0\n### END ANSWER KEY")]
+    lab = authoring.student_copy(nb)
+    assert [c.source for c in lab.cells] == ["Q1?", "my_prediction = None  # write your number here"]
+    with pytest.raises(authoring.AuthoringError, match="without"):
+        authoring.strip_answer_keys("### BEGIN ANSWER KEY\nx")
+
+
+@pytest.mark.parametrize("lab", OWNED_TIERED)
+def test_each_lab_asks_for_a_prediction_before_measuring(lab):
+    sol = (ROOT / "solutions" / f"{lab}.ipynb").read_text()
+    student = nbformat.read(ROOT / "labs" / f"{lab}.ipynb", 4)
+    text = "\n".join(c.source for c in student.cells)
+    assert "= None  # write your number here" in text, f"{lab}: no prediction for the student to write"
+    assert "check_prediction(" in text, f"{lab}: the prediction is never compared with a measurement"
+    assert authoring.KEY_BEGIN in sol and authoring.KEY_BEGIN not in text

@@ -4,8 +4,18 @@ In a code cell of ``solutions/NAME.ipynb``, the lines between ``### BEGIN SOLUTI
 ``### END SOLUTION`` are the answer. In ``labs/NAME.ipynb`` they become (at the same
 indentation)::
 
-    # HINT: ...        <- every line of the answer that starts with "# HINT:" is kept
+    # HINT 1 (the idea): ...       <- the block's hint lines are kept, in three tiers:
+    # HINT 2 (look up): ...           the idea, the API or docs to look up (names, never a
+    # HINT 3 (pseudo-code): ...       call with its arguments), pseudo-code in words
     raise NotImplementedError("Exercise: write this part (see the hint above)")
+
+A plain ``# HINT: ...`` line (no tier) is kept too. A line that starts with ``# HINT`` in any
+other form is an error, so a mistyped hint never vanishes silently; tiers go 1, 2, 3 in order.
+Hints never contain a line of the answer's code (``tests/test_authoring.py`` checks it).
+
+Between ``### BEGIN ANSWER KEY`` and ``### END ANSWER KEY`` (code or markdown cells) is what
+only instructors see: the key to a question, a prediction's expected value. The block is
+removed from labs/ with nothing in its place; a cell left empty is removed.
 
 Outputs and execution counts are cleared everywhere. ``python -m utils.authoring`` writes
 labs/; ``--check`` writes nothing and exits 1 when labs/ differs from what it would write.
@@ -14,6 +24,7 @@ labs/assessment/ is hand-written and left alone.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -23,6 +34,9 @@ from .files import atomic_write
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
 PLACEHOLDER = 'raise NotImplementedError("Exercise: write this part (see the hint above)")'
+KEY_BEGIN, KEY_END = "### BEGIN ANSWER KEY", "### END ANSWER KEY"
+TIERS = {1: "the idea", 2: "look up", 3: "pseudo-code"}
+HINT_RE = re.compile(r"# HINT(?: ([1-3]) \(([a-z -]+)\))?:")
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -30,15 +44,48 @@ class AuthoringError(ValueError):
     pass
 
 
+def hint_tier(line: str, where: str = "cell") -> int | None:
+    """0 for a plain ``# HINT:`` line, 1 to 3 for a tiered one, None for a line that is no hint;
+    AuthoringError for a line that starts like a hint but has neither form."""
+    stripped = line.strip()
+    if not stripped.startswith("# HINT"):
+        return None
+    m = HINT_RE.match(stripped)
+    if not m or (m.group(1) and TIERS[int(m.group(1))] != m.group(2)):
+        forms = ", ".join(f"'# HINT {n} ({label}):'" for n, label in TIERS.items())
+        raise AuthoringError(f"{where}: malformed hint {stripped[:40]!r}; write '# HINT:' or one of {forms}")
+    return int(m.group(1)) if m.group(1) else 0
+
+
+def strip_answer_keys(source: str, where: str = "cell") -> str:
+    """Remove every BEGIN/END ANSWER KEY block of ``source`` (markers included)."""
+    out, in_key = [], False
+    for n, line in enumerate(source.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith(KEY_BEGIN):
+            if in_key:
+                raise AuthoringError(f"{where}, line {n}: {KEY_BEGIN} inside another answer key")
+            in_key = True
+        elif stripped.startswith(KEY_END):
+            if not in_key:
+                raise AuthoringError(f"{where}, line {n}: {KEY_END} without {KEY_BEGIN}")
+            in_key = False
+        elif not in_key:
+            out.append(line)
+    if in_key:
+        raise AuthoringError(f"{where}: {KEY_BEGIN} without {KEY_END}")
+    return "\n".join(out).strip("\n") if out else ""
+
+
 def strip_solutions(source: str, where: str = "cell") -> str:
     """Replace every BEGIN/END SOLUTION block of ``source`` with its hints and a placeholder."""
-    out, in_block, indent, hints = [], False, "", []
+    out, in_block, indent, hints, tier = [], False, "", [], 0
     for n, line in enumerate(source.splitlines(), 1):
         stripped = line.strip()
         if stripped.startswith(BEGIN):
             if in_block:
                 raise AuthoringError(f"{where}, line {n}: {BEGIN} inside another solution block")
-            in_block, indent, hints = True, line[: len(line) - len(line.lstrip())], []
+            in_block, indent, hints, tier = True, line[: len(line) - len(line.lstrip())], [], 0
             continue
         if stripped.startswith(END):
             if not in_block:
@@ -47,7 +94,11 @@ def strip_solutions(source: str, where: str = "cell") -> str:
             in_block = False
             continue
         if in_block:
-            if stripped.startswith("# HINT:"):
+            t = hint_tier(line, f"{where}, line {n}")
+            if t is not None:
+                if t and t < tier:
+                    raise AuthoringError(f"{where}, line {n}: HINT {t} after HINT {tier}; give the tiers in order 1, 2, 3")
+                tier = max(tier, t)
                 hints.append(stripped)
         else:
             out.append(line)
@@ -58,12 +109,19 @@ def strip_solutions(source: str, where: str = "cell") -> str:
 
 def student_copy(nb: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
     nb = nbformat.from_dict(nb)   # deep copy
+    kept = []
     for i, cell in enumerate(nb.cells):
+        had_key = KEY_BEGIN in cell.source
+        if had_key:
+            cell.source = strip_answer_keys(cell.source, f"{name} cell {i}")
         if cell.cell_type == "code":
             cell.source = strip_solutions(cell.source, f"{name} cell {i}")
             cell.outputs = []
             cell.execution_count = None
         cell.get("metadata", {}).pop("execution", None)
+        if not (had_key and not cell.source.strip()):
+            kept.append(cell)
+    nb.cells = kept
     nb.metadata.pop("widgets", None)
     return nb
 

@@ -1,5 +1,5 @@
 """Students' self-checks (see _common.py for the conventions). ``utils.checks.check_NAME``."""
-from ._common import CheckFailed  # noqa: F401
+from ._common import CheckFailed, check_prediction  # noqa: F401
 from .environment import *  # noqa: F401,F403
 from .gd_sgd import *  # noqa: F401,F403
 from .throughput import *  # noqa: F401,F403

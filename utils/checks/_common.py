@@ -87,3 +87,31 @@ def _passed(name: str, detail: str = "") -> None:
     print(f"\u2714 {name}: correct{' (' + detail + ')' if detail else ''}")
 
 
+
+
+def check_prediction(prediction, measured: float, what: str, *, unit: str = "", rel_tol: float = 0.25,
+                     if_off: str = "") -> float:
+    """Compare a number the student wrote BEFORE measuring with the measurement.
+
+    A missing prediction fails (the point is to commit to a number first); a wrong one does not:
+    it prints how far off it was and, when it is off by more than ``rel_tol``, ``if_off``: the
+    likely slip in one line. Returns measured / prediction."""
+    name = f"prediction of {what}"
+    if prediction is None:
+        _fail(name, "you have not written a prediction yet",
+              "write your number in the cell above (replace None), run it, then run this cell")
+    try:
+        p = float(prediction)
+    except (TypeError, ValueError):
+        _fail(name, f"your prediction {prediction!r} is not a number", "write a plain number, e.g. 4 or 0.25")
+    if not math.isfinite(p) or p == 0:
+        _fail(name, f"your prediction {p} cannot be compared", "write a finite, non-zero number")
+    ratio = float(measured) / p
+    u = f" {unit}" if unit else ""
+    if abs(ratio - 1) <= rel_tol:
+        print(f"\u2714 {name}: you predicted {p:.4g}{u}, measured {float(measured):.4g}{u} "
+              f"(within {rel_tol:.0%})")
+    else:
+        print(f"\u2717 {name}: you predicted {p:.4g}{u}, measured {float(measured):.4g}{u}, "
+              f"{ratio:.3g} x your number." + (f" Likely: {if_off}" if if_off else ""))
+    return ratio
