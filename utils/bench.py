@@ -187,8 +187,9 @@ class Throughput:
                 f"{self.median:,.0f} images/s, IQR {self.iqr:,.0f})")
 
 
-def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train", device: torch.device | str | None = None,
-                       input_shape: tuple[int, ...] = (3, 32, 32), num_classes: int = 10, amp_dtype: torch.dtype | str | None = None,
+def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train",
+                       device: torch.device | str | None = None, input_shape: tuple[int, ...] = (3, 32, 32),
+                       num_classes: int = 10, amp_dtype: torch.dtype | str | None = None,
                        channels_last: bool = False, compile: bool = False,
                        optimizer: str | Callable[..., torch.optim.Optimizer] = "sgd",
                        momentum: float = 0.9, warmup: int = 3, repeats: int = 10, steps: int | None = None,

@@ -223,8 +223,9 @@ def predict_memory(model: nn.Module, batch_size: int, input_shape: tuple[int, ..
 
 
 def measure_memory(model: nn.Module, batch_size: int, input_shape: tuple[int, ...] = (3, 32, 32), *,
-                   device: torch.device | str | None = None, optimizer: str | Callable[..., torch.optim.Optimizer] = "adam",
-                   momentum: float = 0.0, amp_dtype: torch.dtype | str | None = None, num_classes: int = 10) -> dict | None:
+                   device: torch.device | str | None = None,
+                   optimizer: str | Callable[..., torch.optim.Optimizer] = "adam", momentum: float = 0.0,
+                   amp_dtype: torch.dtype | str | None = None, num_classes: int = 10) -> dict | None:
     """Measured bytes of two training steps of a copy of ``model`` on a CUDA ``device``:
     ``peak`` (``torch.cuda.max_memory_allocated`` over the steps) and ``resident`` (allocated
     after the second step, gradients still held), both above what was allocated before.
@@ -281,7 +282,8 @@ def block_mlp(width: int, depth: int, *, expand: int = 4, seed: int = 0) -> nn.S
     return mlp(width, depth, expand=expand, activation="gelu", seed=seed)
 
 
-def mlp_activation_bytes(width: int, depth: int, batch_size: int, *, expand: int = 4, amp_dtype: torch.dtype | str | None = None,
+def mlp_activation_bytes(width: int, depth: int, batch_size: int, *, expand: int = 4,
+                         amp_dtype: torch.dtype | str | None = None,
                          segment: int | None = None) -> int:
     """Bytes :func:`block_mlp` saves for backward in one forward (loss ``out.pow(2).mean()``).
 
@@ -343,7 +345,8 @@ class SavedTensors:
 
 
 def saved_bytes(model: nn.Module, x: torch.Tensor, *,
-                forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None, amp_dtype: torch.dtype | str | None = None) -> int:
+                forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                amp_dtype: torch.dtype | str | None = None) -> int:
     """Bytes saved for backward by one forward of ``model`` on ``x`` (``forward(model, x)``
     instead of ``model(x)`` when given, e.g. :func:`activation_checkpointed_forward`)."""
     amp_dtype, _ = resolve_amp_dtype(amp_dtype)
@@ -397,7 +400,8 @@ def _optimizer_setting(label: str) -> tuple[str, float]:
     return OPTIMIZER_SETTINGS[label]
 
 
-def budget(width: int, depth: int, batch_size: int, optimizer: str = "adam", *, amp_dtype: torch.dtype | str | None = None) -> dict[str, int]:
+def budget(width: int, depth: int, batch_size: int, optimizer: str = "adam", *,
+           amp_dtype: torch.dtype | str | None = None) -> dict[str, int]:
     """Predicted bytes of one training step of ``block_mlp(width, depth)``, by part.
 
     ``peak`` is the step's high-water mark: during backward the activations are still held
@@ -413,8 +417,8 @@ def budget(width: int, depth: int, batch_size: int, optimizer: str = "adam", *, 
     return out
 
 
-def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam", *, amp_dtype: torch.dtype | str | None = None,
-                 device: torch.device | str | None = None, steps: int = 2,
+def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam", *,
+                 amp_dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, steps: int = 2,
                  forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
     """Measure :func:`budget`'s parts on ``device``: build the model and optimizer, run
     ``steps`` training steps, all inside :func:`peak_bytes`.
