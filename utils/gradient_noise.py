@@ -44,8 +44,8 @@ def dataset_noise_scale(x: torch.Tensor, y: torch.Tensor, w: float, b: float) ->
     return G2, trS, trS / G2 if G2 > 0 else math.inf
 
 
-def gradient_variance(x: torch.Tensor, y: torch.Tensor, w: float, b: float, batch_sizes: Iterable[int], draws: int = 200,
-                      seed: int = 0) -> dict[str, Any]:
+def gradient_variance(x: torch.Tensor, y: torch.Tensor, w: float, b: float, batch_sizes: Iterable[int],
+                      draws: int = 200, seed: int = 0) -> dict[str, Any]:
     """The variance E|g_B - G|^2 of the minibatch gradient for each batch size, measured over
     ``draws`` minibatches drawn with replacement (i.i.d. examples, as the 1/B theory assumes),
     next to the theory tr(Sigma)/B. Returns {"batch_sizes", "measured", "theory", "tr_sigma"}."""
@@ -185,8 +185,8 @@ def grad_sq_norms(model: nn.Module, dataset: TensorDataset, b_small: int, b_big:
     return torch.stack(small).cpu(), torch.stack(big).cpu()      # sync point: once, at the end
 
 
-def measure_noise_scale(model: nn.Module, dataset: TensorDataset, b_small: int, b_big: int, draws: int, *, seed: int = 0,
-                        device: torch.device | str | None = None) -> NoiseScale:
+def measure_noise_scale(model: nn.Module, dataset: TensorDataset, b_small: int, b_big: int, draws: int, *,
+                        seed: int = 0, device: torch.device | str | None = None) -> NoiseScale:
     """B_simple of ``model`` at its current parameters on ``dataset`` (two-batch estimator)."""
     s, g = grad_sq_norms(model, dataset, b_small, b_big, draws, seed=seed, device=device)
     return noise_scale(s, g, b_small, b_big)
