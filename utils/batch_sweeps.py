@@ -9,7 +9,8 @@ each batch comes from the caller (e.g. :func:`utils.schedules.lr_for_batch`).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import matplotlib.pyplot as plt
 import numpy as np
@@ -20,6 +21,10 @@ from . import plots as _plots
 from . import models as _models
 from . import train as _train
 from .device import get_device
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def _cnn_run(splits, batch_size, lr, *, momentum, width, seed, device, desc, **fit_kw):
@@ -32,8 +37,9 @@ def _cnn_run(splits, batch_size, lr, *, momentum, width, seed, device, desc, **f
     return model, hist
 
 
-def sweep_fixed_epochs(splits, batch_sizes, lr_fn: Callable[[int], float], *, epochs: int,
-                       momentum: float = 0.9, width: int = 32, seed: int = 0, device=None,
+def sweep_fixed_epochs(splits: _data.Splits, batch_sizes: Iterable[int], lr_fn: Callable[[int], float], *,
+                       epochs: int, momentum: float = 0.9, width: int = 32, seed: int = 0,
+                       device: torch.device | str | None = None,
                        progress: bool = True) -> list[dict]:
     """Train the lecture CNN once per batch size for the same number of epochs (the same number
     of images). Per batch size: steps, lr, time per epoch (median, s), images/s (training only)
@@ -50,9 +56,11 @@ def sweep_fixed_epochs(splits, batch_sizes, lr_fn: Callable[[int], float], *, ep
     return rows
 
 
-def sweep_steps_to_target(splits, batch_sizes, lr_fn: Callable[[int], float], *, target_acc: float,
-                          max_steps: int, eval_images: int = 32, momentum: float = 0.9, width: int = 32,
-                          seed: int = 0, device=None, progress: bool = True, keep_models: bool = False):
+def sweep_steps_to_target(splits: _data.Splits, batch_sizes: Iterable[int], lr_fn: Callable[[int], float], *,
+                          target_acc: float, max_steps: int, eval_images: int = 32, momentum: float = 0.9,
+                          width: int = 32, seed: int = 0, device: torch.device | str | None = None,
+                          progress: bool = True,
+                          keep_models: bool = False) -> list[dict] | tuple[list[dict], dict[int, torch.nn.Module]]:
     """Train the lecture CNN at each batch size until the validation accuracy first reaches
     ``target_acc`` (or ``max_steps``). Evaluation every ``max(1, eval_images // B)`` steps, so a
     small batch is evaluated about every ``eval_images`` training images and a big one every step.
@@ -75,7 +83,7 @@ def sweep_steps_to_target(splits, batch_sizes, lr_fn: Callable[[int], float], *,
     return (rows, models) if keep_models else rows
 
 
-def fit_critical_batch(batch_sizes, steps) -> tuple[float, float]:
+def fit_critical_batch(batch_sizes: Sequence[float], steps: Sequence[float]) -> tuple[float, float]:
     """Fit McCandlish et al.'s S(B) = S_min (1 + B_crit / B) to measured steps-to-target (least
     squares on relative error, linear in (S_min, S_min B_crit)). Returns (S_min, B_crit)."""
     B = np.asarray(batch_sizes, dtype=float)
@@ -89,8 +97,9 @@ def fit_critical_batch(batch_sizes, steps) -> tuple[float, float]:
     return float(s_min), float(max(k, 0.0) / s_min)
 
 
-def plot_steps_to_target(rows, b_simple: float | None = None, ax=None, regime_factor: float = 4.0,
-                         title="Steps to target accuracy vs batch size"):
+def plot_steps_to_target(rows: list[dict], b_simple: float | None = None, ax: Axes | None = None,
+                         regime_factor: float = 4.0,
+                         title: str = "Steps to target accuracy vs batch size") -> tuple[Figure, dict[str, float]]:
     """Log-log steps-to-target with the perfect-scaling line from the smallest batch, the fitted
     S_min (1 + B_crit/B), the three regimes shaded (perfect scaling below B_crit/regime_factor,
     no further gain above B_crit*regime_factor, diminishing returns between) and B_simple marked.
@@ -127,7 +136,7 @@ def plot_steps_to_target(rows, b_simple: float | None = None, ax=None, regime_fa
     return ax.figure, {"s_min": s_min, "b_crit": b_crit}
 
 
-def plot_fixed_epoch_sweep(rows, title="Fixed epoch budget: what batch size buys"):
+def plot_fixed_epoch_sweep(rows: list[dict], title: str = "Fixed epoch budget: what batch size buys") -> Figure:
     B = [r["batch_size"] for r in rows]
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
     axes[0].plot(B, [r["time_per_epoch_s"] for r in rows], "o-")

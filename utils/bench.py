@@ -27,7 +27,9 @@ import queue
 import statistics
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -45,7 +47,7 @@ __all__ = ["Timing", "time_fn", "Throughput", "train_throughput", "inference_thr
 # Timing
 # ----------------------------------------------------------------------------------------
 
-def quartiles(xs) -> tuple[float, float, float]:
+def quartiles(xs: Iterable[float]) -> tuple[float, float, float]:
     """(q25, median, q75) of ``xs``, linear interpolation (one value gives itself three times): the
     one summary of repeated measurements in the package and in benchmarks/."""
     xs = sorted(float(x) for x in xs)
@@ -92,7 +94,8 @@ class Timing:
                 f"{len(self.seconds)} repeats x {self.number} calls, {self.method})")
 
 
-def time_fn(fn, *, warmup: int = 3, repeats: int = 10, number: int = 1, device=None, sync=None) -> Timing:
+def time_fn(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10, number: int = 1,
+            device: torch.device | str | None = None, sync: Callable[[], Any] | None = None) -> Timing:
     """Time ``fn()`` (no arguments): seconds per call, per repeat, as a :class:`Timing`.
 
     device: where ``fn`` queues its work. On ``cuda`` (``cuda:N``) the repeats are timed with
@@ -184,9 +187,11 @@ class Throughput:
                 f"{self.median:,.0f} images/s, IQR {self.iqr:,.0f})")
 
 
-def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train", device=None,
-                       input_shape=(3, 32, 32), num_classes: int = 10, amp_dtype=None,
-                       channels_last: bool = False, compile: bool = False, optimizer="sgd",
+def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train",
+                       device: torch.device | str | None = None, input_shape: tuple[int, ...] = (3, 32, 32),
+                       num_classes: int = 10, amp_dtype: torch.dtype | str | None = None,
+                       channels_last: bool = False, compile: bool = False,
+                       optimizer: str | Callable[..., torch.optim.Optimizer] = "sgd",
                        momentum: float = 0.9, warmup: int = 3, repeats: int = 10, steps: int | None = None,
                        min_repeat_s: float = 0.1, max_steps: int = 50, name: str | None = None) -> Throughput:
     """Images/s of ``model`` (a copy: yours is not moved or changed) on one random batch.
@@ -244,12 +249,12 @@ def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train"
                       [batch_size / s for s in t.seconds], t.median, first.seconds[0], t.method)
 
 
-def train_throughput(model, batch_size, **kw) -> Throughput:
+def train_throughput(model: nn.Module, batch_size: int, **kw: Any) -> Throughput:
     """Training images/s (forward, backward, optimizer step); see :func:`measure_throughput`."""
     return measure_throughput(model, batch_size, mode="train", **kw)
 
 
-def inference_throughput(model, batch_size, **kw) -> Throughput:
+def inference_throughput(model: nn.Module, batch_size: int, **kw: Any) -> Throughput:
     """Inference images/s (forward under no_grad); see :func:`measure_throughput`."""
     return measure_throughput(model, batch_size, mode="inference", **kw)
 
@@ -266,7 +271,7 @@ class TimedLoader(EpochLoader):
     the host can run ahead of the device, so this is the host's wait: a GPU kept busy by queued
     work is not idle while the host waits.)"""
 
-    def __init__(self, loader):
+    def __init__(self, loader: Iterable):
         self.loader = loader
         self.wait_s = 0.0
         self.batches = 0
@@ -295,7 +300,7 @@ class SlowDataset(torch.utils.data.Dataset):
     decoding and augmenting a JPEG: the slow input pipeline of the exercises. Importable, so
     DataLoader workers can use it under any start method."""
 
-    def __init__(self, dataset, cost_s: float = 1e-4):
+    def __init__(self, dataset: torch.utils.data.Dataset, cost_s: float = 1e-4):
         self.dataset, self.cost_s = dataset, cost_s
 
     def __len__(self):
@@ -371,7 +376,7 @@ class SimulatedGPU:
 # Mixed precision: what fp16's GradScaler costs in host synchronisations
 # ----------------------------------------------------------------------------------------
 
-def count_syncs(fn) -> int:
+def count_syncs(fn: Callable[[], Any]) -> int:
     """How many times ``fn()`` made the host wait for the GPU (``.item()``, ``.cpu()``, a
     blocking copy...): CUDA's sync debug mode reports each one; we count the reports. CUDA only."""
     import warnings
@@ -388,8 +393,8 @@ def count_syncs(fn) -> int:
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
-def amp_step_costs(model: nn.Module, batch_size: int = 256, *, device="cuda", input_shape=(3, 32, 32),
-                   steps: int = 20, repeats: int = 5) -> dict:
+def amp_step_costs(model: nn.Module, batch_size: int = 256, *, device: torch.device | str = "cuda",
+                   input_shape: tuple[int, ...] = (3, 32, 32), steps: int = 20, repeats: int = 5) -> dict[str, dict]:
     """fp16 with ``GradScaler`` against bf16 without one, on a CUDA ``device``: host syncs per
     step and median seconds per step (:func:`time_fn`), plus the steps when fp16 is run *without*
     the scaler's check (for the timing only: unsafe to train with).
@@ -448,7 +453,7 @@ def amp_step_costs(model: nn.Module, batch_size: int = 256, *, device="cuda", in
 # Tables
 # ----------------------------------------------------------------------------------------
 
-def format_table(rows, columns) -> str:
+def format_table(rows: Iterable[dict], columns: Sequence[tuple[str, str, str]]) -> str:
     """A plain-text table of dicts ``rows``; ``columns`` is a list of (key, header, format)."""
     cells = [[h for _, h, _ in columns]]
     for r in rows:

@@ -25,7 +25,10 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
 
 import torch
 
@@ -63,7 +66,7 @@ class TrainConfig:
     return_state: bool = True      # send the final state_dict back (launch)
 
 
-def make_config(config=None, **overrides) -> TrainConfig:
+def make_config(config: TrainConfig | dict[str, Any] | None = None, **overrides: Any) -> TrainConfig:
     """A :class:`TrainConfig` from a dict / TrainConfig / None plus overrides; unknown keys are errors."""
     base = dataclasses.asdict(config) if isinstance(config, TrainConfig) else dict(config or {})
     base.update(overrides)
@@ -81,7 +84,7 @@ class FailAt(Callback):
     def __init__(self, step: int, rank: int, my_rank: int, start_step: int, mode: str = "kill"):
         self.step, self.rank, self.my_rank, self.start_step, self.mode = step, rank, my_rank, start_step, mode
 
-    def on_step_end(self, state):
+    def on_step_end(self, state: SimpleNamespace) -> None:
         attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if attempt == 0 and self.my_rank == self.rank and self.start_step + state.step == self.step:
             print(f"rank {self.rank}: injected failure at step {self.step}", flush=True)
@@ -90,7 +93,8 @@ class FailAt(Callback):
             raise RuntimeError(f"injected failure on rank {self.rank} at step {self.step}")
 
 
-def build(cfg: TrainConfig, ctx: parallel.DistContext):
+def build(cfg: TrainConfig, ctx: parallel.DistContext) -> tuple[Iterable, Iterable, torch.nn.Module,
+                                                               torch.optim.Optimizer, Any]:
     """Data, sharded loader, model, optimizer and schedule of a run: the same on every rank."""
     splits = data.load(cfg.dataset, cfg.n_train, cfg.n_val, seed=cfg.seed)
     loader = data.make_loader(splits.train, cfg.batch_size, kind=cfg.loader, rank=ctx.rank,
@@ -105,7 +109,7 @@ def build(cfg: TrainConfig, ctx: parallel.DistContext):
     return loader, val, model, optimizer, scheduler
 
 
-def train(config=None, **overrides) -> dict:
+def train(config: TrainConfig | dict[str, Any] | None = None, **overrides: Any) -> dict[str, Any]:
     """Train with DDP on this process's rank; returns a dict (history, final weights, resume info)."""
     cfg = make_config(config, **overrides)
     if cfg.deterministic:
@@ -168,7 +172,7 @@ def _field_help() -> dict:
     return {**_MORE_HELP, **{k: v.strip() for k, v in found.items()}}
 
 
-def parse_args(argv=None) -> TrainConfig:
+def parse_args(argv: list[str] | None = None) -> TrainConfig:
     ap = argparse.ArgumentParser(prog="python -m utils.ddp_train", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     helps = _field_help()
@@ -184,7 +188,7 @@ def parse_args(argv=None) -> TrainConfig:
     return make_config(return_state=False, **{k: v for k, v in vars(args).items() if k != "return_state"})
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     cfg = parse_args(argv)
     res = train(cfg)
     h = res["history"]

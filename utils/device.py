@@ -27,7 +27,7 @@ def get_device(prefer: str | None = None) -> torch.device:
     return torch.device("cpu")
 
 
-def bf16_supported(device=None) -> bool:
+def bf16_supported(device: torch.device | str | None = None) -> bool:
     """True where bf16 runs natively: any CPU, and NVIDIA GPUs from Ampere on (compute
     capability 8.0: A100, RTX 30xx, H100). Older GPUs (V100, T4, RTX 20xx) only emulate it,
     slower than fp32, and cuDNN has no bf16 convolutions there; use fp16 with a GradScaler."""
@@ -44,7 +44,7 @@ _AMP_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16"
                "fp16": torch.float16, "float16": torch.float16}
 
 
-def resolve_amp_dtype(amp) -> tuple[torch.dtype | None, str]:
+def resolve_amp_dtype(amp: torch.dtype | str | None) -> tuple[torch.dtype | None, str]:
     """(autocast dtype or None for fp32, its short name) from None, a torch dtype or a name
     ("fp32", "bf16", "fp16", or the long names)."""
     if isinstance(amp, str):
@@ -58,7 +58,7 @@ def resolve_amp_dtype(amp) -> tuple[torch.dtype | None, str]:
     return amp, "bf16" if amp == torch.bfloat16 else "fp16"
 
 
-def autocast(device: torch.device, amp_dtype: torch.dtype | None):
+def autocast(device: torch.device, amp_dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
     """``torch.autocast`` to ``amp_dtype`` on ``device``'s type, or a reusable no-op context when
     ``amp_dtype`` is None (fp32): the one autocast helper of the package."""
     if amp_dtype is None:

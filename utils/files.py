@@ -13,6 +13,7 @@ import json
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 __all__ = ["atomic_write", "atomic_write_json", "atomic_save"]
 
@@ -38,12 +39,12 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = Tr
     return path
 
 
-def atomic_write_json(path: str | os.PathLike, obj, *, indent: int = 1) -> Path:
+def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1) -> Path:
     """``obj`` as JSON (values JSON cannot hold are written with ``str``), one trailing newline."""
     return atomic_write(path, json.dumps(obj, indent=indent, default=str) + "\n")
 
 
-def atomic_save(obj, path: str | os.PathLike) -> Path:
+def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     """``torch.save(obj)`` to ``path`` atomically (serialised in memory first, then written)."""
     import torch
 

@@ -54,8 +54,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 try:
     import torch
@@ -158,7 +160,7 @@ class Report:
     def failed(self) -> list[CheckResult]:
         return [r for r in self.results if r.status == "fail"]
 
-    def run(self, check: Check, ctx) -> CheckResult:
+    def run(self, check: Check, ctx: Context) -> CheckResult:
         t0 = time.perf_counter()
         left = ctx.remaining()
         if left < MIN_START_S:
@@ -205,7 +207,8 @@ class BudgetSpent(Exception):
     """Raised by a check that finds too little of the budget left to go on."""
 
 
-def run_checks(checks, out, *, info=None, mode=None, profile=None, ctx_extra=None,
+def run_checks(checks: list[Check], out: str | os.PathLike, *, info: dict | None = None, mode: str | None = None,
+               profile: str | None = None, ctx_extra: dict[str, Any] | None = None,
                budget_s: float | None = None, started: float | None = None) -> tuple[Report, int]:
     """Run ``checks`` (a list of :class:`Check`), write ``out/report.json``, return (report, exit code).
     ``budget_s``: seconds for all of them (None: no limit), counted from ``started`` (a
@@ -396,7 +399,7 @@ def _bench_args(name, ctx) -> list[str]:
     return BENCH_ARGS[name]["full" if ctx.full_bench else "quick"]
 
 
-def check_bench_throughput(ctx):
+def check_bench_throughput(ctx: Context) -> str:
     out = ctx.out / "bench" / "throughput.json"
     text = _run([sys.executable, "benchmarks/throughput.py", *_bench_args("throughput", ctx), "--out", str(out)],
                 ctx, 600,
@@ -408,13 +411,13 @@ def check_bench_throughput(ctx):
     return f"{len(res['rows'])} rows in {out}; {last[-1] if last else ''}"
 
 
-def check_bench_loop(ctx):
+def check_bench_loop(ctx: Context) -> str:
     text = _run([sys.executable, "benchmarks/train_loop_overhead.py", *_bench_args("train_loop_overhead", ctx)],
                 ctx, 600, ctx.out / "bench" / "train_loop_overhead.txt")
     return text.strip().splitlines()[-1] if text.strip() else ""
 
 
-def check_bench_optimizer(ctx):
+def check_bench_optimizer(ctx: Context) -> str:
     text = _run([sys.executable, "benchmarks/optimizer_step.py", *_bench_args("optimizer_step", ctx)], ctx, 600,
                 ctx.out / "bench" / "optimizer_step.txt")
     return text.strip().splitlines()[-1] if text.strip() else ""
@@ -431,7 +434,7 @@ def _same_replicas(res) -> bool:
     return all(torch.equal(s[k], states[0][k]) for s in states for k in s)
 
 
-def check_ddp_nccl(ctx):
+def check_ddp_nccl(ctx: Context) -> str:
     from . import ddp_train, parallel
     ctx.need_gpus(1, "DDP with NCCL")
     if not torch.distributed.is_nccl_available():
@@ -447,7 +450,7 @@ def check_ddp_nccl(ctx):
     return f"{n} rank(s) on {devs}, replicas identical, val acc {res[0]['history']['epochs'][-1]['val_acc']:.3f}"
 
 
-def check_ddp_gloo_shared_gpu(ctx):
+def check_ddp_gloo_shared_gpu(ctx: Context) -> str:
     from . import ddp_train, parallel
     ctx.need_gpus(1, "gloo ranks sharing one GPU")
     res = parallel.launch(ddp_train.train, 2, _ddp_cfg(device="cuda:0"), backend="gloo", timeout=ctx.timeout(300),
@@ -458,7 +461,7 @@ def check_ddp_gloo_shared_gpu(ctx):
     return "2 gloo ranks on cuda:0, replicas identical"
 
 
-def check_ddp_gloo_cpu(ctx):
+def check_ddp_gloo_cpu(ctx: Context) -> str:
     from . import ddp_train, parallel
     res = parallel.launch(ddp_train.train, 2, _ddp_cfg(device="cpu"), backend="gloo", timeout=ctx.timeout(300),
                           stream=False)
@@ -471,7 +474,7 @@ def check_ddp_gloo_cpu(ctx):
             f"over {res[0]['history']['steps']} steps (a short run: it shows DDP trains, not how well)")
 
 
-def ring_worker(sizes):
+def ring_worker(sizes: list[int]) -> dict[str, Any]:
     """A rank: the hand ring against torch's all_reduce, on this rank's device."""
     from . import parallel
     ctx = parallel.setup()
@@ -486,7 +489,7 @@ def ring_worker(sizes):
     return {"backend": ctx.backend, "device": str(ctx.device), "rel_err": out}
 
 
-def check_ring(ctx):
+def check_ring(ctx: Context) -> str:
     from utils import parallel
     from utils.gpucheck import ring_worker      # by its module name, also when this runs as __main__
     sizes = [1, 7, 1000, 1 << 20]
@@ -502,7 +505,7 @@ def check_ring(ctx):
     return f"{n} ranks, {backend}{note}, sizes {sizes}: max relative difference {worst:.1e}"
 
 
-def check_resume(ctx):
+def check_resume(ctx: Context) -> str:
     """Crash mid-run, resume from the checkpoint, compare with the uninterrupted run, bit for bit
     (utils.ddp_train sets cuDNN/cuBLAS to deterministic; utils.device.set_deterministic)."""
     from . import ddp_train
@@ -543,7 +546,7 @@ def _amp_fit(dev, amp_dtype):
     return h
 
 
-def check_amp_bf16(ctx):
+def check_amp_bf16(ctx: Context) -> str:
     from .device import bf16_supported
     dev = torch.device("cuda", 0) if ctx.n_gpus else torch.device("cpu")
     if not bf16_supported(dev):
@@ -554,7 +557,7 @@ def check_amp_bf16(ctx):
     return f"bf16 autocast on {dev}: {h.steps} steps, loss {h.step_loss[0]:.3f} -> {h.step_loss[-1]:.3f}"
 
 
-def check_amp_fp16(ctx):
+def check_amp_fp16(ctx: Context) -> str:
     from . import bench, models
     ctx.need_gpus(1, "fp16 with GradScaler")
     dev = torch.device("cuda", 0)
@@ -567,7 +570,7 @@ def check_amp_fp16(ctx):
     return f"fp16 + GradScaler on {dev}: {h.steps} steps, finite losses; " + "; ".join(parts)
 
 
-def check_monitor(ctx):
+def check_monitor(ctx: Context) -> str:
     from . import monitor
     ctx.need_gpus(1, "GPU monitoring")
     dev = torch.device("cuda", 0)
@@ -602,7 +605,7 @@ def grader_spec_text(text: str, n_gpus: int, seed: int) -> str:
     return text
 
 
-def check_grader(ctx):
+def check_grader(ctx: Context) -> str:
     import secrets
     out = ctx.out / "grader.json"
     if ctx.mode == "gpu":
@@ -658,7 +661,7 @@ def network_reachable(host: str = "www.cs.toronto.edu", port: int = 443, timeout
         return False
 
 
-def check_datasets(ctx):
+def check_datasets(ctx: Context) -> str:
     from . import data
     data.load("digits", 64, 32)
     if not ctx.missing:
@@ -674,7 +677,7 @@ def check_datasets(ctx):
     raise Skip(msg)
 
 
-def choose_profile(n_gpus: int, missing, env=None) -> tuple[str, str]:
+def choose_profile(n_gpus: int, missing: Sequence[str], env: Mapping[str, str] | None = None) -> tuple[str, str]:
     """(profile, why): LAB_PROFILE when set; gpu with 2+ GPUs and the datasets; else smoke."""
     env = os.environ if env is None else env
     if env.get("LAB_PROFILE", "").strip():
@@ -709,7 +712,7 @@ def all_checks() -> list[Check]:
     return checks + [_notebook_check(p) for p in notebook_paths()]
 
 
-def select(checks, only: str | None) -> list[Check]:
+def select(checks: list[Check], only: str | None) -> list[Check]:
     if not only:
         return checks
     words = [w.strip().lower() for w in only.split(",") if w.strip()]
@@ -722,7 +725,7 @@ def select(checks, only: str | None) -> list[Check]:
 DEFAULT_BUDGET_S = 500.0      # under 9 minutes: one 10-minute session holds it with the start-up
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m utils.gpucheck", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", type=Path, default=Path("gpu-check"), help="folder for report.json, notebooks, logs")
     ap.add_argument("--only", help="comma-separated words: run only the checks whose names contain one")

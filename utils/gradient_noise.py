@@ -11,24 +11,30 @@
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import TensorDataset
 
 from . import plots as _plots
 from .linear_regression import LinearProblem
 
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
-def per_example_grads(x, y, w: float, b: float) -> torch.Tensor:
+
+def per_example_grads(x: torch.Tensor, y: torch.Tensor, w: float, b: float) -> torch.Tensor:
     """(n, 2): the gradient of each example's squared error (w x_i + b - y_i)^2 w.r.t. (w, b)."""
     r = w * x + b - y
     return torch.stack([2 * r * x, 2 * r], dim=1)
 
 
-def dataset_noise_scale(x, y, w: float, b: float) -> tuple[float, float, float]:
+def dataset_noise_scale(x: torch.Tensor, y: torch.Tensor, w: float, b: float) -> tuple[float, float, float]:
     """(|G|^2, tr(Sigma), B_simple) of the finite dataset at (w, b): G is the full-batch gradient,
     Sigma the covariance of the per-example gradients (divided by n)."""
     g = per_example_grads(x, y, w, b)
@@ -38,7 +44,8 @@ def dataset_noise_scale(x, y, w: float, b: float) -> tuple[float, float, float]:
     return G2, trS, trS / G2 if G2 > 0 else math.inf
 
 
-def gradient_variance(x, y, w: float, b: float, batch_sizes, draws: int = 200, seed: int = 0) -> dict:
+def gradient_variance(x: torch.Tensor, y: torch.Tensor, w: float, b: float, batch_sizes: Iterable[int],
+                      draws: int = 200, seed: int = 0) -> dict[str, Any]:
     """The variance E|g_B - G|^2 of the minibatch gradient for each batch size, measured over
     ``draws`` minibatches drawn with replacement (i.i.d. examples, as the 1/B theory assumes),
     next to the theory tr(Sigma)/B. Returns {"batch_sizes", "measured", "theory", "tr_sigma"}."""
@@ -55,13 +62,14 @@ def gradient_variance(x, y, w: float, b: float, batch_sizes, draws: int = 200, s
     return {"batch_sizes": bs, "measured": measured, "theory": [trS / B for B in bs], "tr_sigma": trS}
 
 
-def loglog_slope(xs, ys) -> float:
+def loglog_slope(xs: Iterable[float], ys: Iterable[float]) -> float:
     """Least-squares slope of log(y) against log(x)."""
     lx, ly = np.log(np.asarray(xs, dtype=float)), np.log(np.asarray(ys, dtype=float))
     return float(np.polyfit(lx, ly, 1)[0])
 
 
-def plot_gradient_variance(result: dict, ax=None, title="Minibatch gradient variance vs batch size"):
+def plot_gradient_variance(result: dict, ax: Axes | None = None,
+                           title: str = "Minibatch gradient variance vs batch size") -> Figure:
     if ax is None:
         fig, ax = plt.subplots(figsize=(5.5, 4))
     bs = result["batch_sizes"]
@@ -81,7 +89,8 @@ class NoiseScale(NamedTuple):
     tr_sigma: float   # tr(Sigma), the per-example gradient variance
 
 
-def two_batch_estimates(sq_small, sq_big, b_small: int, b_big: int):
+def two_batch_estimates(sq_small: torch.Tensor | Sequence[float], sq_big: torch.Tensor | Sequence[float], b_small: int,
+                        b_big: int) -> tuple[torch.Tensor, torch.Tensor]:
     """McCandlish et al.'s unbiased per-pair estimates (|G|^2, tr(Sigma)) from the squared norms
     of a small-batch and a big-batch gradient, using E|G_B|^2 = |G|^2 + tr(Sigma) / B:
 
@@ -98,7 +107,8 @@ def two_batch_estimates(sq_small, sq_big, b_small: int, b_big: int):
     return G2, trS
 
 
-def noise_scale(sq_small, sq_big, b_small: int, b_big: int) -> NoiseScale:
+def noise_scale(sq_small: torch.Tensor | Sequence[float], sq_big: torch.Tensor | Sequence[float], b_small: int,
+                b_big: int) -> NoiseScale:
     """B_simple from many (small, big) pairs: mean of the |G|^2 estimates and mean of the
     tr(Sigma) estimates, THEN the ratio (a mean of per-pair ratios is biased and unstable)."""
     G2, trS = two_batch_estimates(sq_small, sq_big, b_small, b_big)
@@ -133,7 +143,7 @@ class NoiseScaleEMA:
 
 
 def linear_grad_sq_norms(problem: LinearProblem, w: float, b: float, b_small: int, b_big: int,
-                         draws: int, seed: int = 0):
+                         draws: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Squared norms of small- and big-batch gradients on FRESH samples of the population
     (a data stream), so E|G_B|^2 = |G|^2 + tr(Sigma)/B holds exactly with the closed-form
     values of :meth:`LinearProblem.gradient_stats`. The small batch is the big batch's head."""
@@ -143,8 +153,9 @@ def linear_grad_sq_norms(problem: LinearProblem, w: float, b: float, b_small: in
     return (g[:, :b_small].mean(1) ** 2).sum(1), (g.mean(1) ** 2).sum(1)
 
 
-def grad_sq_norms(model: nn.Module, dataset, b_small: int, b_big: int, draws: int, *, seed: int = 0,
-                  loss_fn=None, device=None):
+def grad_sq_norms(model: nn.Module, dataset: TensorDataset, b_small: int, b_big: int, draws: int, *, seed: int = 0,
+                  loss_fn: Callable[..., torch.Tensor] | None = None,
+                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """For ``draws`` random big batches (sampled with replacement from ``dataset``): the squared
     norm of the loss gradient over all parameters on the big batch and on its first ``b_small``
     examples. Returns two float64 CPU tensors of length ``draws``. The parameters are unchanged."""
@@ -174,8 +185,8 @@ def grad_sq_norms(model: nn.Module, dataset, b_small: int, b_big: int, draws: in
     return torch.stack(small).cpu(), torch.stack(big).cpu()      # sync point: once, at the end
 
 
-def measure_noise_scale(model: nn.Module, dataset, b_small: int, b_big: int, draws: int, *, seed: int = 0,
-                        device=None) -> NoiseScale:
+def measure_noise_scale(model: nn.Module, dataset: TensorDataset, b_small: int, b_big: int, draws: int, *,
+                        seed: int = 0, device: torch.device | str | None = None) -> NoiseScale:
     """B_simple of ``model`` at its current parameters on ``dataset`` (two-batch estimator)."""
     s, g = grad_sq_norms(model, dataset, b_small, b_big, draws, seed=seed, device=device)
     return noise_scale(s, g, b_small, b_big)

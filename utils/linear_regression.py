@@ -8,11 +8,18 @@ closed forms). The gradient noise of the same problem is in :mod:`utils.gradient
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    import ipywidgets
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 @dataclass(frozen=True)
@@ -74,7 +81,7 @@ def least_squares(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     return float(w), float(ym - w * xm)
 
 
-def mse(x, y, w, b) -> float:
+def mse(x: torch.Tensor, y: torch.Tensor, w: float | torch.Tensor, b: float | torch.Tensor) -> float:
     return float(((w * x + b - y) ** 2).mean())
 
 
@@ -84,13 +91,13 @@ def mse_grad(x: torch.Tensor, y: torch.Tensor, w: float, b: float) -> tuple[floa
     return float(2 * (r * x).mean()), float(2 * r.mean())
 
 
-def gd_step(x, y, w: float, b: float, lr: float) -> tuple[float, float]:
+def gd_step(x: torch.Tensor, y: torch.Tensor, w: float, b: float, lr: float) -> tuple[float, float]:
     """One full-batch gradient-descent step on the MSE."""
     dw, db = mse_grad(x, y, w, b)
     return w - lr * dw, b - lr * db
 
 
-def gd(x, y, w0: float, b0: float, lr: float, steps: int) -> torch.Tensor:
+def gd(x: torch.Tensor, y: torch.Tensor, w0: float, b0: float, lr: float, steps: int) -> torch.Tensor:
     """Full-batch GD: the trajectory, a (steps + 1, 2) tensor of (w, b) including the start."""
     path = [(w0, b0)]
     w, b = w0, b0
@@ -100,7 +107,7 @@ def gd(x, y, w0: float, b0: float, lr: float, steps: int) -> torch.Tensor:
     return torch.tensor(path, dtype=torch.float64)
 
 
-def minibatches(n: int, batch_size: int, seed: int = 0):
+def minibatches(n: int, batch_size: int, seed: int = 0) -> Iterator[torch.Tensor]:
     """Index tensors of minibatches, forever: each epoch a fresh permutation of range(n) cut
     into consecutive slices of ``batch_size`` (an incomplete last slice is dropped, so every
     batch has the same size). ``batch_size == n`` gives the whole dataset every time."""
@@ -113,7 +120,8 @@ def minibatches(n: int, batch_size: int, seed: int = 0):
             yield perm[start:start + batch_size]
 
 
-def sgd(x, y, w0: float, b0: float, lr: float, steps: int, batch_size: int, seed: int = 0) -> torch.Tensor:
+def sgd(x: torch.Tensor, y: torch.Tensor, w0: float, b0: float, lr: float, steps: int, batch_size: int,
+        seed: int = 0) -> torch.Tensor:
     """Minibatch SGD on the MSE: each step takes the next batch of :func:`minibatches` and moves
     (w, b) against the gradient on that batch only. Returns the (steps + 1, 2) trajectory
     including the start. ``batch_size=1`` is plain SGD; ``batch_size=len(x)`` is full-batch GD."""
@@ -126,7 +134,8 @@ def sgd(x, y, w0: float, b0: float, lr: float, steps: int, batch_size: int, seed
     return torch.tensor(path, dtype=torch.float64)
 
 
-def loss_surface(x, y, w_grid, b_grid) -> torch.Tensor:
+def loss_surface(x: torch.Tensor | Sequence[float], y: torch.Tensor | Sequence[float],
+                 w_grid: torch.Tensor | Sequence[float], b_grid: torch.Tensor | Sequence[float]) -> torch.Tensor:
     """MSE at every (w, b) of the grid: a (len(b_grid), len(w_grid)) tensor (rows are b), from
     the data's moments: mean((w x + b - y)^2) = w^2 Sxx + b^2 + Syy + 2 w b Sx - 2 w Sxy - 2 b Sy."""
     x, y = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(y, dtype=torch.float64)
@@ -136,8 +145,8 @@ def loss_surface(x, y, w_grid, b_grid) -> torch.Tensor:
     return W * W * sxx + B * B + syy + 2 * W * B * sx - 2 * W * sxy - 2 * B * sy
 
 
-def plot_trajectories(x, y, paths: dict, ax=None, title: str = "MSE loss surface and trajectories",
-                      margin: float = 0.6):
+def plot_trajectories(x: torch.Tensor, y: torch.Tensor, paths: dict, ax: Axes | None = None,
+                      title: str = "MSE loss surface and trajectories", margin: float = 0.6) -> Figure:
     """Contours of the MSE over (w, b) with each {label: (T, 2) trajectory} drawn from its start
     (circle) to its end (square); the least-squares solution is a star. Returns the figure."""
     if ax is None:
@@ -165,7 +174,8 @@ def plot_trajectories(x, y, paths: dict, ax=None, title: str = "MSE loss surface
     return fig
 
 
-def compare_trajectories(x, y, w0, b0, lr, steps, batch_size, seed=0, sgd_fn=None) -> dict:
+def compare_trajectories(x: torch.Tensor, y: torch.Tensor, w0: float, b0: float, lr: float, steps: int, batch_size: int,
+                         seed: int = 0, sgd_fn: Callable[..., torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """{label: trajectory} for full-batch GD, SGD (batch 1) and minibatch ``batch_size``, all
     from (w0, b0) with the same rate and number of steps. ``sgd_fn`` defaults to :func:`sgd`."""
     sgd_fn = sgd_fn or sgd
@@ -175,8 +185,9 @@ def compare_trajectories(x, y, w0, b0, lr, steps, batch_size, seed=0, sgd_fn=Non
             f"minibatch (B={batch_size})": sgd_fn(x, y, w0, b0, lr, steps, batch_size, seed)}
 
 
-def trajectory_panel(x, y, w0, b0, *, lr=0.1, steps=60, batch_size=16, seed=0, sgd_fn=None,
-                     max_steps=None, max_lr=0.35):
+def trajectory_panel(x: torch.Tensor, y: torch.Tensor, w0: float, b0: float, *, lr: float = 0.1, steps: int = 60,
+                     batch_size: int = 16, seed: int = 0, sgd_fn: Callable[..., torch.Tensor] | None = None,
+                     max_steps: int | None = None, max_lr: float = 0.35) -> ipywidgets.HBox | None:
     """Draw the trajectories of :func:`compare_trajectories`, then attach sliders (batch size,
     learning rate, steps) that redraw the same figure in place.
 

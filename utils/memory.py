@@ -29,7 +29,9 @@ import contextlib
 import copy
 import math
 import os
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -93,7 +95,8 @@ def _state_multiplier(kind: str, group: dict) -> int:
     raise ValueError(f"no state rule for optimizer {kind!r}; known: sgd, adam, adamw, rmsprop, adagrad")
 
 
-def optimizer_state_bytes(model_or_params, optimizer="adam", *, momentum: float = 0.0,
+def optimizer_state_bytes(model_or_params: nn.Module | Iterable[torch.Tensor],
+                          optimizer: str | torch.optim.Optimizer = "adam", *, momentum: float = 0.0,
                           amsgrad: bool = False) -> int:
     """Bytes of the optimizer's per-element state after its first step, exactly.
 
@@ -151,7 +154,8 @@ def _saved_bytes(model: nn.Module, batch_size: int, input_shape, amp_dtype, num_
     return sum(seen.values())
 
 
-def activation_bytes(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, amp_dtype=None,
+def activation_bytes(model: nn.Module, batch_size: int, input_shape: tuple[int, ...] = (3, 32, 32), *,
+                     amp_dtype: torch.dtype | str | None = None,
                      num_classes: int = 10) -> int:
     """Estimate of the activations saved for backward at ``batch_size``.
 
@@ -201,8 +205,9 @@ class MemoryPrediction:
         return "\n".join(f"{k:<{w}}  {format_bytes(v):>12}" for k, v in rows)
 
 
-def predict_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, optimizer="adam",
-                   momentum: float = 0.0, amp_dtype=None, num_classes: int = 10) -> MemoryPrediction:
+def predict_memory(model: nn.Module, batch_size: int, input_shape: tuple[int, ...] = (3, 32, 32), *,
+                   optimizer: str | torch.optim.Optimizer = "adam", momentum: float = 0.0,
+                   amp_dtype: torch.dtype | str | None = None, num_classes: int = 10) -> MemoryPrediction:
     """What training ``model`` at ``batch_size`` keeps in device memory (see :class:`MemoryPrediction`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -217,8 +222,10 @@ def predict_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *
     )
 
 
-def measure_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *, device=None,
-                   optimizer="adam", momentum: float = 0.0, amp_dtype=None, num_classes: int = 10) -> dict | None:
+def measure_memory(model: nn.Module, batch_size: int, input_shape: tuple[int, ...] = (3, 32, 32), *,
+                   device: torch.device | str | None = None,
+                   optimizer: str | Callable[..., torch.optim.Optimizer] = "adam", momentum: float = 0.0,
+                   amp_dtype: torch.dtype | str | None = None, num_classes: int = 10) -> dict | None:
     """Measured bytes of two training steps of a copy of ``model`` on a CUDA ``device``:
     ``peak`` (``torch.cuda.max_memory_allocated`` over the steps) and ``resident`` (allocated
     after the second step, gradients still held), both above what was allocated before.
@@ -251,7 +258,7 @@ def measure_memory(model: nn.Module, batch_size: int, input_shape=(3, 32, 32), *
     return out
 
 
-def format_bytes(n) -> str:
+def format_bytes(n: float | None) -> str:
     if n is None:
         return "-"
     n = float(n)
@@ -275,7 +282,8 @@ def block_mlp(width: int, depth: int, *, expand: int = 4, seed: int = 0) -> nn.S
     return mlp(width, depth, expand=expand, activation="gelu", seed=seed)
 
 
-def mlp_activation_bytes(width: int, depth: int, batch_size: int, *, expand: int = 4, amp_dtype=None,
+def mlp_activation_bytes(width: int, depth: int, batch_size: int, *, expand: int = 4,
+                         amp_dtype: torch.dtype | str | None = None,
                          segment: int | None = None) -> int:
     """Bytes :func:`block_mlp` saves for backward in one forward (loss ``out.pow(2).mean()``).
 
@@ -336,7 +344,9 @@ class SavedTensors:
         return sum(self.sizes.values())
 
 
-def saved_bytes(model: nn.Module, x: torch.Tensor, *, forward=None, amp_dtype=None) -> int:
+def saved_bytes(model: nn.Module, x: torch.Tensor, *,
+                forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+                amp_dtype: torch.dtype | str | None = None) -> int:
     """Bytes saved for backward by one forward of ``model`` on ``x`` (``forward(model, x)``
     instead of ``model(x)`` when given, e.g. :func:`activation_checkpointed_forward`)."""
     amp_dtype, _ = resolve_amp_dtype(amp_dtype)
@@ -355,7 +365,7 @@ def _quiet_profiler():
     yield
 
 
-def peak_bytes(fn, device=None) -> int:
+def peak_bytes(fn: Callable[[], Any], device: torch.device | str | None = None) -> int:
     """Peak bytes allocated while ``fn()`` runs, above what was allocated before.
 
     CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``. CPU: the
@@ -390,7 +400,8 @@ def _optimizer_setting(label: str) -> tuple[str, float]:
     return OPTIMIZER_SETTINGS[label]
 
 
-def budget(width: int, depth: int, batch_size: int, optimizer: str = "adam", *, amp_dtype=None) -> dict:
+def budget(width: int, depth: int, batch_size: int, optimizer: str = "adam", *,
+           amp_dtype: torch.dtype | str | None = None) -> dict[str, int]:
     """Predicted bytes of one training step of ``block_mlp(width, depth)``, by part.
 
     ``peak`` is the step's high-water mark: during backward the activations are still held
@@ -406,8 +417,9 @@ def budget(width: int, depth: int, batch_size: int, optimizer: str = "adam", *, 
     return out
 
 
-def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam", *, amp_dtype=None,
-                 device=None, steps: int = 2, forward=None) -> dict:
+def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam", *,
+                 amp_dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, steps: int = 2,
+                 forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
     """Measure :func:`budget`'s parts on ``device``: build the model and optimizer, run
     ``steps`` training steps, all inside :func:`peak_bytes`.
 
@@ -443,7 +455,7 @@ def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam
 # Activation checkpointing
 # ----------------------------------------------------------------------------------------
 
-def activation_checkpointed_forward(segment: int | None):
+def activation_checkpointed_forward(segment: int | None) -> Callable[[nn.Sequential, torch.Tensor], torch.Tensor]:
     """A ``forward(model, x)`` for a ``nn.Sequential`` that checkpoints every ``segment``
     consecutive blocks (``None`` or 0: no activation checkpointing).
 

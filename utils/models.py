@@ -3,6 +3,7 @@ CIFAR net; norm layers."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ class LinearModel(nn.Module):
         super().__init__()
         self.linear = nn.Linear(in_features, out_features)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear(x.flatten(1))
 
 
@@ -107,7 +108,7 @@ class Net(nn.Module):
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_classes)
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.pool(F.relu(self.conv1(x)))
         x = self.pool(F.relu(self.conv2(x)))
         x = torch.flatten(x, 1)
@@ -116,7 +117,7 @@ class Net(nn.Module):
         return self.fc3(x)
 
 
-def net_for(shape, width: int = 128, num_classes: int = 10) -> Net:
+def net_for(shape: tuple[int, int, int], width: int = 128, num_classes: int = 10) -> Net:
     """The lecture CNN sized for images of ``shape`` = (C, H, W), e.g. ``Splits.shape``."""
     c, h, w = shape
     if h != w:
@@ -136,7 +137,7 @@ class GhostBatchNorm2d(nn.BatchNorm2d):
             raise ValueError("virtual_batch_size must be >= 1")
         self.virtual_batch_size = virtual_batch_size
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or x.shape[0] <= self.virtual_batch_size:
             return super().forward(x)
         chunks = x.split(self.virtual_batch_size)
@@ -164,12 +165,12 @@ def _conv_block(c_in, c_out, norm, ghost, pool=False):
 
 
 class Residual(nn.Module):
-    def __init__(self, channels, norm, ghost):
+    def __init__(self, channels: int, norm: str, ghost: int):
         super().__init__()
         self.body = nn.Sequential(_conv_block(channels, channels, norm, ghost),
                                   _conv_block(channels, channels, norm, ghost))
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.body(x)
 
 
@@ -195,11 +196,11 @@ class ResNet9(nn.Module):
         self.fc = nn.Linear(w4, num_classes, bias=False)
         self.scale = scale     # Page's output scaling: keeps early logits small
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.net(x)) * self.scale
 
 
-def build(name: str, shape=(3, 32, 32), num_classes: int = 10, **kw) -> nn.Module:
+def build(name: str, shape: tuple[int, int, int] = (3, 32, 32), num_classes: int = 10, **kw: Any) -> nn.Module:
     """A model by name: ``linear``, ``net`` (the lecture CNN) or ``resnet9``."""
     c, h, w = shape
     if name == "linear":

@@ -18,7 +18,13 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 __all__ = ["GPUMonitor", "MonitorResult", "monitor", "plot", "FIELDS", "cuda_to_nvml", "visible_entries"]
 
@@ -48,7 +54,7 @@ class MonitorResult:
     devices: list = field(default_factory=list)    # [{cuda, nvml, uuid, mig}]: the CUDA -> NVML mapping
     errors: list = field(default_factory=list)     # sampling errors, at most a few
 
-    def series(self, key: str, gpu: int | None = None):
+    def series(self, key: str, gpu: int | None = None) -> tuple[list[float], list]:
         """(times, values) of ``key`` for one GPU (default: the first monitored)."""
         if key not in FIELDS:
             raise KeyError(f"unknown key {key!r}; known: {', '.join(FIELDS)}")
@@ -118,7 +124,7 @@ def _torch_uuid(cuda_index: int) -> str | None:
     return None
 
 
-def cuda_to_nvml(nvml, cuda_indices=None) -> list[dict]:
+def cuda_to_nvml(nvml: ModuleType, cuda_indices: Iterable[int] | None = None) -> list[dict]:
     """Map CUDA device numbers (``cuda:i`` as torch numbers them) to NVML devices.
 
     NVML numbers every GPU of the machine, in PCI order, and knows nothing of
@@ -186,7 +192,8 @@ class GPUMonitor:
     driver or GPU), ``start`` starts no thread and ``stop`` returns an unavailable result.
     """
 
-    def __init__(self, interval: float = 0.2, gpus=None, nvml=None, max_samples: int = 100_000):
+    def __init__(self, interval: float = 0.2, gpus: list[int] | None = None, nvml: ModuleType | None = None,
+                 max_samples: int = 100_000):
         if interval <= 0:
             raise ValueError(f"interval must be > 0 seconds, got {interval}")
         self.interval, self.gpus, self.max_samples = interval, gpus, max_samples
@@ -307,15 +314,15 @@ class GPUMonitor:
         self.stop()
 
 
-def monitor(fn, *args, interval: float = 0.2, **kwargs):
+def monitor(fn: Callable[..., Any], *args: Any, interval: float = 0.2, **kwargs: Any) -> tuple[Any, MonitorResult]:
     """Run ``fn(*args, **kwargs)`` under a :class:`GPUMonitor`; return (its result, MonitorResult)."""
     with GPUMonitor(interval) as mon:
         out = fn(*args, **kwargs)
     return out, mon.result
 
 
-def plot(result: MonitorResult, keys=("util_gpu", "mem_used_mib", "power_w", "sm_clock_mhz"),
-         title: str = "GPU counters over the run"):
+def plot(result: MonitorResult, keys: Sequence[str] = ("util_gpu", "mem_used_mib", "power_w", "sm_clock_mhz"),
+         title: str = "GPU counters over the run") -> Figure:
     """One panel per counter against time, one line per GPU. Without samples, a figure that
     says why (so a notebook cell still shows something meaningful on a CPU-only machine)."""
     import matplotlib.pyplot as plt

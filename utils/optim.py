@@ -64,7 +64,7 @@ How this relates to two well-known implementations:
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
@@ -74,7 +74,8 @@ from torch.optim import Optimizer
 OPTIMIZERS = ("sgd", "adam", "adamw")   # the names make_optimizer knows
 
 
-def make_optimizer(name: str, params, lr: float = 1e-3, *, momentum: float = 0.0,
+def make_optimizer(name: str | Callable[[Iterable], Optimizer], params: Iterable, lr: float = 1e-3, *,
+                   momentum: float = 0.0,
                    foreach: bool | None = None) -> Optimizer:
     """The optimizer called ``name``, the one meaning of each name in the course:
 
@@ -130,7 +131,7 @@ class LARS(Optimizer):
         adapt: use the trust ratio (default for groups that do not say).
     """
 
-    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+    def __init__(self, params: Iterable, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
                  trust_coefficient: float = 0.001, eps: float = 1e-8, nesterov: bool = False,
                  clip: bool = False, adapt: bool = True):
         defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
@@ -172,7 +173,7 @@ class LARS(Optimizer):
                 group.setdefault(k, v)
 
     @torch.no_grad()
-    def step(self, closure: Callable | None = None):
+    def step(self, closure: Callable | None = None) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -361,7 +362,7 @@ def multiply_gradient_noise_(params: Iterable[torch.Tensor], sigma: float,
 class GradientNoise:
     """Handles of the hooks :func:`add_gradient_noise` installed; ``remove()`` takes them off."""
 
-    def __init__(self, handles):
+    def __init__(self, handles: list[torch.utils.hooks.RemovableHandle]):
         self.handles = handles
 
     def remove(self) -> None:

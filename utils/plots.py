@@ -2,14 +2,21 @@
 title, labels and units."""
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
 import matplotlib.pyplot as plt
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 
 def _as_dict(histories):
     return histories if isinstance(histories, dict) else {"run": histories}
 
 
-def plot_history(histories, title: str = "Training curves", axes=None):
+def plot_history(histories: Any, title: str = "Training curves", axes: Sequence[Axes] | None = None) -> Figure:
     """Loss per optimizer step and validation accuracy per epoch, for one History or a
     {label: History} dict. Returns the figure."""
     histories = _as_dict(histories)
@@ -36,7 +43,8 @@ def plot_history(histories, title: str = "Training curves", axes=None):
     return fig
 
 
-def throughput_bars(results: dict, title: str = "Training throughput", ax=None, unit: str = "images/s"):
+def throughput_bars(results: dict, title: str = "Training throughput", ax: Axes | None = None,
+                    unit: str = "images/s") -> Figure:
     """Horizontal bars of {label: images/s} (or {label: (median, spread)}), values printed."""
     if ax is None:
         fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(results)))
@@ -78,7 +86,7 @@ def _log_ticks(lo: float, hi: float) -> list:
     return ticks
 
 
-def plain_ticks(ax, axis: str = "x", values=None):
+def plain_ticks(ax: Axes, axis: str = "x", values: Iterable[float] | None = None) -> Axes:
     """Plain-number tick labels on a linear or log axis; call it after plotting.
 
     ``values``: exactly these ticks (batch sizes, widths, process counts: an axis of counts then

@@ -22,12 +22,18 @@ import re
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.autograd.profiler import record_function
 
 from .data import EpochLoader
 from .train import Callback, fit
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 # Phase of an event, by name: our labels first, then the names PyTorch's own ops carry.
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "sync")
@@ -67,17 +73,17 @@ def is_allreduce(name: str) -> bool:
 class ProfilerStep(Callback):
     """A ``fit`` callback that advances a ``torch.profiler.profile`` schedule after every optimizer step."""
 
-    def __init__(self, prof):
+    def __init__(self, prof: torch.profiler.profile):
         self.prof = prof
 
-    def on_step_end(self, state):
+    def on_step_end(self, state: SimpleNamespace) -> None:
         self.prof.step()
 
 
 class LabeledLoader(EpochLoader):
     """A loader whose every ``next()`` is recorded as ``phase:data`` (time the loop waits for a batch)."""
 
-    def __init__(self, loader):
+    def __init__(self, loader: Iterable):
         self.loader = loader
 
     def __iter__(self):
@@ -95,7 +101,7 @@ class LabeledLoader(EpochLoader):
 
 
 @contextlib.contextmanager
-def phase_labels(model: torch.nn.Module):
+def phase_labels(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """Record every call of ``model`` (the forward pass) as ``phase:forward``, via forward hooks."""
     open_ = []
 
@@ -116,8 +122,8 @@ def phase_labels(model: torch.nn.Module):
         h2.remove()
 
 
-def make_profiler(trace_dir, *, worker_name: str = "rank0", wait: int = 1, warmup: int = 1, active: int = 3,
-                  record_shapes: bool = False, with_stack: bool = False):
+def make_profiler(trace_dir: str | os.PathLike, *, worker_name: str = "rank0", wait: int = 1, warmup: int = 1,
+                  active: int = 3, record_shapes: bool = False, with_stack: bool = False) -> torch.profiler.profile:
     """A ``torch.profiler.profile`` that skips ``wait`` steps, warms up ``warmup``, records ``active``
     and then writes ``trace_dir/<worker_name>.<time>.pt.trace.json`` (TensorBoard's layout),
     replacing the worker's earlier traces in that folder."""
@@ -140,7 +146,7 @@ def trace_dir(name: str) -> str:
     return os.path.join(root, "profiles", name)
 
 
-def latest_trace(trace_dir, worker_name: str = "") -> str:
+def latest_trace(trace_dir: str | os.PathLike, worker_name: str = "") -> str:
     """The newest trace file in ``trace_dir`` (of ``worker_name`` if given)."""
     files = glob.glob(os.path.join(os.fspath(trace_dir), f"{worker_name}*.pt.trace.json*"))
     if not files:
@@ -157,7 +163,7 @@ class _Captured:
 
 
 @contextlib.contextmanager
-def native_stderr():
+def native_stderr() -> Iterator[_Captured]:
     """Capture what native (C++) code writes to this process's stderr, file descriptor 2 (c10d's
     and gloo's logs, which Python's ``sys.stderr`` never sees); ``.text`` holds it after the block::
 
@@ -199,8 +205,9 @@ def _quiet_kineto():
             pass
 
 
-def profile_fit(model, loader, optimizer, trace_dir, *, steps=(1, 1, 3), worker_name: str = "rank0",
-                callbacks=(), **fit_kwargs):
+def profile_fit(model: torch.nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer,
+                trace_dir: str | os.PathLike, *, steps: tuple[int, int, int] = (1, 1, 3), worker_name: str = "rank0",
+                callbacks: Iterable[Callback] = (), **fit_kwargs: Any) -> tuple[torch.profiler.profile, str]:
     """Run ``fit`` for ``wait + warmup + active`` optimizer steps under the profiler, with phases
     labelled; returns ``(profiler, trace_path)``. ``steps = (wait, warmup, active)``."""
     wait, warmup, active = steps
@@ -216,7 +223,7 @@ def profile_fit(model, loader, optimizer, trace_dir, *, steps=(1, 1, 3), worker_
 # Reading a trace
 # ----------------------------------------------------------------------------------------
 
-def load_trace(path) -> list[dict]:
+def load_trace(path: str | os.PathLike) -> list[dict]:
     """The complete events (``"ph": "X"``: name, ts and dur in microseconds, pid, tid) of a
     Chrome trace file (``.json`` or ``.json.gz``), in time order."""
     path = os.fspath(path)
@@ -229,7 +236,7 @@ def load_trace(path) -> list[dict]:
     return sorted(out, key=lambda e: e["ts"])
 
 
-def profiler_steps(events) -> list[dict]:
+def profiler_steps(events: Iterable[dict]) -> list[dict]:
     """The ``ProfilerStep#N`` events: one per recorded optimizer step."""
     return [e for e in events if e["name"].startswith("ProfilerStep#")]
 
@@ -271,7 +278,7 @@ def _subtract(intervals, holes) -> list:
     return out
 
 
-def phase_times(events, *, phases=PHASES) -> dict:
+def phase_times(events: list[dict], *, phases: Iterable[str] = PHASES) -> dict[str, float]:
     """Microseconds spent in each phase, within the recorded steps. Nested events (an op inside
     ``phase:forward``) and events on other threads overlapping in time count once per phase.
     ``"step"``: the total of the ``ProfilerStep`` spans; ``"other"``: step time in no phase."""
@@ -292,7 +299,7 @@ def phase_times(events, *, phases=PHASES) -> dict:
     return out
 
 
-def phase_times_per_step(events, *, phases=PHASES) -> list[dict]:
+def phase_times_per_step(events: list[dict], *, phases: Iterable[str] = PHASES) -> list[dict[str, float]]:
     """:func:`phase_times` of each recorded step on its own (medians over them resist a step that
     another process on a busy machine stretched)."""
     out = []
@@ -304,7 +311,7 @@ def phase_times_per_step(events, *, phases=PHASES) -> list[dict]:
     return out
 
 
-def count_per_step(events, match) -> float:
+def count_per_step(events: list[dict], match: str | Callable[[str], bool]) -> float:
     """Events per recorded step whose name satisfies ``match`` (a callable, or an exact name)."""
     pred = match if callable(match) else (lambda n: n == match)
     spans = [(e["ts"], e["ts"] + e["dur"]) for e in profiler_steps(events)]
@@ -314,7 +321,7 @@ def count_per_step(events, match) -> float:
     return n / len(spans)
 
 
-def op_counts(events) -> Counter:
+def op_counts(events: Iterable[dict]) -> Counter:
     return Counter(e["name"] for e in events)
 
 
@@ -322,8 +329,8 @@ def op_counts(events) -> Counter:
 # Drawing a trace
 # ----------------------------------------------------------------------------------------
 
-def plot_timeline(events, ax=None, *, title: str = "profiler trace", max_lanes: int = 6, legend: bool = True,
-                  step: int | None = None):
+def plot_timeline(events: list[dict], ax: Axes | None = None, *, title: str = "profiler trace", max_lanes: int = 6,
+                  legend: bool = True, step: int | None = None) -> Axes:
     """The trace as a timeline: one lane per (process, thread), each event a bar coloured by its
     phase (grey: other ops, drawn thinner). Time in milliseconds from the first recorded step;
     ``step``: show only that recorded step (0 = the first)."""
@@ -374,8 +381,8 @@ def plot_timeline(events, ax=None, *, title: str = "profiler trace", max_lanes: 
 # DDP: a worker that profiles a few steps per rank (for utils.parallel.launch)
 # ----------------------------------------------------------------------------------------
 
-def ddp_profile_worker(trace_dir: str, bucket_caps_mb=(25.0,), *, width: int = 512, depth: int = 4,
-                       batch_size: int = 32, steps=(2, 1, 3), seed: int = 0) -> list:
+def ddp_profile_worker(trace_dir: str, bucket_caps_mb: Iterable[float] = (25.0,), *, width: int = 512, depth: int = 4,
+                       batch_size: int = 32, steps: tuple[int, int, int] = (2, 1, 3), seed: int = 0) -> list[dict]:
     """One rank of DDP runs on an MLP (``depth`` layers of ``width`` x ``width``: 1 MiB of float32
     gradient each at width 512), one run per bucket cap, each profiled for ``steps = (wait,
     warmup, active)``. Rank R writes ``trace_dir/cap<C>mb/rank<R>.*.pt.trace.json``. Returns, per
@@ -409,7 +416,7 @@ def ddp_profile_worker(trace_dir: str, bucket_caps_mb=(25.0,), *, width: int = 5
         parallel.teardown()
 
 
-def overlap_report(events) -> dict:
+def overlap_report(events: list[dict]) -> dict[str, float]:
     """How DDP's gradient all-reduce overlaps the backward pass, averaged over the recorded steps.
 
     ``allreduce_per_step``: all-reduces launched per step (``c10d::allreduce_``: one per bucket);

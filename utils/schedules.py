@@ -34,8 +34,13 @@ With the one training loop::
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 from torch.optim.lr_scheduler import LambdaLR
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
 
 DECAYS = ("constant", "step", "cosine", "poly")
 
@@ -88,7 +93,7 @@ class WarmupDecay:
     """
 
     def __init__(self, start_lr: float, peak_lr: float, warmup_steps: int, total_steps: int,
-                 decay: str = "constant", *, milestones=(), gamma: float = 0.1, power: float = 2.0,
+                 decay: str = "constant", *, milestones: Iterable[int] = (), gamma: float = 0.1, power: float = 2.0,
                  min_lr: float = 0.0):
         _positive("start_lr", start_lr, allow_zero=True)
         _positive("peak_lr", peak_lr)
@@ -134,7 +139,7 @@ class WarmupDecay:
         """``[lr(0), ..., lr(steps - 1)]`` (default: ``total_steps`` of them)."""
         return [self.lr(t) for t in range(self.total_steps if steps is None else steps)]
 
-    def scheduler(self, optimizer) -> LambdaLR:
+    def scheduler(self, optimizer: Optimizer) -> LambdaLR:
         """A ``LambdaLR`` on ``optimizer`` that gives step ``t`` the rate ``lr(t)``: every
         group's rate is set to ``peak_lr`` first (LambdaLR multiplies it by ``self(t)``)."""
         for group in optimizer.param_groups:

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,7 +69,7 @@ class History:
         steps = (ep[-1]["step"] - (self.epochs[first - 1]["step"] if first > 0 else 0)) if ep else 0
         return sum(e["time_s"] for e in ep) / steps if steps > 0 else float("nan")
 
-    def last(self, key: str, default=None):
+    def last(self, key: str, default: Any = None) -> Any:
         """The latest per-epoch value of ``key`` (e.g. ``"val_acc"``)."""
         for e in reversed(self.epochs):
             if e.get(key) is not None:
@@ -74,10 +77,10 @@ class History:
         return default
 
     @property
-    def val_acc(self):
+    def val_acc(self) -> float | None:
         return self.last("val_acc")
 
-    def steps_to(self, target_acc: float):
+    def steps_to(self, target_acc: float) -> int | None:
         """The first step at which a recorded evaluation reached ``target_acc`` (None if never)."""
         for e in self.evals:
             if e["val_acc"] is not None and e["val_acc"] >= target_acc:
@@ -91,7 +94,7 @@ class History:
         d["step_s"] = self.step_s
         return d
 
-    def save(self, path) -> None:
+    def save(self, path: str | os.PathLike) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f)
 
@@ -109,10 +112,10 @@ class Callback:
     """Override any of these; ``state`` has model, optimizer, epoch, step, history, loss (a
     device tensor: reading it is a sync point) and ``stop`` (set True to end the run)."""
 
-    def on_step_end(self, state):
+    def on_step_end(self, state: SimpleNamespace) -> None:
         pass
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: SimpleNamespace) -> None:
         pass
 
 
@@ -122,7 +125,7 @@ class StopAtAccuracy(Callback):
     def __init__(self, target: float):
         self.target = target
 
-    def on_step_end(self, state):
+    def on_step_end(self, state: SimpleNamespace) -> None:
         ev = state.history.evals
         if ev and ev[-1]["step"] == state.step and (ev[-1]["val_acc"] or 0) >= self.target:
             state.stop = True
@@ -150,8 +153,9 @@ def _to(x, device, channels_last=False):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, *, loss_fn=None, device=None, amp_dtype=None,
-             channels_last: bool = False) -> dict:
+def evaluate(model: nn.Module, loader: Iterable, *, loss_fn: Callable[..., torch.Tensor] | None = None,
+             device: torch.device | str | None = None, amp_dtype: torch.dtype | None = None,
+             channels_last: bool = False) -> dict[str, Any]:
     """Mean loss and accuracy of ``model`` over ``loader``: ``{"loss", "acc", "n"}``.
 
     Runs the unwrapped module (no DDP collectives), in eval mode, restoring the mode after.
@@ -189,17 +193,17 @@ class ProgressBar(Callback):
     def __init__(self, total: int | None, desc: str = "train"):
         self.bar = tqdm(total=total, desc=desc, leave=True, unit="step", mininterval=0.1)
 
-    def on_step_end(self, state):
+    def on_step_end(self, state: SimpleNamespace) -> None:
         self.bar.update()
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: SimpleNamespace) -> None:
         rec = state.history.epochs[-1]
         post = {"loss": f"{rec['train_loss']:.3f}"}
         if rec["val_acc"] is not None:
             post["val_acc"] = f"{rec['val_acc']:.3f}"
         self.bar.set_postfix(post)
 
-    def close(self):
+    def close(self) -> None:
         n, total = self.bar.n, self.bar.total
         if total and n < total:           # stopped early on purpose (a callback): not an error, so the
             self.bar.reset(total=n)       # bar is shortened to what ran rather than left red
@@ -262,10 +266,12 @@ def _total_steps(train_loader, epochs, steps, grad_accum) -> int | None:
     return per_epoch * epochs if steps is None else min(steps, per_epoch * epochs)
 
 
-def fit(model: nn.Module, train_loader, optimizer: torch.optim.Optimizer, *, epochs: int | None = None,
-        steps: int | None = None, scheduler=None, loss_fn=None, device=None, amp_dtype=None,
+def fit(model: nn.Module, train_loader: Iterable, optimizer: torch.optim.Optimizer, *, epochs: int | None = None,
+        steps: int | None = None, scheduler: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
+        device: torch.device | str | None = None, amp_dtype: torch.dtype | None = None,
         channels_last: bool = False, grad_accum: int = 1, clip_grad_norm: float | None = None,
-        val_loader=None, eval_every: int | None = None, callbacks=(), progress: bool = True,
+        val_loader: Iterable | None = None, eval_every: int | None = None, callbacks: Iterable[Callback] = (),
+        progress: bool = True,
         desc: str = "train") -> History:
     """Train ``model`` and return its :class:`History`.
 

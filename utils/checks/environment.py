@@ -1,4 +1,7 @@
 """Self-check of the example exercise (solutions/lab0_example.ipynb)."""
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from ._common import _call, _close, _fail, _passed
@@ -6,7 +9,7 @@ from ._common import _call, _close, _fail, _passed
 __all__ = ["check_accuracy"]
 
 
-def check_accuracy(accuracy) -> None:
+def check_accuracy(accuracy: Callable[..., Any]) -> None:
     """``accuracy(logits, labels)``: the fraction (a float in [0, 1]) of rows whose arg-max
     logit equals the label."""
     name = "accuracy"

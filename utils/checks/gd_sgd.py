@@ -3,6 +3,9 @@
 Each check runs the student's function on a small case whose answer is known (hand-computed,
 the closed-form least-squares solution, or the references in utils.linear_regression and
 utils.gradient_noise) and, when it is wrong, names the likely mistake."""
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from .. import gradient_noise as _noise
@@ -30,7 +33,7 @@ def _pair(name, got):
         _fail(name, f"returned {got!r}: its entries are not numbers", "return two floats (or 0-d tensors)")
 
 
-def check_gd_step(gd_step) -> None:
+def check_gd_step(gd_step: Callable[..., Any]) -> None:
     """``gd_step(x, y, w, b, lr)``: one full-batch gradient-descent step on mean((w x + b - y)^2),
     returning the new (w, b)."""
     name = "gd_step"
@@ -93,7 +96,7 @@ def _trajectory(name, got, steps):
     return got
 
 
-def check_sgd(sgd) -> None:
+def check_sgd(sgd: Callable[..., Any]) -> None:
     """``sgd(x, y, w0, b0, lr, steps, batch_size, seed)``: minibatch SGD taking its batches from
     ``utils.linear_regression.minibatches(len(x), batch_size, seed)``; returns the (steps + 1, 2) trajectory."""
     name = "sgd"
@@ -127,7 +130,7 @@ def check_sgd(sgd) -> None:
     _passed(name, f"matches the reference trajectory ({steps} steps, batch {B})")
 
 
-def check_noise_scale(b_simple) -> None:
+def check_noise_scale(b_simple: Callable[..., Any]) -> None:
     """``b_simple(sq_small, sq_big, b_small, b_big)``: the gradient noise scale tr(Sigma)/|G|^2
     from tensors of squared small- and big-batch gradient norms (McCandlish et al.'s two-batch
     estimator, numerator and denominator averaged separately)."""

@@ -1,5 +1,7 @@
 """Self-checks for stage 4: large-batch training (lab4)."""
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -8,7 +10,7 @@ from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
 __all__ = ["check_warmup_lr", "check_trust_ratio", "check_lars_step", "check_lr_for_batch"]
 
 
-def check_warmup_lr(warmup_lr):
+def check_warmup_lr(warmup_lr: Callable[..., Any]) -> None:
     """``warmup_lr(step, base_lr, peak_lr, warmup_steps)``: the rate of optimizer step ``step``
     (0-based) under gradual warmup: ``base + (peak - base) * step / warmup_steps`` while
     ``step < warmup_steps``, then ``peak``."""
@@ -48,7 +50,7 @@ def _ref_ratio(w, g, wd, tc, eps):
     return float(tc * wn / (gn + wd * wn + eps))
 
 
-def check_trust_ratio(trust_ratio):
+def check_trust_ratio(trust_ratio: Callable[..., Any]) -> None:
     """``trust_ratio(w, g, weight_decay, trust_coefficient, eps)`` -> the LARS local factor
     ``trust_coefficient * ||w|| / (||g|| + weight_decay * ||w|| + eps)``, 1 when a norm is 0."""
     name = "trust_ratio"
@@ -82,7 +84,7 @@ def check_trust_ratio(trust_ratio):
     _passed(name, "matches the paper's formula and falls back to 1")
 
 
-def check_lars_step(lars_step):
+def check_lars_step(lars_step: Callable[..., Any]) -> None:
     """``lars_step(w, g, buf, lr, momentum, weight_decay, trust_coefficient, eps)`` -> (new_w,
     new_buf) for one tensor; ``buf`` is None on the first step. Compared with utils.optim.LARS."""
     from utils.optim import LARS
@@ -132,7 +134,7 @@ def check_lars_step(lars_step):
     _passed(name, "three steps with momentum and weight decay match utils.optim.LARS")
 
 
-def check_lr_for_batch(lr_for_batch):
+def check_lr_for_batch(lr_for_batch: Callable[..., Any]) -> None:
     """``lr_for_batch(base_lr, base_batch, batch, rule)`` with rule "linear" or "sqrt", compared
     with :func:`utils.schedules.lr_for_batch` (same arguments, same order)."""
     from ..schedules import lr_for_batch as reference

@@ -5,6 +5,9 @@ partial sums itself (that is what the all-reduce does), the pipeline check runs 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -21,7 +24,7 @@ def _mlp(d, hidden, seed):
     return mlp(hidden, 2, in_features=d, out_features=d, activation="gelu")
 
 
-def check_tensor_parallel(column_shard, row_shard) -> None:
+def check_tensor_parallel(column_shard: Callable[..., Any], row_shard: Callable[..., Any]) -> None:
     """``column_shard(linear, rank, world_size) -> (weight, bias)`` and
     ``row_shard(linear, rank, world_size) -> weight``: the Megatron split of an MLP. The check
     runs every rank's part here, adds the partial outputs (the all-reduce g) and compares with
@@ -73,7 +76,7 @@ def _zero(p, n, stage, param=2, grad=2):
     return param * p / (n if stage >= 3 else 1) + grad * p / (n if stage >= 2 else 1) + 12 * p / (n if stage >= 1 else 1)
 
 
-def check_zero_memory(zero_memory) -> None:
+def check_zero_memory(zero_memory: Callable[..., Any]) -> None:
     """``zero_memory(n_params, world_size, stage)``: bytes per GPU for mixed-precision Adam (2-byte
     parameters, 2-byte gradients, 12 bytes of fp32 optimizer state per parameter) under ZeRO
     stage 0 (DDP), 1, 2 or 3."""
@@ -114,7 +117,7 @@ def _loss(out, y):
     return (out - y).pow(2).mean()
 
 
-def check_gpipe_microbatches(gpipe_microbatches) -> None:
+def check_gpipe_microbatches(gpipe_microbatches: Callable[..., Any]) -> None:
     """``gpipe_microbatches(stage0, stage1, x, y, m)``: one GPipe step in one process: all m
     forwards (each through stage0, across the boundary, through stage1, loss / m), then all m
     backwards (stage1, then the boundary's gradient into stage0). Returns the summed loss; the

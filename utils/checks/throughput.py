@@ -1,6 +1,8 @@
 """Self-checks for stage 2: throughput (lab2): predicting memory, timing a step, finding the
 input-pipeline bottleneck."""
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -34,7 +36,7 @@ def _counted(model: nn.Module, optimizer: str, momentum: float) -> dict:
     return out
 
 
-def check_state_bytes(state_bytes) -> None:
+def check_state_bytes(state_bytes: Callable[..., Any]) -> None:
     """``state_bytes(model, optimizer, momentum=0.0)`` -> dict with ``params``, ``grads`` and
     ``optimizer_state`` in bytes, for ``optimizer`` "sgd" or "adam". Compared with the bytes a
     real optimizer holds after one step."""
@@ -94,7 +96,7 @@ def check_state_bytes(state_bytes) -> None:
 # Exercise 2: timing a step
 # ----------------------------------------------------------------------------------------
 
-def check_time_step(time_step) -> None:
+def check_time_step(time_step: Callable[..., Any]) -> None:
     """``time_step(step, sync, warmup, repeats)`` -> median seconds per ``step()``.
 
     Checked on a simulated asynchronous GPU: ``step()`` only queues its work (as a CUDA launch
@@ -166,7 +168,7 @@ class _SlowLoader:
             yield batch
 
 
-def check_wait_fraction(wait_fraction) -> None:
+def check_wait_fraction(wait_fraction: Callable[..., Any]) -> None:
     """``wait_fraction(loader, step)`` -> the fraction (0..1) of one pass's time spent waiting
     for the loader's next batch, calling ``step(batch)`` for every batch."""
     name = "wait_fraction"

@@ -18,11 +18,15 @@ from here. A notebook shows a worker's code with :func:`show_source` before laun
 from __future__ import annotations
 
 import inspect
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from IPython.display import Code
 
 __all__ = ["show_source"]
 
 
-def show_source(*objs):
+def show_source(*objs: Any) -> Code | None:
     """The source of each module, function or class, highlighted as one Python block in a notebook
     (plain text elsewhere): how a notebook shows the worker it is about to launch."""
     text = "\n\n".join(inspect.getsource(o).rstrip() for o in objs) + "\n"

@@ -4,6 +4,8 @@ timed against ``dist.all_reduce`` (section 3). Launched by ``parallel.launch(col
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -11,7 +13,7 @@ import torch.distributed as dist
 from utils import device, parallel
 
 
-def show_collectives(ctx):
+def show_collectives(ctx: parallel.DistContext) -> dict[str, Any]:
     r, n, out = ctx.rank, ctx.world_size, {}
     t = torch.tensor([100.0 + r], device=ctx.device)
     dist.broadcast(t, src=0)
@@ -28,7 +30,7 @@ def show_collectives(ctx):
     return out
 
 
-def best_time(fn, ctx, repeats):
+def best_time(fn: Callable[[], Any], ctx: parallel.DistContext, repeats: int) -> float:
     times = []
     for _ in range(repeats + 1):        # the first call is a warm-up
         dist.barrier()                 # start together
@@ -39,7 +41,7 @@ def best_time(fn, ctx, repeats):
     return min(times[1:])               # the least disturbed run: other programs only add time
 
 
-def worker(message_sizes, repeats):
+def worker(message_sizes: Iterable[int], repeats: int) -> dict[str, Any]:
     ctx = parallel.setup()
     out = show_collectives(ctx)
     x = torch.randn(1000, generator=torch.Generator().manual_seed(ctx.rank)).to(ctx.device)

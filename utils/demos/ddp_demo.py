@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import TensorDataset
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
 
@@ -17,12 +20,13 @@ from utils import data, device, parallel, models
 from utils.train import fit
 
 
-def small_net(seed):
+def small_net(seed: int) -> models.Net:
     torch.manual_seed(seed)
     return models.Net(8, in_channels=1, image_size=8)
 
 
-def by_hand(ctx, ds, batch):
+def by_hand(ctx: parallel.DistContext, ds: TensorDataset,
+            batch: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     model = small_net(100 + ctx.rank).to(ctx.device)           # a different start on every rank
     init = {k: v.clone() for k, v in model.state_dict().items()}
     for p in model.parameters():
@@ -37,14 +41,14 @@ def by_hand(ctx, ds, batch):
     return init, model.state_dict()
 
 
-def with_ddp(ctx, ds, batch):
+def with_ddp(ctx: parallel.DistContext, ds: TensorDataset, batch: int) -> dict[str, torch.Tensor]:
     model = parallel.ddp(small_net(100 + ctx.rank), ctx)           # broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = data.make_loader(ds, batch, rank=ctx.rank, world_size=ctx.world_size, seed=5, device=ctx.device)
     fit(model, loader, opt, epochs=1, progress=False)            # all-reduce happens in backward()
     return model.module.state_dict()
 
-def uneven_with_join(ctx):
+def uneven_with_join(ctx: parallel.DistContext) -> int:
     model = parallel.ddp(small_net(0), ctx)
     n_batches = 3 if ctx.rank == 0 else 2                          # the same uneven split
     with Join([model]):
@@ -54,12 +58,12 @@ def uneven_with_join(ctx):
     dist.barrier()                                                # now reached by everyone
     return n_batches
 
-def counting_hook(calls, bucket):
+def counting_hook(calls: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     calls.append(bucket.buffer().numel())                  # note the bucket...
     return default_hooks.allreduce_hook(None, bucket)      # ...then DDP's usual averaging all-reduce
 
 
-def accumulation(ctx, ds, batch, k=4):
+def accumulation(ctx: parallel.DistContext, ds: TensorDataset, batch: int, k: int = 4) -> dict[bool, dict[str, Any]]:
     out = {}
     for use_no_sync in (False, True):
         calls = []
@@ -75,13 +79,15 @@ def accumulation(ctx, ds, batch, k=4):
     return out
 
 
-def mlp(width, depth=4):
+def mlp(width: int, depth: int = 4) -> nn.Sequential:
     """``depth`` Linear-ReLU layers of ``width``, then 10 outputs; the same weights on every rank."""
     torch.manual_seed(0)
     return models.mlp(width, depth + 1, out_features=10)
 
 
-def step_time(ctx, model, x, y, repeats, sync_ctx=contextlib.nullcontext, after=None):
+def step_time(ctx: parallel.DistContext, model: nn.Module, x: torch.Tensor, y: torch.Tensor, repeats: int,
+              sync_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+              after: Callable[[], Any] | None = None) -> float:
     times = []
     for _ in range(repeats + 1):                          # the first is a warm-up
         dist.barrier()
@@ -96,7 +102,7 @@ def step_time(ctx, model, x, y, repeats, sync_ctx=contextlib.nullcontext, after=
     return sorted(times[1:])[len(times[1:]) // 2]
 
 
-def buckets(ctx, width, caps, repeats):
+def buckets(ctx: parallel.DistContext, width: int, caps: Iterable[float], repeats: int) -> dict[str, Any]:
     x = torch.randn(32, width, device=ctx.device)
     y = torch.randint(0, 10, (32,), device=ctx.device)
     out = {"buckets": {}, "t_ddp": {}}
@@ -116,7 +122,7 @@ def buckets(ctx, width, caps, repeats):
     return out
 
 
-def worker(n, batch, width, caps, repeats):
+def worker(n: int, batch: int, width: int, caps: Iterable[float], repeats: int) -> dict[str, Any]:
     parallel.exact_fp32()        # TF32 off: the weights are compared with a CPU run to 1e-4
     ctx = parallel.setup()
     ds = data.synthetic(n, shape=(1, 8, 8), seed=3)

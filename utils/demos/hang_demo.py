@@ -11,7 +11,7 @@ import torch.distributed as dist
 from utils import parallel, models
 
 
-def worker(timeout_s):
+def worker(timeout_s: float) -> None:
     ctx = parallel.setup()
     short = dist.new_group(timeout=timedelta(seconds=timeout_s))    # its collectives give up sooner
     torch.manual_seed(0)

@@ -5,6 +5,8 @@ batch. Launched by ``parallel.launch(pp_demo.worker, 2, ...)``."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.distributed as dist
 
@@ -19,7 +21,7 @@ def _grads(module) -> dict:
     return {k: p.grad.detach().clone() for k, p in module.named_parameters()}
 
 
-def worker(width: int = 32, depth: int = 4, batch_size: int = 16, micro_batches=(1, 2, 4, 8),
+def worker(width: int = 32, depth: int = 4, batch_size: int = 16, micro_batches: Iterable[int] = (1, 2, 4, 8),
               repeats: int = 3, library_m: int = 4, seed: int = 0) -> dict:
     """Rank r holds stage r of ``block_mlp(width, depth)``. For each m in ``micro_batches``:
     ``repeats`` hand GPipe steps (traces gathered on rank 0); then ScheduleGPipe and

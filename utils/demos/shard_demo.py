@@ -9,6 +9,7 @@ notebook plots. Launched by ``parallel.launch(shard_demo.worker, n, ...)``.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -43,7 +44,7 @@ def _global_mean(t: torch.Tensor, ctx) -> float:
     return (t / ctx.world_size).item()
 
 
-def worker(strategies=STRATEGIES, *, width: int = 64, depth: int = 4, batch_size: int = 32,
+def worker(strategies: Iterable[str] = STRATEGIES, *, width: int = 64, depth: int = 4, batch_size: int = 32,
                  steps: int = 4, lr: float = 1e-3, seed: int = 0, save_dir: str | None = None,
                  save_after: int | None = None, resume_dir: str | None = None,
                  measure_peak: bool = True) -> dict:

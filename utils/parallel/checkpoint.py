@@ -5,6 +5,9 @@ from __future__ import annotations
 import io
 import os
 import random
+from collections.abc import Iterable
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import torch
@@ -51,7 +54,8 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
-def save_checkpoint(path, model: nn.Module, optimizer=None, scheduler=None, *, epoch: int = 0,
+def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    scheduler: Any = None, *, epoch: int = 0,
                     step: int = 0, sampler_epoch: int | None = None, extra: dict | None = None) -> bool:
     """Save everything needed to resume exactly; only rank 0 writes. Call it on EVERY rank.
 
@@ -90,7 +94,8 @@ def save_checkpoint(path, model: nn.Module, optimizer=None, scheduler=None, *, e
     return wrote
 
 
-def load_checkpoint(path, model: nn.Module, optimizer=None, scheduler=None, *, map_location=None,
+def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    scheduler: Any = None, *, map_location: Any = None,
                     restore_rng: bool = True) -> dict:
     """Load a :func:`save_checkpoint` file on every rank and restore what was saved.
 
@@ -122,7 +127,7 @@ class EpochOffset(EpochLoader):
     """A loader seen by ``fit`` as starting at epoch 0, while its sampler gets the real epoch
     ``offset + e``: a resumed run reshuffles exactly as the uninterrupted one did."""
 
-    def __init__(self, loader, offset: int):
+    def __init__(self, loader: Iterable, offset: int):
         self.loader, self.epoch_offset = loader, int(offset)
 
     def __iter__(self):
@@ -136,16 +141,17 @@ class Checkpointer:
     """A ``fit`` callback that saves a checkpoint at the end of every ``every`` epochs (all ranks
     call it; rank 0 writes). ``start_epoch`` / ``start_step``: where a resumed run began."""
 
-    def __init__(self, path, optimizer=None, scheduler=None, *, every: int = 1, start_epoch: int = 0,
+    def __init__(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
+                 *, every: int = 1, start_epoch: int = 0,
                  start_step: int = 0):
         self.path, self.optimizer, self.scheduler = path, optimizer, scheduler
         self.every, self.start_epoch, self.start_step = every, start_epoch, start_step
         self.saved = []
 
-    def on_step_end(self, state):
+    def on_step_end(self, state: SimpleNamespace) -> None:
         pass
 
-    def on_epoch_end(self, state):
+    def on_epoch_end(self, state: SimpleNamespace) -> None:
         epoch = self.start_epoch + state.epoch + 1          # epochs completed so far
         if epoch % self.every == 0:
             save_checkpoint(self.path, state.model, self.optimizer or state.optimizer, self.scheduler,

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=
         req.wait()
 
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Sum ``tensor`` over all ranks, in place, with a ring of point-to-point messages.
 
     The tensor is cut into N chunks. Reduce-scatter (N-1 steps): each rank sends one chunk to
@@ -60,7 +62,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
     return tensor
 
 
-def average_gradients(model: nn.Module, group=None) -> None:
+def average_gradients(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
     """DDP by hand: after ``backward()``, replace every gradient with its mean over the ranks."""
     world = dist.get_world_size(group)
     for p in model.parameters():
@@ -74,7 +76,7 @@ def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
 
 
-def alpha_beta_fit(nbytes, seconds):
+def alpha_beta_fit(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
     """Least-squares fit of ``t = alpha + nbytes / bandwidth`` to measured times.
 
     Returns (alpha in seconds, bandwidth in bytes/s). The latency alpha dominates small

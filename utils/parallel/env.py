@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 PORT_BASE, PORT_SPAN = 20000, 10000      # MASTER_PORT = PORT_BASE + job id % PORT_SPAN (below Linux's ephemeral range)
@@ -117,7 +118,7 @@ def _int(env, name, default=None):
         raise ValueError(f"environment variable {name}={v!r} is not an integer") from None
 
 
-def rendezvous_env(env=None, *, export: bool = False) -> RendezvousEnv:
+def rendezvous_env(env: Mapping[str, str] | None = None, *, export: bool = False) -> RendezvousEnv:
     """This process's rank, group sizes and rendezvous address.
 
     From torchrun's / ``launch()``'s variables when RANK and WORLD_SIZE are set; else from SLURM's

@@ -9,12 +9,16 @@ import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from .env import rendezvous_env
+
+if TYPE_CHECKING:
+    from ..config import Profile
 
 
 DEFAULT_TIMEOUT_S = 300.0   # seconds a collective may wait before the group gives up
@@ -58,7 +62,7 @@ def choose_backend(nprocs_per_node: int) -> str:
     return "gloo"
 
 
-def sizes_for_ranks(cfg, nprocs: int, *, quiet: bool = False):
+def sizes_for_ranks(cfg: Profile, nprocs: int, *, quiet: bool = False) -> Profile:
     """The profile a demo of ``nprocs`` launched ranks should take its sizes from.
 
     ``cfg`` when every rank gets a GPU of its own (launch picks NCCL), or when ``cfg`` is already
@@ -81,7 +85,7 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def rank_device(local_rank: int, device=None) -> torch.device:
+def rank_device(local_rank: int, device: torch.device | str | None = None) -> torch.device:
     """The device of a rank: ``device`` if it names one fully (``cpu``, ``cuda:1``); a bare
     ``cuda`` (or None with a GPU in sight) becomes ``cuda:(local_rank % visible GPUs)``, so ranks
     that share GPUs spread over them and a rank that sees only its own GPU gets ``cuda:0``.
@@ -131,7 +135,8 @@ def _agree_on_gpus(store, rank: int, world: int, identity: str | None, timeout: 
 
 
 
-def setup(backend: str | None = None, *, device=None, timeout: float | None = None) -> DistContext:
+def setup(backend: str | None = None, *, device: torch.device | str | None = None,
+          timeout: float | None = None) -> DistContext:
     """Join the process group and return this process's :class:`DistContext`.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as set by

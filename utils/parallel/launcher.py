@@ -15,12 +15,17 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from .group import choose_backend, teardown
+
+if TYPE_CHECKING:
+    import subprocess
 
 # ----------------------------------------------------------------------------------------
 # launch(): processes from a notebook
@@ -29,7 +34,7 @@ from .group import choose_backend, teardown
 class LaunchError(RuntimeError):
     """A rank failed; ``rank`` says which, ``remote_traceback`` holds its traceback."""
 
-    def __init__(self, message, rank=None, remote_traceback=""):
+    def __init__(self, message: str, rank: int | None = None, remote_traceback: str = ""):
         super().__init__(message)
         self.rank = rank
         self.remote_traceback = remote_traceback
@@ -202,8 +207,8 @@ def _read_result(workdir, rank):
         return None
 
 
-def launch(worker, nprocs: int, *args, backend: str | None = None, timeout: float = 600.0,
-           threads: int | None = None, stream: bool = True, **kwargs) -> list:
+def launch(worker: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None, timeout: float = 600.0,
+           threads: int | None = None, stream: bool = True, **kwargs: Any) -> list:
     """Run ``worker(*args, **kwargs)`` in ``nprocs`` new processes and return their results,
     a list indexed by rank.
 
@@ -335,7 +340,8 @@ def _failure(procs, workdir, failed) -> LaunchError:
     return LaunchError("a rank failed without reporting why; the other ranks were stopped", rank=None)
 
 
-def torchrun(args, *, timeout: float = 600.0, env: dict | None = None, cwd=None):
+def torchrun(args: Sequence[str], *, timeout: float = 600.0, env: dict | None = None,
+             cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
     """Run ``python -m torch.distributed.run ARGS`` (torchrun) and return the CompletedProcess
     (``stdout`` holds stdout and stderr). The agent and its workers get their own session, so a
     timeout stops all of them, not only the agent; then ``subprocess.TimeoutExpired`` is raised."""

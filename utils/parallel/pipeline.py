@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import inspect
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+if TYPE_CHECKING:
+    from .group import DistContext
 
 __all__ = ["schedule", "replay", "bubble_fraction", "schedule_bubble", "in_flight", "gpipe_step",
            "measured_bubble", "executed_bubble",
@@ -91,13 +96,13 @@ def replay(orders: list) -> list:
     return grid
 
 
-def schedule_bubble(grid) -> float:
+def schedule_bubble(grid: list[list[tuple[str, int] | None]]) -> float:
     """Idle slots over all slots of a :func:`schedule` grid."""
     slots = sum(len(row) for row in grid)
     return sum(x is None for row in grid for x in row) / slots
 
 
-def in_flight(grid) -> list:
+def in_flight(grid: list[list[tuple[str, int] | None]]) -> list[int]:
     """Per stage: the most micro-batches whose forward is done and backward not yet (their
     activations are held)."""
     out = []
@@ -119,11 +124,13 @@ def split_stages(model: nn.Sequential, p: int) -> list:
     return [model[s * n // p:(s + 1) * n // p] for s in range(p)]
 
 
-def mse(out, target):
+def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out.float() - target).pow(2).mean()
 
 
-def gpipe_step(stage: nn.Module, x, y, m: int, *, rank: int, world_size: int, loss_fn=mse, trace=None):
+def gpipe_step(stage: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, *, rank: int, world_size: int,
+               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse,
+               trace: list | None = None) -> torch.Tensor | None:
     """One GPipe step of this rank's ``stage`` on the batch ``(x, y)`` cut in ``m`` micro-batches.
 
     Forward every micro-batch (receive its input from the previous stage, send the output on),
@@ -207,7 +214,8 @@ def measured_bubble(traces: list) -> float:
     return 1.0 - busy / (len(traces) * (end - start))
 
 
-def library_step(kind, stage_mod, x, y, m, ctx):
+def library_step(kind: str, stage_mod: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int,
+                 ctx: DistContext) -> float | None:
     """One step with torch.distributed.pipelining; the loss scaled by 1/m ourselves, so the
     gradients mean the same on every version (2.6+ can scale them itself: scale_grads)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe

@@ -17,9 +17,14 @@ sharded checkpoints.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from .group import DistContext
 
 try:                                    # torch >= 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -75,7 +80,7 @@ def _nbytes(t) -> int:
     return t.numel() * t.element_size()
 
 
-def rank_bytes(model: nn.Module, optimizer) -> dict:
+def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds now: its parameters (shards, under FSDP), their gradients and the
     per-element optimizer state (0-dimensional step counters left out). For a
     ``ZeroRedundancyOptimizer``, the state of the parameters this rank owns."""
@@ -159,7 +164,8 @@ class CommCounter(TorchDispatchMode):
 # One model, four ways to shard it (utils.demos.shard_demo drives it)
 # ----------------------------------------------------------------------------------------
 
-def shard_model(model: nn.Module, strategy: str, ctx, lr: float):
+def shard_model(model: nn.Module, strategy: str, ctx: DistContext,
+                lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
     """(model, optimizer) for ``strategy`` on the process group of ``ctx``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -194,7 +200,7 @@ def shard_model(model: nn.Module, strategy: str, ctx, lr: float):
 # Sharded checkpoints (torch.distributed.checkpoint)
 # ----------------------------------------------------------------------------------------
 
-def save_sharded(model, opt, path: str) -> dict:
+def save_sharded(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> dict[str, torch.Tensor]:
     """Every rank writes its own shards (and rank 0 the metadata) to the folder ``path``.
     Returns the full (unsharded) model state, gathered, for comparing after a reload."""
     import torch.distributed.checkpoint as dcp
@@ -205,7 +211,7 @@ def save_sharded(model, opt, path: str) -> dict:
     return {k: v.clone() for k, v in full.items()}
 
 
-def load_sharded(model, opt, path: str) -> int:
+def load_sharded(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> int:
     """Load a sharded checkpoint into ``model`` and ``opt`` whatever the number of ranks that
     wrote it: DCP reshards. Returns the number of steps it was saved after."""
     import torch.distributed.checkpoint as dcp

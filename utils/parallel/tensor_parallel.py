@@ -81,7 +81,7 @@ class TPMLP(nn.Module):
         self.w2 = nn.Parameter(row_shard(block[2], rank, world_size))
         self.b2 = nn.Parameter(block[2].bias.detach().clone())   # replicated, added once
 
-    def forward(self, x):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = _CopyToTP.apply(x)                                  # f
         h = F.gelu(F.linear(x, self.w1, self.b1))               # [batch, hidden / N]
         partial = F.linear(h, self.w2)                          # [batch, d], a partial sum
