@@ -89,7 +89,7 @@ def _passed(name: str, detail: str = "") -> None:
 
 
 
-def check_prediction(prediction, measured: float, what: str, *, unit: str = "", rel_tol: float = 0.25,
+def check_prediction(prediction: object, measured: float, what: str, *, unit: str = "", rel_tol: float = 0.25,
                      if_off: str = "") -> float:
     """Compare a number the student wrote BEFORE measuring with the measurement.
 
