@@ -28,6 +28,11 @@ TABLE: dict[str, tuple] = {
     "hidden_num_chans": (32, 64, 128),                    # width of the lecture CNN
     "num_workers": (0, 2, 4),                             # DataLoader workers
     "loader": ("device", "device", "device"),             # "device" (resident) or "dataloader"
+    # --- 00_environment: the bundled digits in every profile (no download; under a minute) ---
+    "env_n_train": (1400, 1400, 1400),                    # digits training images (1,797 - env_n_val at most)
+    "env_n_val": (397, 397, 397),                         # digits held out
+    "env_epochs": (6, 8, 10),                             # passes over env_n_train
+    "env_batch_size": (64, 64, 64),                       # images per step (digits: 22 steps per epoch)
     # --- stage 1: gradient descent vs SGD, batch size ---
     "gd_n_points": (256, 1024, 4096),                     # synthetic linear-regression points
     "gd_steps": (60, 200, 400),                           # optimizer steps on the loss surface
