@@ -286,9 +286,10 @@ def check_sizes(name: str, n_train: int | None, n_val: int | None) -> None:
     n_tr, n_va = DATASET_SIZES[name]
     if n_va is None:        # one pool
         val = n_val or DIGITS_DEFAULT_N_VAL
-        if val + (n_train or 1) > n_tr:
-            raise ValueError(f"n_train + n_val = {(n_train or 0) + val:,} but {name} has {n_tr:,} images "
-                             f"(and training needs at least one): {fix}")
+        if n_train and n_train + val > n_tr:
+            raise ValueError(f"n_train + n_val = {n_train + val:,} but {name} has {n_tr:,} images: {fix}")
+        if val >= n_tr:
+            raise ValueError(f"n_val = {val:,} but {name} has {n_tr:,} images, none left for training: {fix}")
         return
     if n_train is not None and n_train > n_tr:
         raise ValueError(f"n_train = {n_train:,} but {name} has {n_tr:,} training images: {fix}")
