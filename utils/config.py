@@ -20,12 +20,12 @@ PROFILE_NAMES = ("smoke", "cpu", "gpu")
 TABLE: dict[str, tuple] = {
     # --- common (00_environment, the training loop) ---
     "dataset": ("digits", "fashion_mnist", "cifar10"),   # default dataset of the stage notebooks
-    "n_train": (1400, 10_000, 50_000),                    # training images (None = all)
-    "n_val": (397, 2_000, 10_000),                        # held-out images
+    "n_train": (1400, 5_000, 50_000),                    # training images (None = all)
+    "n_val": (397, 1_000, 10_000),                        # held-out images
     "epochs": (6, 3, 10),                                 # passes over n_train
     "batch_size": (64, 64, 256),                          # images per optimizer step
     "lr": (2e-3, 1e-3, 1e-3),                             # Adam learning rate for the default runs
-    "hidden_num_chans": (32, 64, 128),                    # width of the lecture CNN
+    "hidden_num_chans": (32, 32, 128),                    # width of the lecture CNN
     "num_workers": (0, 2, 4),                             # DataLoader workers
     "loader": ("device", "device", "device"),             # "device" (resident) or "dataloader"
     # --- 00_environment: the bundled digits in every profile (no download; under a minute) ---
@@ -43,12 +43,12 @@ TABLE: dict[str, tuple] = {
     "var_draws": (200, 500, 2000),                        # minibatches drawn per batch size
     "sgd_dataset": ("digits", "fashion_mnist", "fashion_mnist"),
     "sgd_batch_sizes": ((8, 32, 128, 512), (16, 64, 256, 1024), (16, 64, 256, 1024, 4096)),  # fixed epochs
-    "sgd_epochs": (2, 3, 10),                             # fixed epoch budget of the sweep
+    "sgd_epochs": (2, 2, 10),                             # fixed epoch budget of the sweep
     "sgd_target_batch_sizes": ((4, 16, 64, 256), (8, 32, 128, 512),
                                (8, 32, 128, 512, 2048, 8192)),  # steps-to-target sweep
     "sgd_target_acc": (0.85, 0.85, 0.87),                 # validation accuracy that ends a run
-    "sgd_max_steps": (500, 3000, 20_000),                 # cap on steps-to-target
-    "sgd_eval_images": (32, 256, 1024),                   # evaluate every ~this many images (>= every step)
+    "sgd_max_steps": (500, 2000, 20_000),                 # cap on steps-to-target
+    "sgd_eval_images": (32, 512, 1024),                   # evaluate every ~this many images (>= every step)
     "sgd_base_lr": (0.02, 0.01, 0.01),                    # SGD (momentum 0.9) rate at sgd_base_batch
     "sgd_base_batch": (8, 16, 16),                        # batch the base rate was tuned for (images)
     "sgd_max_lr": (0.05, 0.1, 0.1),                       # cap on the linearly scaled rate
@@ -67,7 +67,7 @@ TABLE: dict[str, tuple] = {
     "mem_batch_sizes": ((16, 64, 256), (16, 64, 256, 1024), (64, 256, 1024, 4096)),  # memory predicted
     "pipeline_workers": ((0, 2, 4), (0, 2, 4), (0, 2, 4)),  # DataLoader workers compared
     "pipeline_epochs": (1, 1, 2),                         # epochs per input-pipeline run
-    "pipeline_n_train": (640, 5_000, 10_000),             # training images per input-pipeline run
+    "pipeline_n_train": (640, 4_000, 10_000),             # training images per input-pipeline run
     "pipeline_item_cost_s": (2e-3, 5e-4, 5e-4),           # host work per image (decode + augment), seconds
                                                           # (smoke: 128 ms per batch, far above a busy 2-core box's hiccups)
     "monitor_interval": (0.05, 0.1, 0.1),                 # seconds between GPU samples
@@ -75,8 +75,8 @@ TABLE: dict[str, tuple] = {
     "ddp_nprocs": (2, 2, 0),                              # processes (0 = one per GPU)
     "ddp_epochs": (4, 3, 5),                              # epochs of the utils.ddp_train runs
     "ddp_batch_size": (32, 64, 256),                      # per process
-    "ddp_n_train": (512, 8192, 49152),                    # images; divisible by max(nprocs) * batch
-    "ddp_n_val": (256, 2000, 10000),
+    "ddp_n_train": (512, 4096, 49152),                    # images; divisible by max(nprocs) * batch
+    "ddp_n_val": (256, 1000, 10000),
     "ddp_hidden": (16, 32, 128),                          # Net's hidden channels in the DDP runs
     "ddp_lr": (0.1, 0.05, 0.05),                          # SGD peak rate (cosine schedule)
     "ddp_scaling_nprocs": ((1, 2), (1, 2, 4), (1, 2, 4, 8)),   # process counts timed
