@@ -107,11 +107,11 @@ TABLE: dict[str, tuple] = {
     "mem_batch": (128, 512, 2048),                        # rows per step of the budget
     "ckpt_width": (64, 128, 1024),                        # checkpointing sweep: block MLP width
     "ckpt_depth": (8, 16, 16),                            # blocks; segments cut these
-    "ckpt_batch": (256, 2048, 8192),                      # rows: activations dominate the parameters
+    "ckpt_batch": (256, 1024, 8192),                      # rows: activations dominate the parameters
     "ckpt_segments": ((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16)),   # blocks per checkpoint
-    "ckpt_repeats": (3, 5, 10),                           # timed steps per segment size (median)
+    "ckpt_repeats": (3, 3, 10),                           # timed steps per segment size (median)
     "shard_nprocs": ((1, 2, 4), (1, 2, 4), (1, 2, 4)),    # ranks compared under DDP, ZeRO-1, FSDP2
-    "shard_width": (64, 256, 1024),                       # model of the sharding runs
+    "shard_width": (64, 128, 1024),                       # model of the sharding runs
     "shard_depth": (3, 3, 6),                             # blocks (odd: ZeRO-1's whole-parameter split shows)
     "shard_batch": (32, 64, 256),                         # global rows per step; divisible by the ranks
     "shard_steps": (4, 6, 10),                            # Adam steps per strategy (checkpoint after half)
@@ -120,8 +120,8 @@ TABLE: dict[str, tuple] = {
     "pp_width": (256, 512, 1024),                         # pipeline: block MLP width (compute >> send)
     "pp_depth": (4, 8, 8),                                # blocks, split evenly over 2 stages
     "pp_batch": (512, 1024, 4096),                        # rows per step; divisible by every m
-    "pp_micro_batches": ((1, 2, 4, 8), (1, 2, 4, 8, 16), (1, 2, 4, 8, 16, 32)),  # m swept
-    "pp_repeats": (2, 3, 5),                              # hand GPipe steps per m
+    "pp_micro_batches": ((1, 2, 4, 8), (1, 2, 4, 8), (1, 2, 4, 8, 16, 32)),  # m swept
+    "pp_repeats": (2, 2, 5),                              # hand GPipe steps per m
     # --- stage 6: clusters and profiling (06_clusters_and_profiling) ---
     "prof_batch_size": (64, 64, 256),                     # images per profiled step
     "prof_item_cost_s": (2e-3, 1e-3, 2e-4),               # host work per image of the slow input pipeline (s)
