@@ -67,9 +67,9 @@ TABLE: dict[str, tuple] = {
     "mem_batch_sizes": ((16, 64, 256), (16, 64, 256, 1024), (64, 256, 1024, 4096)),  # memory predicted
     "pipeline_workers": ((0, 2, 4), (0, 2, 4), (0, 2, 4)),  # DataLoader workers compared
     "pipeline_epochs": (1, 1, 2),                         # epochs per input-pipeline run
-    "pipeline_n_train": (640, 4_000, 10_000),             # training images per input-pipeline run
-    "pipeline_item_cost_s": (2e-3, 5e-4, 5e-4),           # host work per image (decode + augment), seconds
-                                                          # (smoke: 128 ms per batch, far above a busy 2-core box's hiccups)
+    "pipeline_n_train": (640, 2_000, 10_000),             # training images per input-pipeline run
+    "pipeline_item_cost_s": (2e-3, 2e-3, 5e-4),           # host work per image (decode + augment), seconds
+                                                          # (smoke, cpu: 128 ms per batch, far above a busy 2-core box's hiccups)
     "monitor_interval": (0.05, 0.1, 0.1),                 # seconds between GPU samples
     # --- stage 3: data parallelism ---
     "ddp_nprocs": (2, 2, 0),                              # processes (0 = one per GPU)
