@@ -6,7 +6,7 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS)
 NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --nbval-sanitize-with tests/sanitize.cfg
 
-.PHONY: lab test unit check lint format notebooks labs check-labs bench grade gradescope two-node clean help slurm-check tensorboard
+.PHONY: lab test unit check lint format notebooks notebooks-cpu standins labs check-labs bench grade gradescope two-node clean help slurm-check tensorboard
 
 help:
 	@echo "make lab    create .venv if missing, install, start JupyterLab on the repository, open notebooks/00_environment.ipynb"
@@ -15,6 +15,8 @@ help:
 	@echo "make check  the fast loop: lint, then the tests not marked slow/sandbox/slurm/notebook (minutes)"
 	@echo "make lint   ruff check and ruff format --check over every .py and notebook;  make format  fixes"
 	@echo "make labs   regenerate labs/*.ipynb from solutions/*.ipynb"
+	@echo "make standins  write synthetic stand-ins for Fashion-MNIST and CIFAR-10 (used only with LAB_DATA=standin)"
+	@echo "make notebooks-cpu  every notebook and solution in the cpu profile on the stand-ins"
 	@echo "make bench  run benchmarks/ (prints figures; never pass/fail)"
 	@echo "make slurm-check  start a local one-node SLURM (root), run every cluster/ job template, stop it"
 	@echo "make tensorboard  serve runs/profiles (installs the optional tensorboard + torch-tb-profiler)"
@@ -69,6 +71,16 @@ unit: $(VENV)/.installed-test
 
 notebooks: $(VENV)/.installed-test
 	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider notebooks solutions $(NBVAL_FLAGS)
+
+# Synthetic look-alikes of Fashion-MNIST and CIFAR-10 (real sizes and file formats) for machines
+# without the internet, in DATA_DIR/standin/ (default ~/.cache/scaling-labs); only LAB_DATA=standin
+# makes anything read them.
+standins: $(VENV)/.installed-lab
+	$(PY) -m utils.data standins
+
+# The laptop profile end to end: every notebook and solution, cpu sizes, on the stand-ins.
+notebooks-cpu: $(VENV)/.installed-test standins
+	LAB_PROFILE=cpu LAB_DATA=standin $(PY) -m pytest -q -p no:cacheprovider --durations=20 notebooks solutions $(NBVAL_FLAGS)
 
 labs: $(VENV)/.installed-lab
 	$(PY) -m utils.authoring

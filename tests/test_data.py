@@ -134,7 +134,6 @@ def test_offline_error_names_files_url_and_where_to_put_them(tmp_path):
 
 
 def test_fashion_mnist_end_to_end_on_tiny_files(tmp_path, monkeypatch):
-    import hashlib
     rng = np.random.default_rng(0)
     arrays = [rng.integers(0, 256, (12, 28, 28), dtype=np.uint8), rng.integers(0, 10, 12, dtype=np.uint8),
               rng.integers(0, 256, (5, 28, 28), dtype=np.uint8), rng.integers(0, 10, 5, dtype=np.uint8)]
@@ -146,6 +145,123 @@ def test_fashion_mnist_end_to_end_on_tiny_files(tmp_path, monkeypatch):
     s = data.load("fashion_mnist", root=tmp_path / "cache")
     assert s.shape == (1, 28, 28) and len(s.train) == 12 and len(s.val) == 5
     assert s.train.tensors[1].tolist() == arrays[1].tolist()
+
+
+
+# ---------------------------------------------------------------- sizes a dataset cannot give
+
+def test_load_refuses_sizes_the_dataset_cannot_give():
+    with pytest.raises(ValueError, match=r"n_train \+ n_val = 12,000 but digits has 1,797 images: lower"):
+        data.load("digits", n_train=10_000, n_val=2_000)
+    with pytest.raises(ValueError, match="n_train/n_val row in utils/config.py"):
+        data.load("digits", n_val=1_797)           # nothing left for training
+    with pytest.raises(ValueError, match="60,000 training images"):
+        data.load("fashion_mnist", n_train=60_001)
+    with pytest.raises(ValueError, match="10,000 held-out images"):
+        data.load("cifar10", n_val=12_000)
+    assert len(data.load("digits", n_train=1_400, n_val=397).train) == 1_400     # exactly all 1,797
+
+
+# ---------------------------------------------------------------- stand-ins
+
+@pytest.fixture(scope="module")
+def standin_root(tmp_path_factory):
+    root = tmp_path_factory.mktemp("standin-data")
+    data.write_standins(root)
+    return root
+
+
+@pytest.mark.slow
+def test_standins_have_the_real_formats_sizes_and_classes(standin_root):
+    d = standin_root / "standin"
+    fm = {f.name: data.read_idx(d / "fashion_mnist" / f.name) for f in data.FASHION_MNIST_FILES}
+    xtr, ytr, xte, yte = (fm[f.name] for f in data.FASHION_MNIST_FILES)
+    # Fashion-MNIST: 60,000 + 10,000 28x28 uint8 images, uint8 labels 0..9 (IDX magic 0x803 / 0x801)
+    assert (xtr.shape, xtr.dtype, ytr.shape, ytr.dtype) == ((60_000, 28, 28), np.uint8, (60_000,), np.uint8)
+    assert (xte.shape, yte.shape) == ((10_000, 28, 28), (10_000,))
+    with gzip.open(d / "fashion_mnist" / "train-images-idx3-ubyte.gz") as f:
+        assert f.read(16) == bytes.fromhex("00000803 0000ea60 0000001c 0000001c")
+    with gzip.open(d / "fashion_mnist" / "t10k-labels-idx1-ubyte.gz") as f:
+        assert f.read(8) == bytes.fromhex("00000801 00002710")
+    # CIFAR-10: data_batch_1..5 and test_batch of 10,000 rows of 3,072 bytes, labels a list, batches.meta
+    archive = d / "cifar10" / "cifar-10-python.tar.gz"
+    with tarfile.open(archive) as tar:
+        names = sorted(m.name for m in tar.getmembers())
+        b1 = pickle.load(tar.extractfile("cifar-10-batches-py/data_batch_1"), encoding="bytes")
+        meta = pickle.load(tar.extractfile("cifar-10-batches-py/batches.meta"), encoding="bytes")
+    assert names == sorted([f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)]
+                           + ["cifar-10-batches-py/test_batch", "cifar-10-batches-py/batches.meta"])
+    assert b1[b"data"].shape == (10_000, 3072) and b1[b"data"].dtype == np.uint8
+    assert isinstance(b1[b"labels"], list) and len(b1[b"labels"]) == 10_000
+    assert meta[b"label_names"][0] == b"airplane" and len(meta[b"label_names"]) == 10
+    ctr, cytr, cte, cyte = data.read_cifar10(archive)
+    assert ctr.shape == (50_000, 3, 32, 32) and cte.shape == (10_000, 3, 32, 32) and ctr.dtype == np.uint8
+    for y in (ytr, yte, cytr, cyte):
+        counts = np.bincount(y, minlength=10)
+        assert len(counts) == 10 and counts.min() == counts.max() == len(y) // 10, "balanced, 10 classes"
+    for x in (xtr, ctr):     # images, not constants: a spread of grey levels in every class
+        assert 40 < x.std() < 100 and len(np.unique(x[:100])) > 200
+
+
+def test_standins_are_deterministic():
+    a = data.standin_images(300, (3, 32, 32), seed=7)
+    b = data.standin_images(300, (3, 32, 32), seed=7)
+    c = data.standin_images(300, (3, 32, 32), seed=8)
+    assert np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]) and not np.array_equal(a[0], c[0])
+
+
+@pytest.mark.slow
+def test_standin_files_are_the_same_bytes_every_time(standin_root, tmp_path):
+    data.write_standins(tmp_path, which=("fashion_mnist",))
+    for f in data.FASHION_MNIST_FILES:
+        assert data.md5sum(tmp_path / "standin/fashion_mnist" / f.name) == \
+            data.md5sum(standin_root / "standin/fashion_mnist" / f.name), f.name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fashion_mnist", "cifar10"])
+def test_a_small_cnn_learns_the_standin_but_not_perfectly(standin_root, name, monkeypatch, capsys):
+    from utils import models, train
+    monkeypatch.setenv("LAB_DATA", "standin")
+    splits = data.load(name, n_train=3000, n_val=1000, root=standin_root)
+    assert data.standin_notice(name) in capsys.readouterr().out
+    assert "STAND-IN" in data.standin_notice(name)
+    torch.manual_seed(0)
+    net = models.net_for(splits.shape, width=16)
+    h = train.fit(net, data.make_loader(splits.train, 64), torch.optim.Adam(net.parameters(), lr=2e-3),
+                  epochs=2, val_loader=data.make_loader(splits.val, 500, shuffle=False), progress=False)
+    assert 0.4 < h.val_acc < 0.98, f"{name} stand-in: {h.val_acc:.3f} (chance 0.1; learnable, not trivial)"
+
+
+@pytest.mark.slow
+def test_without_the_switch_nothing_reads_the_standins(standin_root, monkeypatch, capsys):
+    monkeypatch.delenv("LAB_DATA", raising=False)
+    monkeypatch.setenv("DATA_DIR", str(standin_root))          # the stand-ins are right there...
+    with pytest.raises(data.DatasetUnavailable, match="Fashion-MNIST is not available"):
+        data.load("fashion_mnist", download=False)              # ...but the real path ignores them
+    with pytest.raises(data.DatasetUnavailable, match="downloading is off"):
+        data.load("cifar10", download=False)
+    assert "STAND-IN" not in capsys.readouterr().out
+    monkeypatch.setenv("LAB_DATA", "real")
+    with pytest.raises(data.DatasetUnavailable):
+        data.load("fashion_mnist", download=False)
+
+
+def test_the_switch_is_explicit_and_a_missing_standin_says_how_to_make_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAB_DATA", "stand-in-please")
+    with pytest.raises(ValueError, match="LAB_DATA=standin"):
+        data.load("fashion_mnist", root=tmp_path)
+    monkeypatch.setenv("LAB_DATA", "standin")
+    with pytest.raises(data.DatasetUnavailable, match=r"python -m utils.data standins"):
+        data.load("cifar10", root=tmp_path)
+    assert len(data.load("digits").train) == 1400          # digits is bundled: no stand-in involved
+
+
+def test_standins_command_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "write_standins", lambda root: [Path(root) / "standin" / "x"])
+    assert data.main(["standins", "--root", str(tmp_path)]) == 0
+    with pytest.raises(SystemExit):
+        data.main([])
 
 
 # ---------------------------------------------------------------- loaders

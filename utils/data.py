@@ -9,6 +9,11 @@ normalised per channel with the training split's statistics, and int64 labels:
   MD5-verified, written atomically (a partial download never has the final name);
 * ``synthetic``: random tensors of any image shape, for throughput work.
 
+Stand-ins, for machines without the internet: ``python -m utils.data standins [--root DIR]``
+writes learnable synthetic look-alikes of Fashion-MNIST and CIFAR-10 (the real sizes, shapes,
+class counts and file formats) into ``DATA_DIR/standin/``. They are used ONLY when asked:
+``LAB_DATA=standin``; ``load`` then says so in one printed line. Without it nothing reads them.
+
 Loaders: :class:`DeviceLoader` keeps the whole dataset on the device and serves index slices
 (the airbench pattern); :func:`make_loader` builds it or the standard ``DataLoader``. Both
 shard by rank exactly as ``DistributedSampler`` does (same permutation, same padding), and
@@ -18,6 +23,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import io
 import math
 import os
 import pickle
@@ -220,19 +226,23 @@ def load_digits(n_train: int | None = None, n_val: int | None = 397, seed: int =
     x = d.images.astype(np.float32)[:, None]          # (1797, 1, 8, 8), values 0..16
     y = d.target.astype(np.int64)
     order = np.random.default_rng(1234).permutation(len(y))   # fixed: val never leaks into train
-    n_val = n_val or 397
+    n_val = n_val or DIGITS_DEFAULT_N_VAL
     va, tr = order[:n_val], order[n_val:]
     x_tr, y_tr = _subset(x[tr], y[tr], n_train, seed)
     return _to_splits("digits", x_tr, y_tr, x[va], y[va])
 
 
 def load_fashion_mnist(n_train=None, n_val=None, seed=0, root=None, download=True) -> Splits:
-    d = data_dir(root) / "fashion_mnist"
-    try:
-        paths = [fetch(f, d, download=download) for f in FASHION_MNIST_FILES]
-    except DatasetUnavailable as e:
-        raise DatasetUnavailable(f"Fashion-MNIST is not available: {str(e).splitlines()[0]}\nAll four files:\n"
-                                 + _by_hand(FASHION_MNIST_FILES, d)) from None
+    if use_standins():
+        paths = _standin_paths("fashion_mnist", root)
+        print(standin_notice("fashion_mnist"), flush=True)
+    else:
+        d = data_dir(root) / "fashion_mnist"
+        try:
+            paths = [fetch(f, d, download=download) for f in FASHION_MNIST_FILES]
+        except DatasetUnavailable as e:
+            raise DatasetUnavailable(f"Fashion-MNIST is not available: {str(e).splitlines()[0]}\n"
+                                     "All four files:\n" + _by_hand(FASHION_MNIST_FILES, d)) from None
     xtr, ytr, xte, yte = (read_idx(p) for p in paths)
     x_tr, y_tr = _subset(xtr[:, None], ytr.astype(np.int64), n_train, seed)
     x_va, y_va = _subset(xte[:, None], yte.astype(np.int64), n_val, seed + 1)
@@ -240,8 +250,11 @@ def load_fashion_mnist(n_train=None, n_val=None, seed=0, root=None, download=Tru
 
 
 def load_cifar10(n_train=None, n_val=None, seed=0, root=None, download=True) -> Splits:
-    d = data_dir(root) / "cifar10"
-    archive = fetch(CIFAR10_FILES[0], d, download=download)
+    if use_standins():
+        (archive,) = _standin_paths("cifar10", root)
+        print(standin_notice("cifar10"), flush=True)
+    else:
+        archive = fetch(CIFAR10_FILES[0], data_dir(root) / "cifar10", download=download)
     xtr, ytr, xte, yte = read_cifar10(archive)
     x_tr, y_tr = _subset(xtr, ytr, n_train, seed)
     x_va, y_va = _subset(xte, yte, n_val, seed + 1)
@@ -257,12 +270,216 @@ def synthetic(n: int, shape=(3, 32, 32), num_classes: int = NUM_CLASSES, seed: i
 
 DATASETS = {"digits": load_digits, "fashion_mnist": load_fashion_mnist, "cifar10": load_cifar10}
 
+# Images each dataset can give: (training split, held-out split); digits is one pool of 1,797 that
+# load_digits cuts into n_val held out and the rest for training.
+DATASET_SIZES = {"digits": (1797, None), "fashion_mnist": (60_000, 10_000), "cifar10": (50_000, 10_000)}
+DIGITS_DEFAULT_N_VAL = 397
+
+
+def check_sizes(name: str, n_train: int | None, n_val: int | None) -> None:
+    """Refuse sizes ``name`` cannot give, naming the profile row to change (a silent cap would
+    hand a notebook fewer images than its profile promises, or none at all for training)."""
+    fix = "lower the profile's n_train/n_val row in utils/config.py"
+    for what, n in (("n_train", n_train), ("n_val", n_val)):
+        if n is not None and n < 0:
+            raise ValueError(f"{what} = {n:,} is negative: {fix}")
+    n_tr, n_va = DATASET_SIZES[name]
+    if n_va is None:        # one pool
+        val = n_val or DIGITS_DEFAULT_N_VAL
+        if n_train and n_train + val > n_tr:
+            raise ValueError(f"n_train + n_val = {n_train + val:,} but {name} has {n_tr:,} images: {fix}")
+        if val >= n_tr:
+            raise ValueError(f"n_val = {val:,} but {name} has {n_tr:,} images, none left for training: {fix}")
+        return
+    if n_train is not None and n_train > n_tr:
+        raise ValueError(f"n_train = {n_train:,} but {name} has {n_tr:,} training images: {fix}")
+    if n_val is not None and n_val > n_va:
+        raise ValueError(f"n_val = {n_val:,} but {name} has {n_va:,} held-out images: {fix}")
+
 
 def load(name: str, n_train: int | None = None, n_val: int | None = None, seed: int = 0, **kw) -> Splits:
-    """Load a dataset by name (``digits``, ``fashion_mnist``, ``cifar10``)."""
+    """Load a dataset by name (``digits``, ``fashion_mnist``, ``cifar10``).
+
+    ``n_train`` / ``n_val`` larger than the dataset are refused (:func:`check_sizes`), never capped."""
     if name not in DATASETS:
         raise ValueError(f"unknown dataset {name!r}; choose one of {', '.join(DATASETS)}")
+    check_sizes(name, n_train, n_val)
     return DATASETS[name](n_train=n_train, n_val=n_val, seed=seed, **kw)
+
+
+# ----------------------------------------------------------------------------------------
+# Stand-ins: learnable synthetic look-alikes, for machines without the internet
+# ----------------------------------------------------------------------------------------
+
+STANDIN_ENV = "LAB_DATA"                # LAB_DATA=standin switches them on; unset or "real": real data
+STANDIN_COMMAND = "python -m utils.data standins"
+STANDIN_NAMES = {"fashion_mnist": "Fashion-MNIST", "cifar10": "CIFAR-10"}
+STANDIN_FILES = {"fashion_mnist": tuple(f.name for f in FASHION_MNIST_FILES),
+                 "cifar10": (CIFAR10_FILES[0].name,)}
+CIFAR10_LABEL_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
+
+
+def use_standins() -> bool:
+    """True when ``LAB_DATA=standin``; an unknown value is an error, not a silent fallback."""
+    v = os.environ.get(STANDIN_ENV, "").strip().lower()
+    if v in ("", "real"):
+        return False
+    if v == "standin":
+        return True
+    raise ValueError(f"{STANDIN_ENV}={v!r}: use {STANDIN_ENV}=standin for the synthetic stand-ins "
+                     f"(made by `{STANDIN_COMMAND}`), or leave it unset for the real datasets")
+
+
+def standin_dir(root: str | os.PathLike | None = None) -> Path:
+    """Where the stand-ins live: ``DATA_DIR/standin`` (never where the real files go)."""
+    return data_dir(root) / "standin"
+
+
+def standin_notice(name: str) -> str:
+    return (f"{STANDIN_NAMES[name]}: STAND-IN data (synthetic, made by `{STANDIN_COMMAND}`), "
+            f"not the real images")
+
+
+def _standin_paths(name: str, root=None) -> list[Path]:
+    d = standin_dir(root) / name
+    paths = [d / f for f in STANDIN_FILES[name]]
+    missing = [p.name for p in paths if not p.exists()]
+    if missing:
+        raise DatasetUnavailable(
+            f"{STANDIN_ENV}=standin but the {STANDIN_NAMES[name]} stand-in is missing from {d}/ "
+            f"({', '.join(missing)}): run `{STANDIN_COMMAND}`"
+            + (f" --root {data_dir(root)}" if root or os.environ.get("DATA_DIR") else "")
+            + f", or unset {STANDIN_ENV} for the real data")
+    return paths
+
+
+def _class_templates(rng, shape, shift: int) -> np.ndarray:
+    """(10, 2s+1, 2s+1, C, H, W) float32 in [0, 1]: per class a few soft blobs, and every shift of it
+    by -s..s pixels. Blobs in a C-channel image get a class colour; each class is distinct."""
+    c, h, w = shape
+    H, W = h + 2 * shift, w + 2 * shift
+    yy, xx = np.mgrid[0:H, 0:W].astype(np.float32)
+    out = np.zeros((NUM_CLASSES, 2 * shift + 1, 2 * shift + 1, c, h, w), np.float32)
+    for k in range(NUM_CLASSES):
+        big = np.zeros((c, H, W), np.float32)
+        for _ in range(rng.integers(2, 5)):
+            cy, cx = rng.uniform(shift + 0.2 * h, shift + 0.8 * h), rng.uniform(shift + 0.2 * w, shift + 0.8 * w)
+            sy, sx = rng.uniform(0.06, 0.22) * h, rng.uniform(0.06, 0.22) * w
+            blob = np.exp(-0.5 * (((yy - cy) / sy) ** 2 + ((xx - cx) / sx) ** 2))
+            colour = rng.uniform(0.3, 1.0, c).astype(np.float32)[:, None, None]
+            big += colour * blob
+        big /= big.max()
+        for dy in range(2 * shift + 1):
+            for dx in range(2 * shift + 1):
+                out[k, dy, dx] = big[:, dy:dy + h, dx:dx + w]
+    return out
+
+
+def standin_images(n: int, shape, seed: int, *, shift: int = 3, blend: float = 0.45, noise: float = 0.25,
+                   templates_seed: int = 20) -> tuple[np.ndarray, np.ndarray]:
+    """``n`` uint8 images of ``shape`` (C, H, W) and balanced int64 labels 0..9.
+
+    Image = (1 - a) * template[label] + a * template[other] (a uniform in [0, blend]), shifted by up
+    to ``shift`` pixels, random contrast and background, plus Gaussian pixel noise: a CNN learns it
+    well, but near a = 0.5 the classes overlap, so it cannot be learnt perfectly."""
+    tmpl = _class_templates(np.random.default_rng(templates_seed + shape[0]), shape, shift)
+    rng = np.random.default_rng(seed)
+    y = rng.permutation(np.arange(n) % NUM_CLASSES).astype(np.int64)
+    x = np.empty((n, *shape), np.uint8)
+    s = 2 * shift + 1
+    for lo in range(0, n, 5000):
+        m = min(n, lo + 5000) - lo
+        yb = y[lo:lo + m]
+        other = (yb + rng.integers(1, NUM_CLASSES, m)) % NUM_CLASSES
+        dy, dx = rng.integers(0, s, m), rng.integers(0, s, m)
+        a = rng.uniform(0, blend, m).astype(np.float32)[:, None, None, None]
+        img = (1 - a) * tmpl[yb, dy, dx] + a * tmpl[other, dy, dx]
+        contrast = rng.uniform(0.5, 1.0, (m, 1, 1, 1)).astype(np.float32)
+        background = rng.uniform(0.0, 0.3, (m, shape[0], 1, 1)).astype(np.float32)
+        img = background + contrast * img + noise * rng.standard_normal(img.shape, dtype=np.float32)
+        x[lo:lo + m] = np.clip(img * 255, 0, 255).astype(np.uint8)
+    return x, y
+
+
+def _idx_bytes(a: np.ndarray) -> bytes:
+    assert a.dtype == np.uint8
+    return bytes([0, 0, 0x08, a.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in a.shape) + a.tobytes()
+
+
+def _write_atomic(path: Path, write) -> None:
+    part = path.with_name(f"{path.name}.part{os.getpid()}")
+    try:
+        with open(part, "wb") as f:
+            write(f)
+        os.replace(part, path)
+    finally:
+        part.unlink(missing_ok=True)
+
+
+def _gzip_to(f, payload: bytes) -> None:
+    with gzip.GzipFile(fileobj=f, mode="wb", compresslevel=1, mtime=0, filename="") as g:
+        g.write(payload)
+
+
+def write_standins(root: str | os.PathLike | None = None, *, which=("fashion_mnist", "cifar10")) -> list[Path]:
+    """Write the stand-ins (deterministic: the same bytes every time) into ``standin_dir(root)``:
+    Fashion-MNIST's four IDX gz files (60,000 + 10,000 images, 1x28x28) and CIFAR-10's
+    ``cifar-10-python.tar.gz`` (data_batch_1..5 + test_batch pickles, 10,000 3x32x32 images each)."""
+    out = []
+    if "fashion_mnist" in which:
+        d = standin_dir(root) / "fashion_mnist"
+        d.mkdir(parents=True, exist_ok=True)
+        xtr, ytr = standin_images(60_000, (1, 28, 28), seed=1)
+        xte, yte = standin_images(10_000, (1, 28, 28), seed=2)
+        for name, a in zip(STANDIN_FILES["fashion_mnist"], (xtr[:, 0], ytr.astype(np.uint8),
+                                                            xte[:, 0], yte.astype(np.uint8))):
+            _write_atomic(d / name, lambda f, a=a: _gzip_to(f, _idx_bytes(a)))
+            out.append(d / name)
+    if "cifar10" in which:
+        d = standin_dir(root) / "cifar10"
+        d.mkdir(parents=True, exist_ok=True)
+        xtr, ytr = standin_images(50_000, (3, 32, 32), seed=3)
+        xte, yte = standin_images(10_000, (3, 32, 32), seed=4)
+        batches = [(f"data_batch_{i + 1}", xtr[i * 10_000:(i + 1) * 10_000], ytr[i * 10_000:(i + 1) * 10_000])
+                   for i in range(5)] + [("test_batch", xte, yte)]
+        meta = {b"label_names": [n.encode() for n in CIFAR10_LABEL_NAMES], b"num_cases_per_batch": 10_000,
+                b"num_vis": 3072}
+
+        def write(f):
+            with gzip.GzipFile(fileobj=f, mode="wb", compresslevel=1, mtime=0, filename="") as g, \
+                    tarfile.open(fileobj=g, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+                def add(name, obj):
+                    raw = pickle.dumps(obj, protocol=2)
+                    info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
+                    info.size, info.mtime, info.mode = len(raw), 0, 0o644
+                    tar.addfile(info, io.BytesIO(raw))
+                add("batches.meta", meta)
+                for name, x, y in batches:
+                    add(name, {b"batch_label": f"STAND-IN {name}".encode(), b"labels": y.tolist(),
+                               b"data": x.reshape(len(y), -1), b"filenames": [b"standin_%05d.png" % i
+                                                                            for i in range(len(y))]})
+        _write_atomic(d / CIFAR10_FILES[0].name, write)
+        out.append(d / CIFAR10_FILES[0].name)
+    readme = standin_dir(root) / "README.txt"
+    readme.write_text(f"Synthetic STAND-INS for Fashion-MNIST and CIFAR-10, made by `{STANDIN_COMMAND}`:\n"
+                      "class templates + blending + shifts + noise, NOT the real images. Used only with "
+                      f"{STANDIN_ENV}=standin.\n")
+    return out
+
+
+def main(argv=None) -> int:
+    import argparse
+    ap = argparse.ArgumentParser(prog="python -m utils.data", description="dataset tools")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    st = sub.add_parser("standins", help=f"write the synthetic stand-ins into DIR/standin/ (used only with "
+                                         f"{STANDIN_ENV}=standin)")
+    st.add_argument("--root", default=None, help="data directory (default: $DATA_DIR, else ~/.cache/scaling-labs)")
+    args = ap.parse_args(argv)
+    for p in write_standins(args.root):
+        print(p)
+    print(f"stand-ins written; use them with {STANDIN_ENV}=standin"
+          + (f" DATA_DIR={data_dir(args.root)}" if args.root else ""))
+    return 0
 
 
 # ----------------------------------------------------------------------------------------
@@ -433,3 +650,7 @@ def make_loader(dataset: TensorDataset, batch_size: int, *, kind: str = "device"
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
                       pin_memory=pin_memory, drop_last=drop_last, persistent_workers=workers > 0,
                       multiprocessing_context=multiprocessing_context if workers > 0 else None)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
