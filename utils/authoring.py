@@ -126,7 +126,7 @@ def student_copy(nb: nbformat.NotebookNode, name: str = "notebook") -> nbformat.
     return nb
 
 
-def render(nb) -> str:
+def render(nb: nbformat.NotebookNode) -> str:
     return nbformat.writes(nb, version=4) + "\n"
 
 
@@ -139,7 +139,7 @@ def plan(root: Path = ROOT) -> dict[Path, str]:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m utils.authoring", description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if labs/ is out of date; write nothing")
     ap.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")

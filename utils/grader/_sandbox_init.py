@@ -44,7 +44,7 @@ def _check(ret, what):
         raise OSError(e, f"{what}: {os.strerror(e)}")
 
 
-def mount(src, dst, fstype=None, flags=0, data=None):
+def mount(src: str | None, dst: str, fstype: str | None = None, flags: int = 0, data: str | None = None) -> None:
     _check(_LIBC.mount(src.encode() if src else None, dst.encode(), fstype.encode() if fstype else None,
                        ctypes.c_ulong(flags), data.encode() if data else None), f"mount {src} on {dst}")
 
@@ -62,7 +62,7 @@ def _bind(src, dst, writable=False):
         mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
 
 
-def build_root(plan):
+def build_root(plan: dict) -> None:
     """The same file system bwrap builds (sandbox.bwrap_command), by hand, then pivot_root."""
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     new = plan["newroot"]
@@ -104,7 +104,7 @@ def build_root(plan):
     os.chdir(plan["job_dest"])
 
 
-def lo_up():
+def lo_up() -> None:
     import fcntl
     import struct
     siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
@@ -114,7 +114,7 @@ def lo_up():
         fcntl.ioctl(s, siocsifflags, struct.pack("16sh", b"lo", flags | iff_up))
 
 
-def drop_capabilities():
+def drop_capabilities() -> None:
     """No capability now or after any exec, in this user namespace or any other."""
     for cap in range(64):
         _LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
@@ -155,7 +155,7 @@ def _mine(table):
     return {p: c for p, c in table.items() if p != 1 or os.getpid() == 1}
 
 
-def kill_all():
+def kill_all() -> list:
     """SIGKILL every other process of the job until none is left; return their command lines."""
     seen = {}
     for _ in range(100):
@@ -173,7 +173,7 @@ def kill_all():
     return seen
 
 
-def reap():
+def reap() -> None:
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -187,7 +187,7 @@ def _opt(opts, name, default=None):
     return opts[opts.index(name) + 1] if name in opts else default
 
 
-def outer(opts, cmd):
+def outer(opts: list[str], cmd: list[str]) -> int:
     """Outside the sandbox: die with the grader, join the job's cgroups, exec bwrap or unshare."""
     _check(_LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
     if os.getppid() != int(_opt(opts, "--outer")):     # the grader died before the line above
@@ -206,7 +206,7 @@ def outer(opts, cmd):
     return 127
 
 
-def main(argv):
+def main(argv: list[str]) -> int:
     if "--" not in argv:
         print("usage: _sandbox_init.py [options] -- COMMAND...", file=sys.stderr)
         return 2

@@ -10,8 +10,10 @@ import os
 import queue
 import statistics
 import tempfile
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from . import sandbox
 from .core import grade, grader_info, prepare_data, write_json
@@ -21,7 +23,7 @@ GRADEBOOK_FIELDS = ["student", "status", "accuracy", "target_val_acc", "time_s",
                     "ranks_measured", "nprocs_required", "score", "reason", "sha256"]
 
 
-def find_submissions(folder) -> list[tuple[str, Path]]:
+def find_submissions(folder: str | Path) -> list[tuple[str, Path]]:
     """(student, path) for every ``*.py`` file and every sub-folder of ``folder``, by name."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -55,8 +57,8 @@ def score(report: dict, spec: Spec) -> float:
     return float(spec.points) if report["status"] == "passed" else 0.0
 
 
-def grade_many(subs: list[tuple[str, Path]], spec: Spec, *, jobs: int = 1, report_dir=None,
-               workroot=None, progress=print) -> list[dict]:
+def grade_many(subs: list[tuple[str, Path]], spec: Spec, *, jobs: int = 1, report_dir: str | Path | None = None,
+               workroot: str | Path | None = None, progress: Callable[[str], Any] = print) -> list[dict]:
     """Grade every submission, ``jobs`` at a time. Before the first job: the sandbox is probed
     (grading is refused without one) and the data prepared; every grader module is already
     imported (core imports them at its top). The per-student reports are written only after
@@ -96,7 +98,7 @@ def _fmt(key, v):
     return v
 
 
-def write_gradebook(reports: list[dict], path) -> None:
+def write_gradebook(reports: list[dict], path: str | Path) -> None:
     buf = io.StringIO()
     w = csv.DictWriter(buf, fieldnames=GRADEBOOK_FIELDS, extrasaction="ignore")
     w.writeheader()
@@ -181,12 +183,12 @@ def _atomic(path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def write_gradescope(doc: dict, path) -> None:
+def write_gradescope(doc: dict, path: str | Path) -> None:
     _atomic(path, json.dumps(doc, indent=1))
 
 
-def calibrate(spec: Spec, *, runs: int = 3, solution=REFERENCE_SOLUTION, margin: float = 1.5,
-              progress=print) -> dict:
+def calibrate(spec: Spec, *, runs: int = 3, solution: str | Path = REFERENCE_SOLUTION, margin: float = 1.5,
+              progress: Callable[[str], Any] = print) -> dict:
     """Grade the reference solution ``runs`` times with a generous deadline; propose a budget of
     ``margin`` x the slowest run, rounded up to 5 s."""
     loose = spec.replace(time_budget_s=max(spec.time_budget_s * 10, 600))

@@ -24,7 +24,7 @@ def _spec(args):
     return spec
 
 
-def cmd_run(args) -> int:
+def cmd_run(args: argparse.Namespace) -> int:
     from .batch import gradescope_result, score, write_gradescope
     from .core import grade, write_json
     spec = _spec(args)
@@ -62,7 +62,7 @@ def summary(r: dict, verbose: bool = False) -> str:
     return "\n".join(lines)
 
 
-def cmd_batch(args) -> int:
+def cmd_batch(args: argparse.Namespace) -> int:
     from .batch import (find_submissions, gradescope_batch, grade_many, write_gradebook,
                         write_gradescope)
     spec = _spec(args)
@@ -84,7 +84,7 @@ def cmd_batch(args) -> int:
     return 0
 
 
-def cmd_gradescope(args) -> int:
+def cmd_gradescope(args: argparse.Namespace) -> int:
     from .gradescope import run
     spec_path = args.spec or (Path(args.root) / "source" / "spec.toml")
     spec = load_spec(spec_path if Path(spec_path).exists() or args.spec else None)
@@ -95,7 +95,7 @@ def cmd_gradescope(args) -> int:
     return 0 if doc.get("tests") else 3
 
 
-def cmd_zip(args) -> int:
+def cmd_zip(args: argparse.Namespace) -> int:
     from .gradescope import build_zip
     spec = load_spec(args.spec)                # validated before it is packed
     names = build_zip(args.out, spec.path)
@@ -106,7 +106,7 @@ def cmd_zip(args) -> int:
     return 0
 
 
-def cmd_calibrate(args) -> int:
+def cmd_calibrate(args: argparse.Namespace) -> int:
     from .batch import calibrate
     spec = _spec(args)
     out = calibrate(spec, runs=args.runs, solution=args.solution, margin=args.margin,
@@ -124,7 +124,7 @@ def cmd_calibrate(args) -> int:
     return 1
 
 
-def cmd_data(args) -> int:
+def cmd_data(args: argparse.Namespace) -> int:
     import shutil
     from .core import prepare_data
     spec = _spec(args)
@@ -139,7 +139,7 @@ def cmd_data(args) -> int:
     return 0
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m utils.grader",
                                 description="Grade the assessment: convert a serial script to DDP.")
     sub = p.add_subparsers(dest="command", required=True)

@@ -66,7 +66,7 @@ _DATA_LOCK = threading.Lock()
 _DATA: dict = {}
 
 
-def split_secret(x, y, n_val: int, n_train: int, secret: int):
+def split_secret(x: np.ndarray, y: np.ndarray, n_val: int, n_train: int, secret: int) -> tuple[np.ndarray, np.ndarray]:
     """(train indices, held-out indices) of a pool, drawn with the spec's secret seed: without
     the secret no public code knows which images the grader keeps."""
     order = np.random.default_rng(secret).permutation(len(y))
@@ -74,7 +74,7 @@ def split_secret(x, y, n_val: int, n_train: int, secret: int):
     return (rest[:n_train] if n_train else rest), held
 
 
-def prepare_data(spec: Spec):
+def prepare_data(spec: Spec) -> tuple[Path, torch.utils.data.TensorDataset]:
     """(path of train.npz in a grader-owned cache, held-out TensorDataset), once per process."""
     why = spec.secret_missing()
     if why:
@@ -478,8 +478,8 @@ def limits_for(spec: Spec) -> sandbox.Limits:
                           tmpfs_bytes=max(spec.max_output_mb, 64) << 20, address_space=spec.device == "cpu")
 
 
-def grade(submission, spec: Spec, *, student: str | None = None, workroot=None, keep: bool = False,
-          gpus=None) -> dict:
+def grade(submission: str | Path, spec: Spec, *, student: str | None = None, workroot: str | Path | None = None,
+          keep: bool = False, gpus: list[int] | None = None) -> dict:
     """Grade one submission (a .py file or a folder) against ``spec``; never raises except
     :class:`sandbox.SandboxUnavailable` (nothing can be graded safely on this machine)."""
     iso = sandbox.probe_isolation()                      # refuses before anything runs
@@ -748,7 +748,7 @@ def _cgroup_line(text: str) -> str:
     return lines[0][:120] if lines else ""
 
 
-def write_json(report: dict, path) -> None:
+def write_json(report: dict, path: str | Path) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")

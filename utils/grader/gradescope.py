@@ -43,7 +43,7 @@ exec /autograder/venv/bin/python -m utils.grader gradescope --root /autograder -
 INCLUDE = ["utils", "pyproject.toml", "constraints.txt", "README.md"]
 
 
-def build_zip(out, spec_path) -> list[str]:
+def build_zip(out: str | Path, spec_path: str | Path) -> list[str]:
     """Write the autograder zip to ``out`` (atomically); return the names it holds."""
     out = Path(out)
     spec_text = Path(spec_path).read_text()
@@ -73,7 +73,7 @@ def build_zip(out, spec_path) -> list[str]:
     return names
 
 
-def run(root, spec: Spec) -> dict:
+def run(root: str | Path, spec: Spec) -> dict:
     """Grade ``root``/submission/ and write ``root``/results/results.json; return that document."""
     from .batch import gradescope_result, score
     from .core import grade, write_json
@@ -94,5 +94,5 @@ def run(root, spec: Spec) -> dict:
     return doc
 
 
-def read(path) -> dict:
+def read(path: str | Path) -> dict:
     return json.loads(Path(path).read_text())

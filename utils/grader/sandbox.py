@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -470,7 +471,7 @@ def _in_venv(path: str, below: str) -> bool:
     return False
 
 
-def import_path(hidden=()) -> dict:
+def import_path(hidden: Iterable = ()) -> dict:
     """The grader's whole import path, for the job: every existing entry of ``sys.path`` that
     the binds of the system, the Python installation and ``utils/`` do not hold already (a
     folder a ``.pth`` file adds, the user site, ``PYTHONPATH``) is bound read-only at its real
@@ -509,7 +510,7 @@ def import_path(hidden=()) -> dict:
     return out
 
 
-def unbound_modules(imports: dict, modules=("torch", "numpy")) -> list[str]:
+def unbound_modules(imports: dict, modules: Iterable[str] = ("torch", "numpy")) -> list[str]:
     """Why a module the job needs would not be found in it: where the grader imports it from
     is neither bound nor held by a bind (``imports``: :func:`import_path`)."""
     import importlib.util
@@ -703,7 +704,7 @@ def _bwrap_help() -> str:
         return ""
 
 
-def bwrap_command(job_dir: Path, limits: Limits, gpus=None, extra=()) -> list[str]:
+def bwrap_command(job_dir: Path, limits: Limits, gpus: list[int] | None = None, extra: Iterable = ()) -> list[str]:
     bwrap = shutil.which("bwrap")
     cmd = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
            "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
@@ -733,7 +734,8 @@ def bwrap_command(job_dir: Path, limits: Limits, gpus=None, extra=()) -> list[st
     return cmd
 
 
-def unshare_command(job_dir: Path, limits: Limits, gpus=None, extra=()) -> tuple[list[str], dict]:
+def unshare_command(job_dir: Path, limits: Limits, gpus: list[int] | None = None,
+                    extra: Iterable = ()) -> tuple[list[str], dict]:
     """unshare's namespaces; _sandbox_init builds the same file system inside (``--setup``)."""
     cmd = [shutil.which("unshare"), "--user", "--map-root-user", "--mount", "--pid", "--fork",
            "--kill-child", "--net", "--ipc", "--uts"]
@@ -905,7 +907,7 @@ class Channel:
         self.messages, self.bytes = [], 0
         self._thread = threading.Thread(target=self._read, daemon=True)
 
-    def start(self):
+    def start(self) -> None:
         self.w.close()                       # the job holds the only writing end now
         self._thread.start()
 
@@ -952,8 +954,8 @@ def allowed_env(extra: dict | None = None) -> dict:
 
 
 def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: float, limits: Limits,
-        tool: str | None = None, gpus=None, cgroup: bool = True, channel: bool = False,
-        tick_s: float = 0.1, name: str | None = None, extra_ro=()) -> RunResult:
+        tool: str | None = None, gpus: list[int] | None = None, cgroup: bool = True, channel: bool = False,
+        tick_s: float = 0.1, name: str | None = None, extra_ro: Iterable = ()) -> RunResult:
     """Run ``cmd`` in a fresh sandbox until it exits or ``budget_s`` passes; leave nothing behind.
     ``job_dir`` becomes /job (its cwd); ``env`` is added to :func:`allowed_env`; ``gpus``: the
     device minors of the GPUs to bind (:func:`gpu_binding`); ``extra_ro``: more folders bound

@@ -16,6 +16,8 @@ import torch
 
 import utils.models
 
+from .spec import Spec
+
 
 class CheckpointRejected(Exception):
     """The model file cannot be graded; ``code`` says why in one word, the message in words."""
@@ -118,7 +120,7 @@ def check_against(model: torch.nn.Module, sd: dict) -> None:
                                  "training diverged (learning rate too high for the batch? warmup?)")
 
 
-def evaluate(spec, sd: dict, heldout, device: str = "cpu") -> float:
+def evaluate(spec: Spec, sd: dict, heldout: torch.utils.data.TensorDataset, device: str = "cpu") -> float:
     """Accuracy of ``sd`` in the instructor's model on ``heldout`` (a TensorDataset)."""
     import utils.data
     import utils.train
