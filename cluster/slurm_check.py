@@ -182,7 +182,7 @@ PartitionName=check Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                     time.sleep(0.5)
         except (subprocess.SubprocessError, OSError):
             pass
-        for n, p in reversed(self.procs):         # slurmd, slurmctld, then munged
+        for _name, p in reversed(self.procs):     # slurmd, slurmctld, then munged
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 try:

@@ -28,7 +28,7 @@ def test_env_selects_profile(monkeypatch):
 def test_unknown_size_is_an_error_naming_the_table():
     cfg = config.profile("smoke")
     with pytest.raises(KeyError, match="TABLE"):
-        cfg.no_such_size
+        _ = cfg.no_such_size
     with pytest.raises(KeyError, match="unknown size"):
         config.profile("smoke", no_such_size=1)
 

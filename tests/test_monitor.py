@@ -117,7 +117,7 @@ def test_thread_is_joined_when_the_block_raises(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with pytest.raises(ZeroDivisionError):
         with monitor.GPUMonitor(interval=0.01, nvml=FakeNVML()):
-            1 / 0
+            _ = 1 / 0
     assert not _monitor_threads(), "an exception inside the with block left the monitor thread running"
 
 

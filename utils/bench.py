@@ -443,7 +443,7 @@ def amp_step_costs(model: nn.Module, batch_size: int = 256, *, device: torch.dev
     for name, fn in variants:
         fn()                                          # warm-up (cuDNN autotuning, allocation)
         torch.cuda.synchronize(device)
-        syncs = count_syncs(lambda: [fn() for _ in range(steps)]) / steps
+        syncs = count_syncs(lambda fn=fn: [fn() for _ in range(steps)]) / steps
         t = time_fn(fn, warmup=1, repeats=repeats, number=steps, device=device)
         out[name] = {"syncs_per_step": syncs, "step_s": t.median, "iqr_s": t.iqr}
     return out

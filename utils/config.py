@@ -88,15 +88,15 @@ TABLE: dict[str, tuple] = {
     "ddp_collective_timeout": (3, 5, 10),                 # seconds a collective waits in the hang demo
     # --- stage 4: large-batch training ---
     "lb_dataset": ("digits", "fashion_mnist", "cifar10"),
-    "lb_batch_sizes": ((16, 128, 1024), (32, 256, 2048), (64, 512, 2048, 8192)),  # sweep (images/step)
+    "lb_batch_sizes": ((16, 128, 1024), (32, 256, 1024), (64, 512, 2048, 8192)),  # sweep (images/step)
     "lb_base_batch": (16, 32, 64),                        # batch the base rate was tuned for
     "lb_base_lr": (0.05, 0.05, 0.05),                     # SGD rate at lb_base_batch (momentum 0.9)
-    "lb_epochs": (6, 6, 16),                              # fixed epoch budget of every sweep run
+    "lb_epochs": (6, 8, 16),                              # fixed epoch budget of every sweep run
     "lb_warmup_epochs": (2, 2, 3),                        # gradual warmup length (epochs)
     "lb_mlp_width": (128, 256, 1024),                     # width of the sweep's MLP (BatchNorm, 2 hidden layers)
     "lb_weight_decay": (5e-4, 5e-4, 5e-4),                # on weights only (biases, norms excluded)
     "lb_trust_coefficient": (0.02, 0.02, 0.02),           # LARS eta (the paper's 0.001 goes with lr ~ 10)
-    "lb_diverge_factor": (2.0, 2.0, 2.0),                 # x the linear rate in the no-warmup demo
+    "lb_diverge_factor": (2.0, 3.0, 2.0),                 # x the linear rate in the no-warmup demo
     "lb_ghost_batch": (16, 32, 64),                       # virtual batch of ghost batch norm (images)
     "lb_resnet_width": (4, 16, 64),                       # ResNet9 width of the ghost-BN experiment
     "lb_smith_batch": (32, 64, 256),                      # first batch of the grow-the-batch run

@@ -243,7 +243,7 @@ def measure_memory(model: nn.Module, batch_size: int, input_shape: tuple[int, ..
     opt = make_optimizer(optimizer, net.parameters(), momentum=momentum)
     x = torch.randn(batch_size, *input_shape, device=device)
     y = torch.randint(0, num_classes, (batch_size,), device=device)
-    for i in range(2):
+    for _ in range(2):
         opt.zero_grad(set_to_none=True)
         with autocast(device, amp_dtype):
             loss = nn.functional.cross_entropy(net(x), y)

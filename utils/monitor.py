@@ -336,7 +336,7 @@ def plot(result: MonitorResult, keys: Sequence[str] = ("util_gpu", "mem_used_mib
     fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.2), squeeze=False)
     for ax, key in zip(axes[0], keys):
         unit, what, _ = FIELDS[key]
-        for idx, name in result.gpus:
+        for idx, _name in result.gpus:
             ts, vs = result.series(key, idx)
             pts = [(t, v) for t, v in zip(ts, vs) if v is not None]
             if pts:

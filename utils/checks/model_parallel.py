@@ -132,8 +132,8 @@ def check_gpipe_microbatches(gpipe_microbatches: Callable[..., Any]) -> None:
         want_loss.backward()
         events = []
         first = next(s0.parameters())          # its gradient is computed once per stage-0 backward
-        hooks = [s0.register_forward_pre_hook(lambda mod, inp: events.append("F")),
-                 first.register_hook(lambda grad: events.append("B"))]
+        hooks = [s0.register_forward_pre_hook(lambda mod, inp, ev=events: ev.append("F")),
+                 first.register_hook(lambda grad, ev=events: ev.append("B"))]
         try:
             got_loss = _call(name, gpipe_microbatches, s0, s1, x, y, m)
         finally:

@@ -176,7 +176,7 @@ def check_wait_fraction(wait_fraction: Callable[..., Any]) -> None:
         want = load_s / (load_s + step_s)
         loader, stepped = _SlowLoader(5, load_s), []
 
-        def step(batch):
+        def step(batch, stepped=stepped, step_s=step_s):
             stepped.append(int(batch[1][0]))
             time.sleep(step_s)
 
