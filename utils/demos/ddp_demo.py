@@ -2,7 +2,8 @@
 process), uneven inputs under ``Join``, gradient accumulation with ``no_sync``, and bucket sizes
 against overlap. One launch runs them all: ``parallel.launch(ddp_demo.worker, N, ...)``."""
 
-from __future__ import annotations
+# No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's annotations
+# with dist.GradBucket and Future[Tensor] themselves, and refuses them as strings.
 
 import contextlib
 import time
