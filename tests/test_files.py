@@ -39,7 +39,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_nothing(tmp_path, monkeypa
 def test_an_unserialisable_object_never_touches_the_target(tmp_path):
     target = tmp_path / "model.pt"
     files.atomic_save({"ok": 1}, target)
-    with pytest.raises(pickle.PicklingError):
+    with pytest.raises((pickle.PicklingError, AttributeError)):   # which one depends on where the lambda lives
         files.atomic_save({"bad": lambda: 0}, target)        # pickling fails before any byte is written
     assert torch.load(target) == {"ok": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
