@@ -131,7 +131,7 @@ def _launch(name, worker, nprocs, *args, source: str = ""):
               "rank must run the same number of steps")
     except parallel.LaunchError as e:
         text = str(e)
-        if "Timed out" in text and _blocking_p2p(source):
+        if _blocking_p2p(source):
             _fail(name, "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank "
                   "has posted yet", "post each step's send and receive together as one batch (dist.P2POp, "
                   "dist.batch_isend_irecv), then wait on every request")
@@ -139,6 +139,10 @@ def _launch(name, worker, nprocs, *args, source: str = ""):
             _fail(name, "your function hung: a rank waited for a message that never came",
                   "check that rank r sends to (r + 1) % N and receives from (r - 1) % N, the same number of times")
         first = text.split("\n")[0]
+        if not e.remote_traceback:
+            _fail(name, f"a process stopped without a Python exception ({first.split('. The other')[0]})",
+                  "run your function's steps by hand on paper for 3 ranks: a rank that waits forever, or "
+                  "writes past a tensor's end, stops like this")
         tb = e.remote_traceback.strip().splitlines()
         where = next((line.strip() for line in reversed(tb) if "<your exercise cell>" in line), "")
         err = CheckFailed(f"{name}: your code raised on {first.split(' raised ')[0]}: "
