@@ -188,6 +188,9 @@ def _per_param(model, divide=True, clear=True):
     return finish
 
 
+_as_notebook_function(_per_param)      # a helper from another cell: it travels with the function
+
+
 def overlap_sums(model, bucket_numel=0):
     return _per_param(model, divide=False)
 
