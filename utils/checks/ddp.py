@@ -754,6 +754,11 @@ def check_ddp_script(path) -> None:
                   "the other never calls: e.g. a barrier or an all-reduce inside `if rank == 0:`")
         out = proc.stdout or ""
         if proc.returncode != 0:
+            if "terminate called without an active exception" in out:
+                _script_failed(name, "a process aborted while leaving the group: one rank tore the group down "
+                               "while another was still working in it",
+                               "at the end, let every rank meet the others (dist.barrier()), then call "
+                               "dist.destroy_process_group()", out)
             if "device_ids" in out:
                 _script_failed(name, "DistributedDataParallel got device_ids on a CPU model",
                                "pass device_ids=[local_rank] only when the model is on a GPU "
