@@ -234,8 +234,7 @@ def test_overlap_trace_fails_without_overlap():
 MISTAKES = {   # name: (text replaced in the answer, replacement, regex of the message)
     "no_set_epoch": ("sampler.set_epoch(epoch)", "pass", "same order of examples.*set_epoch"),
     "no_sampler": ("loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler)",
-                   "loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler="
-                   "torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed)).tolist())",
+                   "loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, shuffle=True)",
                    "ALL the data"),
     "every_rank_saves": ("        if rank == 0:\n            torch.save(", "        if True:\n            torch.save(",
                          "rank 1 saved a checkpoint too"),

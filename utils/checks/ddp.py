@@ -654,7 +654,7 @@ def _probe(argv):
     from torch.utils.data import DistributedSampler as DS
     script, rest = argv[0], argv[1:]
     rec = {"rank": int(os.environ.get("RANK", "0")), "saves": 0, "set_epoch": [], "ddp": [], "init": 0,
-           "destroy": 0, "sampler": 0}
+           "destroy": 0, "sampler": 0, "loaders": []}
     real_save, real_set_epoch = torch.save, DS.set_epoch
     real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
     real_ddp, real_ds = DistributedDataParallel.__init__, DS.__init__
@@ -683,6 +683,14 @@ def _probe(argv):
         rec["sampler"] += 1
         return real_ds(self, *a, **k)
 
+    from torch.utils.data import DataLoader
+    real_iter = DataLoader.__iter__
+
+    def loader_iter(self):
+        rec["loaders"].append(isinstance(getattr(self.batch_sampler, "sampler", self.sampler), DS))
+        return real_iter(self)
+
+    DataLoader.__iter__ = loader_iter
     torch.save, DS.set_epoch = save, set_epoch
     dist.init_process_group, dist.destroy_process_group = init, destroy
     DistributedDataParallel.__init__, DS.__init__ = ddp_init, ds_init
@@ -802,12 +810,14 @@ def check_ddp_script(path) -> None:
         _fail(name, f"the checkpoint's model has keys {sorted(state)[:4]}..., expected {sorted(want)}",
               "save {'model': model.module.state_dict(), 'epoch': epoch}, as the serial script does")
     if not same(want):
+        if (same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, shard=False)) or not all(r["sampler"] for r in recs)
+                or not all(r["loaders"] and all(r["loaders"]) for r in recs)):
+            _fail(name, "each rank trained on ALL the data, not on its half: the DataLoader you iterate has no "
+                  "DistributedSampler", "give that DataLoader sampler=DistributedSampler(dataset, seed=args.seed), "
+                  "instead of its own shuffle")
         if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, reshuffle=False)) or not all(r["set_epoch"] for r in recs):
             _fail(name, "every epoch used the same order of examples: the sampler was never told the epoch",
                   "call sampler.set_epoch(epoch) at the start of every epoch, on every rank")
-        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, shard=False)) or not all(r["sampler"] for r in recs):
-            _fail(name, "each rank trained on ALL the data, not on its half",
-                  "give the DataLoader a DistributedSampler(dataset, seed=args.seed) instead of the shuffled order")
         if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, per_rank_batch=SCRIPT_BATCH)):
             _fail(name, f"each rank took --batch-size={SCRIPT_BATCH} examples per step, so the global batch was "
                   f"{2 * SCRIPT_BATCH}", "--batch-size is the global batch: each rank takes batch_size // world_size")
