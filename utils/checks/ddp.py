@@ -526,7 +526,7 @@ def _trace_worker(source, fn_name, bucket_numel):
 
 def check_overlap_trace(overlap_ddp, bucket_numel: int = 0, world_size: int = 2) -> list:
     """Trace one step of ``overlap_ddp`` with torch.profiler on 2 processes (an MLP of 5 layers)
-    and check the order of its events: at least one all-reduce starts before backward ends.
+    and check the order of its events: at least one all-reduce is launched before backward ends.
     Returns rank 0's events, (name, start_us, end_us), sorted by start."""
     name = "overlap trace"
     src = _source(name, overlap_ddp)
@@ -540,12 +540,14 @@ def check_overlap_trace(overlap_ddp, bucket_numel: int = 0, world_size: int = 2)
     if not bw or not ar:
         _fail(name, "the trace has no all-reduce" if bw else "the trace has no backward",
               "make sure overlap_ddp launches dist.all_reduce from its hooks")
-    comm = [e for e in ar if "gloo" in e[0].lower() or "nccl" in e[0].lower()] or ar   # the transfers themselves
+    # Judge the launches (your calls, c10d::allreduce_): when the backend's thread then moves the
+    # bytes is up to the scheduler, and on a busy CPU it may come only after backward.
+    comm = [e for e in ar if "gloo" not in e[0].lower() and "nccl" not in e[0].lower()] or ar
     started_inside = [e for e in comm if e[1] < bw[0][2]]
     if not started_inside:
         _fail(name, "every all-reduce in the trace starts after backward ended: no overlap",
               "launch the all-reduces from the gradient hooks, with async_op=True")
-    _passed(name, f"{len(started_inside)} of {len(comm)} all-reduce events start before backward ends")
+    _passed(name, f"{len(started_inside)} of {len(comm)} all-reduces were launched before backward ended")
     return events
 
 
