@@ -3,10 +3,7 @@ course's own implementation, and on the likely mistakes written out below, with 
 names the mistake; and PASSES on the answers in solutions/lab3_ddp.ipynb (taken from the notebook
 itself, so the test follows the lab). 2 ranks, tiny models."""
 import json
-import os
 import re
-import textwrap
-import types
 from pathlib import Path
 
 import pytest

@@ -103,8 +103,8 @@ def _raise_not_implemented():
 
 def _define(source: str, fn_name: str):
     """In a spawned process: define the student's function again, with the lab's names in scope."""
-    import torch.nn.functional as F
     import torch.distributed as dist
+    import torch.nn.functional as F
     scope = {"torch": torch, "dist": dist, "nn": nn, "F": F, "math": math, "os": os}
     exec(compile(source, "<your exercise cell>", "exec"), scope)
     return scope[fn_name]
@@ -338,7 +338,7 @@ def check_save_on_rank0(save_on_rank0) -> None:
         with mock.patch("os.replace", spy), mock.patch("os.rename", spy):
             _call(name, save_on_rank0, path, model, opt, 3, 0)
         if not os.path.exists(path):
-            _fail(name, "rank 0 did not write the checkpoint", f"torch.save(...) to a temporary file, then os.replace it to path")
+            _fail(name, "rank 0 did not write the checkpoint", "torch.save(...) to a temporary file, then os.replace it to path")
         if not any(dst == path for _, dst in calls):
             _fail(name, "the file was written in place, not atomically: a crash mid-write would leave a "
                   "corrupt checkpoint", "torch.save to path + '.tmp', then os.replace(tmp, path)")
@@ -382,6 +382,7 @@ OVERLAP_STEPS = 3
 def _overlap_worker(source, fn_name):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
+
     from utils import parallel
     ctx = parallel.setup(timeout=20)
     fn = _define(source, fn_name)
@@ -394,11 +395,11 @@ def _overlap_worker(source, fn_name):
         calls, grads0 = [], None
         real = dist.all_reduce
 
-        def spy(tensor, *a, **k):
+        def spy(tensor, *a, _calls=calls, _state=state, _params=params, _real=real, **k):
             async_op = k.get("async_op", a[2] if len(a) > 2 else False)
-            calls.append({"step": state["step"], "async": bool(async_op), "in_backward": state["in_backward"],
-                          "ready": sum(p.grad is not None for p in params)})
-            return real(tensor, *a, **k)
+            _calls.append({"step": _state["step"], "async": bool(async_op), "in_backward": _state["in_backward"],
+                           "ready": sum(p.grad is not None for p in _params)})
+            return _real(tensor, *a, **k)
 
         with mock.patch.object(dist, "all_reduce", spy):
             finish = fn(model, cap)
@@ -502,6 +503,7 @@ def check_overlap_ddp(overlap_ddp, world_size: int = 2) -> None:
 
 def _trace_worker(source, fn_name, bucket_numel):
     from torch.profiler import ProfilerActivity, profile, record_function
+
     from utils import parallel
     ctx = parallel.setup(timeout=20)
     fn = _define(source, fn_name)
@@ -651,6 +653,7 @@ def _probe(argv):
     import json
     import runpy
     import sys
+
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DistributedSampler as DS
@@ -709,6 +712,7 @@ def run_script(script, nprocs=2, *args, timeout=240.0):
     ``(completed_process, records)``: torchrun's output, and what each rank called (the probe)."""
     import json
     import sys
+
     from utils import parallel
     with tempfile.TemporaryDirectory() as probe_dir:
         env = dict(os.environ, LAB3_PROBE_DIR=probe_dir, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
