@@ -3,8 +3,13 @@
 The ring all-reduce and gradient averaging must run on real processes, but a function defined
 in a notebook cannot be imported by a spawned process. So these checks send the *source* of
 your function to the processes, which define it again (with ``torch``, ``dist`` =
-``torch.distributed``, ``nn``, ``F``, ``math``, ``os`` in scope; nothing of ``utils.parallel``,
-which the exercises build) and call it. Keep your function self-contained: use only those names.
+``torch.distributed``, ``nn``, ``F``, ``math``, ``os`` in scope) and call it. Helper functions you
+defined in other cells of the notebook travel with it.
+
+Checks refuse the course's own implementations (``utils.parallel``) and, where the exercise is
+to build a collective, that collective itself. ``check_ddp_script`` runs your script FILE under
+torchrun on 2 processes; this module is also the probe each of those processes runs
+(``python -m utils.checks.ddp --probe SCRIPT ARGS``).
 
 The processes run on the backend the launcher picks (NCCL with a GPU per process), so every
 tensor is built on the rank's device (NCCL takes GPU tensors only), with TF32 off.
@@ -23,21 +28,77 @@ from torch import nn
 
 from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
 
-__all__ = ["check_ring_all_reduce", "check_average_gradients", "check_shard_batches", "check_save_on_rank0"]
+__all__ = ["check_ring_all_reduce", "check_average_gradients", "check_shard_batches", "check_save_on_rank0",
+           "check_overlap_ddp", "check_overlap_trace", "check_ddp_script", "SERIAL_SCRIPT", "run_script"]
 
 
 # ---------------------------------------------------------------------------- shipping source
 
-def _source(name, fn) -> str:
+def _code_names(code) -> set:
+    """Every global/attribute name and string constant used by a code object and those nested in it."""
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if isinstance(c, str):
+            names.add(c)
+        elif hasattr(c, "co_names"):
+            names |= _code_names(c)
+    return names
+
+
+def _helpers(fn, seen) -> list:
+    """Sources of the functions defined in the notebook (``__main__``) that ``fn`` uses, found by
+    name in its code; each is collected once, its own helpers first."""
+    out = []
+    glb = getattr(fn, "__globals__", {})
+    for n in sorted(_code_names(fn.__code__)):
+        obj = glb.get(n)
+        if (callable(obj) and getattr(obj, "__module__", None) in ("__main__", "__mp_main__")
+                and hasattr(obj, "__code__") and obj is not fn and n not in seen):
+            seen.add(n)
+            out += _helpers(obj, seen)
+            try:
+                out.append(textwrap.dedent(inspect.getsource(obj)))
+            except (OSError, TypeError):
+                pass
+    return out
+
+
+_LIBRARY = ("utils", "parallel", "ddp_train", "DistributedDataParallel", "DDP")
+
+
+def _source(name, fn, forbidden=()) -> str:
+    """The function's source plus its notebook helpers', after refusing what it must not use."""
     if not callable(fn):
         _fail(name, f"expected a function, got {type(fn).__name__}", "pass the function itself, without calling it")
+    mod = getattr(fn, "__module__", "") or ""
+    if mod.startswith("utils") or mod.startswith("torch"):
+        _fail(name, f"this is {mod}.{getattr(fn, '__name__', fn)}, the library's own implementation, not yours",
+              "write the function yourself in the exercise cell and pass that")
     try:
         src = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
         _fail(name, "could not read your function's source", "define it with `def` in a notebook cell and run that cell")
     if "NotImplementedError" in src:
         _call(name, _raise_not_implemented)
-    return src
+    helpers = _helpers(fn, {fn.__name__})
+    used = _code_names(fn.__code__)
+    for h in [g for g in (getattr(fn, "__globals__", {}).get(n) for n in used) if hasattr(g, "__code__")]:
+        used |= _code_names(h.__code__)
+    glb = getattr(fn, "__globals__", {})
+    for n in sorted(used):
+        obj = glb.get(n)
+        omod = getattr(obj, "__module__", None) or getattr(obj, "__name__", "") if obj is not None else ""
+        if isinstance(omod, str) and omod.startswith("utils.") and obj is not None and n not in ("utils",):
+            _fail(name, f"your code uses {n}, which comes from the course's {omod}",
+                  "write the steps yourself with torch.distributed; the library's version is what this "
+                  "exercise asks you to build")
+    bad = [n for n in _LIBRARY + tuple(forbidden) if n in used]
+    if bad:
+        what = ", ".join(sorted(set(bad)))
+        _fail(name, f"your code calls {what}, which this exercise asks you to build yourself",
+              f"remove {what}; build it from the pieces the exercise names"
+              + (" (point-to-point sends and receives)" if "all_reduce" in bad else ""))
+    return "\n\n".join(helpers + [src])
 
 
 def _raise_not_implemented():
@@ -46,39 +107,61 @@ def _raise_not_implemented():
 
 def _define(source: str, fn_name: str):
     """In a spawned process: define the student's function again, with the lab's names in scope."""
-    import torch.nn.functional as F
     import torch.distributed as dist
+    import torch.nn.functional as F
     scope = {"torch": torch, "dist": dist, "nn": nn, "F": F, "math": math, "os": os}
     exec(compile(source, "<your exercise cell>", "exec"), scope)
     return scope[fn_name]
 
 
-def _launch(name, worker, nprocs, *args):
+def _blocking_p2p(source: str) -> bool:
+    """Does the code send with blocking ``dist.send`` / ``dist.recv`` rather than one batch?"""
+    import re
+    return bool(re.search(r"\bdist\.send\s*\(|\bsend\s*\(\s*[^)]*\bdst\b", source)) and "batch_isend_irecv" not in source
+
+
+def _launch(name, worker, nprocs, *args, source: str = ""):
     from utils import parallel
     try:
         return parallel.launch(worker, nprocs, *args, timeout=90, stream=False)
     except parallel.LaunchTimeout:
+        if _blocking_p2p(source):
+            _fail(name, "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank "
+                  "has posted yet (each one sends first and receives second)",
+                  "post each step's send and receive together, as one batch of point-to-point operations "
+                  "(look up dist.P2POp and dist.batch_isend_irecv), then wait on every request it returns")
         _fail(name, "your function hung (the processes waited for each other until the timeout)",
-              "every send needs a matching receive on the neighbour: post each step's send and receive "
-              "together, ops = [dist.P2POp(dist.isend, chunk, right), dist.P2POp(dist.irecv, buf, left)], "
-              "then wait() on every request of dist.batch_isend_irecv(ops); and make every rank run the "
-              "same number of steps")
+              "every send needs a matching receive on the neighbour, posted together in one batch; and every "
+              "rank must run the same number of steps")
     except parallel.LaunchError as e:
         text = str(e)
+        if _blocking_p2p(source):
+            _fail(name, "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank "
+                  "has posted yet", "post each step's send and receive together as one batch (dist.P2POp, "
+                  "dist.batch_isend_irecv), then wait on every request")
         if "Timed out" in text:
             _fail(name, "your function hung: a rank waited for a message that never came",
                   "check that rank r sends to (r + 1) % N and receives from (r - 1) % N, the same number of times")
         first = text.split("\n")[0]
+        if not e.remote_traceback:
+            _fail(name, f"a process stopped without a Python exception ({first.split('. The other')[0]})",
+                  "run your function's steps by hand on paper for 3 ranks: a rank that waits forever, or "
+                  "writes past a tensor's end, stops like this")
         tb = e.remote_traceback.strip().splitlines()
         where = next((line.strip() for line in reversed(tb) if "<your exercise cell>" in line), "")
-        raise CheckFailed(f"{name}: your code raised on {first.split(' raised ')[0]}: "
+        err = CheckFailed(f"{name}: your code raised on {first.split(' raised ')[0]}: "
                           f"{first.split(' raised ', 1)[-1].split('. The other ranks')[0]}"
-                          f"{'  (' + where + ')' if where else ''}\n  Hint: run it again after reading the "
-                          f"message; the traceback from that rank is in the exception's remote_traceback") from None
+                          f"{'  (' + where + ')' if where else ''}. Try: read that rank's traceback, "
+                          f"printed below, fix the line it names, rerun both cells"
+                          f"\n\nTraceback from {first.split(' raised ')[0]}:\n{e.remote_traceback}")
+        err.remote_traceback = e.remote_traceback
+        raise err from None
 
 
 # ---------------------------------------------------------------------------- ring all-reduce
 
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                "reduce_scatter_tensor", "all_to_all", "reduce")
 RING_SIZES = (12, 7, 2)       # divisible by 3 ranks, not divisible, fewer elements than ranks
 
 
@@ -104,8 +187,8 @@ def check_ring_all_reduce(ring_all_reduce, world_size: int = 3) -> None:
     one receive posted together with ``dist.batch_isend_irecv`` (the form that works on NCCL too).
     Run on 3 real processes, for tensors of 12, 7 and 2 elements."""
     name = "ring_all_reduce"
-    src = _source(name, ring_all_reduce)
-    res = _launch(name, _ring_worker, world_size, src, ring_all_reduce.__name__)
+    src = _source(name, ring_all_reduce, forbidden=_COLLECTIVES)
+    res = _launch(name, _ring_worker, world_size, src, ring_all_reduce.__name__, source=src)
     for n, per_size in zip(RING_SIZES, zip(*res)):
         want = _ring_expected(n, world_size)
         got = [r["inplace"] for r in per_size]
@@ -175,7 +258,7 @@ def check_average_gradients(average_gradients, world_size: int = 2) -> None:
     compared with one process on the whole batch."""
     name = "average_gradients"
     src = _source(name, average_gradients)
-    res = _launch(name, _avg_worker, world_size, src, average_gradients.__name__)
+    res = _launch(name, _avg_worker, world_size, src, average_gradients.__name__, source=src)
     x, y = _grad_data(world_size)
     want = _local_grads(x, y)                           # the mean over the whole batch
     local = [_local_grads(x[r::world_size], y[r::world_size]) for r in range(world_size)]
@@ -261,7 +344,7 @@ def check_save_on_rank0(save_on_rank0) -> None:
         with mock.patch("os.replace", spy), mock.patch("os.rename", spy):
             _call(name, save_on_rank0, path, model, opt, 3, 0)
         if not os.path.exists(path):
-            _fail(name, "rank 0 did not write the checkpoint", f"torch.save(...) to a temporary file, then os.replace it to path")
+            _fail(name, "rank 0 did not write the checkpoint", "torch.save(...) to a temporary file, then os.replace it to path")
         if not any(dst == path for _, dst in calls):
             _fail(name, "the file was written in place, not atomically: a crash mid-write would leave a "
                   "corrupt checkpoint", "torch.save to path + '.tmp', then os.replace(tmp, path)")
@@ -283,3 +366,489 @@ def check_save_on_rank0(save_on_rank0) -> None:
     if ck["epoch"] != 3:
         _fail(name, f"epoch saved as {ck['epoch']!r}, expected 3", "store the epoch argument as given")
     _passed(name)
+
+
+# ---------------------------------------------------------------------------- overlapped DDP by hand
+
+def _overlap_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def _overlap_batch(step, world, rank):
+    g = torch.Generator().manual_seed(10 + step)
+    x, y = torch.randn(4 * world, 6, generator=g), torch.randint(0, 3, (4 * world,), generator=g)
+    return x[rank::world], y[rank::world]
+
+
+OVERLAP_CAPS = (0, 80, 10 ** 9)     # one bucket per parameter, a few buckets, one bucket
+OVERLAP_STEPS = 3
+
+
+def _overlap_worker(source, fn_name):
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    from utils import parallel
+    ctx = parallel.setup(timeout=20)
+    fn = _define(source, fn_name)
+    out = {}
+    for cap in OVERLAP_CAPS:
+        model, ref = _overlap_model(), DistributedDataParallel(_overlap_model())
+        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+        params = list(model.parameters())
+        state = {"in_backward": False, "step": 0}
+        calls, grads0 = [], None
+        real = dist.all_reduce
+
+        def spy(tensor, *a, _calls=calls, _state=state, _params=params, _real=real, **k):
+            async_op = k.get("async_op", a[2] if len(a) > 2 else False)
+            _calls.append({"step": _state["step"], "async": bool(async_op), "in_backward": _state["in_backward"],
+                           "ready": sum(p.grad is not None for p in _params)})
+            return _real(tensor, *a, **k)
+
+        with mock.patch.object(dist, "all_reduce", spy):
+            finish = fn(model, cap)
+            for step in range(OVERLAP_STEPS):
+                state["step"] = step
+                x, y = _overlap_batch(step, ctx.world_size, ctx.rank)
+                opt.zero_grad(set_to_none=True)
+                loss = nn.functional.cross_entropy(model(x), y)
+                state["in_backward"] = True
+                loss.backward()
+                state["in_backward"] = False
+                if callable(finish):
+                    finish()
+                if step == 0:
+                    grads0 = [p.grad.clone() if p.grad is not None else None for p in params]
+                opt.step()
+        local0 = _overlap_model()
+        x, y = _overlap_batch(0, ctx.world_size, ctx.rank)
+        nn.functional.cross_entropy(local0(x), y).backward()
+        ref_grads0 = None
+        for step in range(OVERLAP_STEPS):
+            x, y = _overlap_batch(step, ctx.world_size, ctx.rank)
+            ref_opt.zero_grad(set_to_none=True)
+            nn.functional.cross_entropy(ref(x), y).backward()
+            if step == 0:
+                ref_grads0 = [p.grad.clone() for p in ref.parameters()]
+            ref_opt.step()
+        out[cap] = {"finish": callable(finish), "calls": calls, "nparams": len(params),
+                    "weights": [p.detach().clone() for p in params],
+                    "ref": [p.detach().clone() for p in ref.module.parameters()],
+                    "grads0": grads0, "ref_grads0": ref_grads0,
+                    "local0": [p.grad.clone() for p in local0.parameters()]}
+    return out
+
+
+def check_overlap_ddp(overlap_ddp, world_size: int = 2) -> None:
+    """``overlap_ddp(model, bucket_numel)``: register a hook on every parameter that launches an
+    asynchronous all-reduce of its gradient (grouped in buckets of at most ``bucket_numel``
+    elements; 0: one per parameter) as soon as the gradients of its bucket are ready, and return
+    ``finish()``, which waits for them and leaves the averaged gradients in ``p.grad``. Run on 2
+    processes for 3 SGD steps, against torch's DistributedDataParallel on the same inputs."""
+    name = "overlap_ddp"
+    src = _source(name, overlap_ddp)
+    res = _launch(name, _overlap_worker, world_size, src, overlap_ddp.__name__, source=src)
+    for cap in OVERLAP_CAPS:
+        for r, out in enumerate(res):
+            out = out[cap]
+            calls, n = out["calls"], out["nparams"]
+            if not out["finish"]:
+                _fail(name, "overlap_ddp did not return a function", "return finish, a function that waits for "
+                      "the all-reduces and averages; the training loop calls it after backward()")
+            if not calls:
+                _fail(name, "no dist.all_reduce was called", "in each parameter's hook, launch dist.all_reduce "
+                      "on its gradient (or its bucket's), with async_op=True")
+            if not all(c["async"] for c in calls):
+                _fail(name, "an all-reduce was blocking (async_op not set): backward stops at every hook until "
+                      "that all-reduce is done, so nothing overlaps",
+                      "pass async_op=True, keep the work handle it returns, and wait() on it in finish()")
+            if not any(c["in_backward"] for c in calls):
+                _fail(name, "every all-reduce started after backward() returned: communication does not "
+                      "overlap with backward", "launch each all-reduce from a hook that fires when a gradient is "
+                      "ready (look up Tensor.register_post_accumulate_grad_hook); finish() only waits")
+            if cap == 0 and all(c["ready"] == n for c in calls if c["in_backward"]):
+                _fail(name, "the all-reduces start only once every gradient is ready, so none overlaps with the "
+                      "rest of backward", "launch a parameter's all-reduce from ITS OWN hook, as soon as its "
+                      "gradient is accumulated")
+            g, want, local = out["grads0"], out["ref_grads0"], out["local0"]
+            ok = all(a is not None and torch.allclose(a, b, atol=1e-6) for a, b in zip(g, want))
+            if not ok:
+                if any(a is None for a in g):
+                    _fail(name, f"after finish() a gradient is None on rank {r}", "leave the averaged gradient in p.grad")
+                if all(torch.allclose(a, world_size * b, atol=1e-6) for a, b in zip(g, want)):
+                    _fail(name, f"the gradients are {world_size}x DDP's: they were summed, not averaged",
+                          "in finish(), after waiting, divide by the world size")
+                if all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, local)):
+                    _fail(name, f"rank {r} still has its own local gradient after finish()",
+                          "wait() on every work handle in finish(); with buckets, copy the reduced flat buffer "
+                          "back into each p.grad after waiting")
+                _fail(name, f"with bucket_numel={cap}, the gradients after finish() on rank {r} differ from "
+                      "DistributedDataParallel's", "each gradient must be the mean over ranks: all-reduce "
+                      "(sum), wait, divide by the world size, and (buckets) copy each slice back to its p.grad")
+            if not all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out["weights"], out["ref"])):
+                _fail(name, f"step 0 matched DDP but after {OVERLAP_STEPS} steps the weights differ "
+                      f"(bucket_numel={cap})", "reset what finish() keeps (handles, bucket counters) at the end "
+                      "of every finish(), so the next backward starts clean")
+            per_step = [sum(1 for c in calls if c["step"] == s) for s in range(OVERLAP_STEPS)]
+            if cap == 0 and any(k != n for k in per_step):
+                _fail(name, f"with bucket_numel=0 you made {per_step[0]} all-reduces per step for {n} parameters",
+                      "bucket_numel=0 means one bucket (one all-reduce) per parameter")
+            if cap >= 10 ** 9 and any(k != 1 for k in per_step):
+                _fail(name, f"with bucket_numel={cap} (more than the model) you made {per_step[0]} all-reduces "
+                      "per step", "fill a bucket until adding the next parameter would pass bucket_numel; "
+                      "the whole model fits in one, so one all-reduce per step")
+            if 0 < cap < 10 ** 9 and not all(1 < k < n for k in per_step):
+                _fail(name, f"with bucket_numel={cap} you made {per_step[0]} all-reduces per step for {n} "
+                      "parameters", "group parameters in the order their gradients arrive (last layer first) "
+                      "into buckets of at most bucket_numel elements")
+    _passed(name, f"{world_size} processes, {len(OVERLAP_CAPS)} bucket sizes, equal to DistributedDataParallel, "
+            "all-reduces launched during backward")
+
+
+def _trace_worker(source, fn_name, bucket_numel):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from utils import parallel
+    ctx = parallel.setup(timeout=20)
+    fn = _define(source, fn_name)
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.Tanh())], nn.Linear(256, 10))
+    finish = fn(model, bucket_numel)
+    x = torch.randn(64, 256)
+    for _ in range(2):                                   # warm-up, then the traced step
+        model.zero_grad(set_to_none=True)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            loss = model(x).pow(2).mean()
+            with record_function("backward"):
+                loss.backward()
+            with record_function("finish"):
+                finish()
+    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+              if e.name in ("backward", "finish") or "allreduce" in e.name.lower().replace("_", "")]
+    if ctx.rank == 0:
+        return sorted(events, key=lambda e: e[1])
+    return None
+
+
+def check_overlap_trace(overlap_ddp, bucket_numel: int = 0, world_size: int = 2) -> list:
+    """Trace one step of ``overlap_ddp`` with torch.profiler on 2 processes (an MLP of 5 layers)
+    and check the order of its events: at least one all-reduce is launched before backward ends.
+    Returns rank 0's events, (name, start_us, end_us), sorted by start."""
+    name = "overlap trace"
+    src = _source(name, overlap_ddp)
+    events = _launch(name, _trace_worker, world_size, src, overlap_ddp.__name__, bucket_numel, source=src)[0]
+    t0 = min(e[1] for e in events)
+    bw = [e for e in events if e[0] == "backward"]
+    ar = [e for e in events if e[0] not in ("backward", "finish")]
+    for n, s, e in events:
+        if n in ("backward", "finish") or e - s > 0:
+            print(f"  {n[:40]:40s} {s - t0:9.0f} us -> {e - t0:9.0f} us")
+    if not bw or not ar:
+        _fail(name, "the trace has no all-reduce" if bw else "the trace has no backward",
+              "make sure overlap_ddp launches dist.all_reduce from its hooks")
+    # Judge the launches (your calls, c10d::allreduce_): when the backend's thread then moves the
+    # bytes is up to the scheduler, and on a busy CPU it may come only after backward.
+    comm = [e for e in ar if "gloo" not in e[0].lower() and "nccl" not in e[0].lower()] or ar
+    started_inside = [e for e in comm if e[1] < bw[0][2]]
+    if not started_inside:
+        _fail(name, "every all-reduce in the trace starts after backward ended: no overlap",
+              "launch the all-reduces from the gradient hooks, with async_op=True")
+    _passed(name, f"{len(started_inside)} of {len(comm)} all-reduces were launched before backward ended")
+    return events
+
+
+# ---------------------------------------------------------------------------- the torchrun script
+
+SERIAL_SCRIPT = '''\
+"""train_serial.py: one process trains a small classifier. Run: python train_serial.py --epochs 3"""
+import argparse
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def make_data(n=512, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    y = (x[:, :3].sum(dim=1) > 0).long() + (x[:, 3] > 1).long()      # 3 classes
+    return torch.utils.data.TensorDataset(x, y)
+
+
+def make_model(seed=1):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, default=32)      # examples per optimizer step
+    ap.add_argument("--lr", type=float, default=0.1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--ckpt", default="ckpt.pt")
+    args = ap.parse_args()
+
+    data = make_data()
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+    for epoch in range(args.epochs):
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed + epoch))
+        loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size,
+                                             sampler=order.tolist())    # a new shuffle every epoch
+        for x, y in loader:
+            opt.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+        torch.save({"model": model.state_dict(), "epoch": epoch}, args.ckpt)
+    x, y = data.tensors
+    acc = (model(x).argmax(1) == y).float().mean().item()
+    print(f"trained {args.epochs} epochs, batch {args.batch_size}: train accuracy {acc:.3f}")
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def _script_namespace():
+    ns = {"__name__": "lab3_serial"}
+    exec(compile(SERIAL_SCRIPT, "train_serial.py", "exec"), ns)
+    return ns
+
+
+def _simulate(epochs, batch, world=1, *, shard=True, reshuffle=True, average=True, per_rank_batch=None,
+              lr=0.1, seed=0):
+    """The serial script's training, and the ways a distributed version of it goes wrong:
+    ``shard=False`` every rank trains on all the data; ``reshuffle=False`` epoch 0's order every
+    epoch; ``average=False`` rank 0 alone on its shard (no DDP); ``per_rank_batch`` the batch each
+    rank takes. Returns rank 0's final state dict (every rank's, when they agree)."""
+    ns = _script_namespace()
+    data, model = ns["make_data"](), ns["make_model"]()
+    x_all, y_all = data.tensors
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    b = per_rank_batch or batch // world
+    for epoch in range(epochs):
+        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + (epoch if reshuffle else 0)))
+        shards = [order[r::world] if shard else order for r in range(world)]
+        if not average:
+            shards = shards[:1]
+        for i in range(0, len(shards[0]), b):
+            opt.zero_grad()
+            grads = []
+            for s in shards:
+                idx = s[i:i + b]
+                model.zero_grad()
+                F_loss = nn.functional.cross_entropy(model(x_all[idx]), y_all[idx])
+                grads.append(torch.autograd.grad(F_loss, list(model.parameters())))
+            for p, *gs in zip(model.parameters(), *grads):
+                p.grad = sum(gs) / len(gs)
+            opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+_PROBE_DOC = "python -m utils.checks.ddp --probe SCRIPT ARGS: run SCRIPT as __main__ and record what it calls"
+
+
+def _probe(argv):
+    """One rank under torchrun: run the student's script and note which ranks save, whether the
+    sampler's set_epoch, init/destroy_process_group and DistributedDataParallel were called."""
+    import json
+    import runpy
+    import sys
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DistributedSampler as DS
+    script, rest = argv[0], argv[1:]
+    rec = {"rank": int(os.environ.get("RANK", "0")), "saves": 0, "set_epoch": [], "ddp": [], "init": 0,
+           "destroy": 0, "sampler": 0, "loaders": []}
+    real_save, real_set_epoch = torch.save, DS.set_epoch
+    real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
+    real_ddp, real_ds = DistributedDataParallel.__init__, DS.__init__
+
+    def save(*a, **k):
+        rec["saves"] += 1
+        return real_save(*a, **k)
+
+    def set_epoch(self, epoch):
+        rec["set_epoch"].append(int(epoch))
+        return real_set_epoch(self, epoch)
+
+    def init(*a, **k):
+        rec["init"] += 1
+        return real_init(*a, **k)
+
+    def destroy(*a, **k):
+        rec["destroy"] += 1
+        return real_destroy(*a, **k)
+
+    def ddp_init(self, module, *a, **k):
+        rec["ddp"].append(repr(k.get("device_ids", a[0] if a else None)))
+        return real_ddp(self, module, *a, **k)
+
+    def ds_init(self, *a, **k):
+        rec["sampler"] += 1
+        return real_ds(self, *a, **k)
+
+    from torch.utils.data import DataLoader
+    real_iter = DataLoader.__iter__
+
+    def loader_iter(self):
+        rec["loaders"].append(isinstance(getattr(self.batch_sampler, "sampler", self.sampler), DS))
+        return real_iter(self)
+
+    DataLoader.__iter__ = loader_iter
+    torch.save, DS.set_epoch = save, set_epoch
+    dist.init_process_group, dist.destroy_process_group = init, destroy
+    DistributedDataParallel.__init__, DS.__init__ = ddp_init, ds_init
+    sys.argv = [script, *rest]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        with open(os.path.join(os.environ["LAB3_PROBE_DIR"], f"rank{rec['rank']}.json"), "w") as f:
+            json.dump(rec, f)
+
+
+def run_script(script, nprocs=2, *args, timeout=240.0):
+    """Run ``script`` under torchrun with ``nprocs`` processes on the CPU (gloo) and return
+    ``(completed_process, records)``: torchrun's output, and what each rank called (the probe)."""
+    import json
+    import sys
+
+    from utils import parallel
+    with tempfile.TemporaryDirectory() as probe_dir:
+        env = dict(os.environ, LAB3_PROBE_DIR=probe_dir, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        del sys
+        proc = parallel.torchrun(["--nproc-per-node", nprocs, "--max-restarts", 0, "-m", "utils.checks.ddp",
+                                  "--probe", os.path.abspath(script), *args], timeout=timeout, env=env)
+        recs = []
+        for r in range(nprocs):
+            try:
+                with open(os.path.join(probe_dir, f"rank{r}.json")) as f:
+                    recs.append(json.load(f))
+            except (OSError, ValueError):
+                recs.append(None)
+    return proc, recs
+
+
+SCRIPT_EPOCHS, SCRIPT_BATCH = 2, 32
+
+
+def _script_failed(name, problem, hint, output=""):
+    err = CheckFailed(f"{name}: {problem.rstrip('.')}. Try: {hint}"
+                      + (f"\n\nThe last lines torchrun printed:\n{output[-3000:]}" if output else ""))
+    err.output = output
+    raise err from None
+
+
+def check_ddp_script(path) -> None:
+    """Run the script at ``path`` under torchrun on 2 processes (gloo, CPU) with
+    ``--epochs 2 --batch-size 32 --ckpt <tmp>``, ``--batch-size`` being the GLOBAL batch, and
+    compare the weights rank 0 saved with one process of the serial script on the same global
+    batches. Also reads the script, and records on each rank what it called."""
+    import re
+    import subprocess
+    name = "ddp script"
+    if not os.path.exists(path):
+        _fail(name, f"there is no file {path}", "run the %%writefile cell above first")
+    with open(path) as f:
+        src = f.read()
+    if "NotImplementedError" in src:
+        _call(name, _raise_not_implemented)
+    if re.search(r"^\s*(?:import|from)\s+utils\b|(?<![\w.])utils\s*\.", src, re.M):
+        _fail(name, "your script uses the course's `utils`", "write it with torch.distributed and "
+              "torch.nn.parallel only: it is the script you would take to a cluster")
+    with tempfile.TemporaryDirectory() as d:
+        ckpt = os.path.join(d, "ckpt.pt")
+        try:
+            proc, recs = run_script(path, 2, "--epochs", SCRIPT_EPOCHS, "--batch-size", SCRIPT_BATCH,
+                                    "--ckpt", ckpt)
+        except subprocess.TimeoutExpired:
+            _fail(name, "the script hung under torchrun (stopped after 240 s)", "a rank waits in a collective "
+                  "the other never calls: e.g. a barrier or an all-reduce inside `if rank == 0:`")
+        out = proc.stdout or ""
+        finished = all(r is not None and r["destroy"] for r in recs)
+        if proc.returncode != 0 and finished and "terminate called without an active exception" in out:
+            pass        # every rank ran to its end and left the group; one then aborted at interpreter exit
+        elif proc.returncode != 0:
+            if "terminate called without an active exception" in out:
+                _script_failed(name, "a process aborted while leaving the group: one rank tore the group down "
+                               "while another was still working in it",
+                               "at the end, let every rank meet the others (dist.barrier()), then call "
+                               "dist.destroy_process_group()", out)
+            if "device_ids" in out:
+                _script_failed(name, "DistributedDataParallel got device_ids on a CPU model",
+                               "pass device_ids=[local_rank] only when the model is on a GPU "
+                               "(torch.cuda.is_available()); on the CPU leave it out", out)
+            if "process group has not been initialized" in out or "init_process_group" in out:
+                _script_failed(name, "a rank used torch.distributed before joining the process group",
+                               "call dist.init_process_group(backend) first; torchrun's environment "
+                               "variables tell it the rest", out)
+            _script_failed(name, f"the script failed under torchrun (exit status {proc.returncode})",
+                           "read the output below (each line starts with [rank]: ...); run the script "
+                           "yourself: !python -m torch.distributed.run --nproc-per-node 2 ddp_train.py", out)
+        if any(r is None for r in recs):
+            _script_failed(name, "a rank did not finish the script", "read the output below", out)
+        if not all(r["init"] for r in recs):
+            _fail(name, "the script never calls dist.init_process_group: the two processes trained alone",
+                  "join the group at the start: dist.init_process_group(backend), gloo on the CPU, nccl on GPUs")
+        if recs[1]["saves"]:
+            _fail(name, f"rank 1 saved a checkpoint too ({recs[1]['saves']} torch.save calls): every rank wrote "
+                  "the same file at once", "save on rank 0 only: if dist.get_rank() == 0: torch.save(...)")
+        if not all(r["ddp"] for r in recs):
+            _fail(name, "the model was never wrapped in DistributedDataParallel: the gradients are not "
+                  "averaged, and the ranks drift apart", "wrap it after moving it to its device: "
+                  "model = DistributedDataParallel(model, device_ids=... on GPUs only)")
+        if not os.path.exists(ckpt):
+            _script_failed(name, "rank 0 wrote no checkpoint at --ckpt", "torch.save the checkpoint to args.ckpt "
+                           "on rank 0, as the serial script does", out)
+        ck = torch.load(ckpt, weights_only=True)
+    state = ck.get("model", ck) if isinstance(ck, dict) else {}
+    if any(k.startswith("module.") for k in state):
+        _fail(name, "the saved weights' names start with 'module.': you saved the DDP wrapper",
+              "save model.module.state_dict() (the model inside DDP), so the file loads in a serial model")
+    want = _simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2)
+
+    def same(a):
+        return set(a) == set(state) and all(torch.allclose(state[k].float(), a[k], atol=1e-5) for k in a)
+
+    if not set(state) or set(state) != set(want):
+        _fail(name, f"the checkpoint's model has keys {sorted(state)[:4]}..., expected {sorted(want)}",
+              "save {'model': model.module.state_dict(), 'epoch': epoch}, as the serial script does")
+    if not same(want):
+        if (same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, shard=False)) or not all(r["sampler"] for r in recs)
+                or not all(r["loaders"] and all(r["loaders"]) for r in recs)):
+            _fail(name, "each rank trained on ALL the data, not on its half: the DataLoader you iterate has no "
+                  "DistributedSampler", "give that DataLoader sampler=DistributedSampler(dataset, seed=args.seed), "
+                  "instead of its own shuffle")
+        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, reshuffle=False)) or not all(r["set_epoch"] for r in recs):
+            _fail(name, "every epoch used the same order of examples: the sampler was never told the epoch",
+                  "call sampler.set_epoch(epoch) at the start of every epoch, on every rank")
+        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, per_rank_batch=SCRIPT_BATCH)):
+            _fail(name, f"each rank took --batch-size={SCRIPT_BATCH} examples per step, so the global batch was "
+                  f"{2 * SCRIPT_BATCH}", "--batch-size is the global batch: each rank takes batch_size // world_size")
+        _fail(name, "rank 0's final weights differ from one process on the same global batches",
+              "compare your script with the serial one line by line: same data, model, seed, optimizer; "
+              "DistributedSampler(dataset, seed=args.seed) with set_epoch; batch_size // world_size per rank")
+    if not re.search(r"\bset_device\s*\(", src):
+        _fail(name, "the weights match, but the script never calls torch.cuda.set_device: on a GPU server "
+              "every rank would use GPU 0", "when torch.cuda.is_available(), call "
+              "torch.cuda.set_device(local_rank) before init_process_group (LOCAL_RANK from the environment)")
+    if not all(r["destroy"] for r in recs):
+        _fail(name, "the weights match, but the script never calls dist.destroy_process_group",
+              "call it at the end of main(), on every rank, so each process leaves the group cleanly")
+    _passed(name, "2 processes under torchrun match one process on the same global batches")
+
+
+if __name__ == "__main__":
+    import sys
+    if len(sys.argv) > 2 and sys.argv[1] == "--probe":
+        _probe(sys.argv[2:])
+    else:
+        print(_PROBE_DOC)

@@ -1,0 +1,303 @@
+"""Lab 3's self-checks (utils/checks/ddp.py): each FAILS on the lab's placeholder, on the
+course's own implementation, and on the likely mistakes written out below, with a message that
+names the mistake; and PASSES on the answers in solutions/lab3_ddp.ipynb (taken from the notebook
+itself, so the test follows the lab). 2 ranks, tiny models."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from utils import checks, parallel
+from utils.checks import CheckFailed
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB = ROOT / "solutions" / "lab3_ddp.ipynb"
+
+
+def _cells():
+    return ["".join(c["source"]) for c in json.loads(LAB.read_text())["cells"] if c["cell_type"] == "code"]
+
+
+def _answer(fn_name, tmp_path):
+    """The solution's function, defined from a file so that inspect.getsource works (as in a notebook)."""
+    src = next(c for c in _cells() if c.startswith(f"def {fn_name}("))
+    path = tmp_path / f"answer_{fn_name}.py"
+    path.write_text("import os\nimport torch\nimport torch.distributed as dist\nfrom torch import nn\n"
+                    "from torch.utils.data import DistributedSampler\n\n" + src + "\n")
+    ns = {"__name__": f"answer_{fn_name}"}
+    exec(compile(path.read_text(), str(path), "exec"), ns)
+    return ns[fn_name]
+
+
+def _script_answer():
+    cell = next(c for c in _cells() if c.startswith("%%writefile"))
+    return cell.split("\n", 1)[1]
+
+
+def placeholder(*args, **kwargs):
+    raise NotImplementedError("Exercise: write this part (see the hint above)")
+
+
+def _as_notebook_function(fn):
+    """Make ``fn`` look defined in a notebook (module __main__), as the student's helpers are."""
+    fn.__module__ = "__main__"
+    return fn
+
+
+# ------------------------------------------------------------------ ring all-reduce: refusals
+
+def ring_calls_all_reduce(tensor):
+    dist.all_reduce(tensor)
+    return tensor
+
+
+def ring_wraps_the_library(tensor):
+    return parallel.ring_all_reduce(tensor)
+
+
+def ring_blocking_sends(tensor):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    chunks = list(tensor.view(-1).tensor_split(world))
+    for s in range(2 * (world - 1)):
+        buf = torch.empty_like(chunks[(rank - s - 1) % world])
+        dist.send(chunks[(rank - s) % world], (rank + 1) % world)
+        dist.recv(buf, (rank - 1) % world)
+    return tensor
+
+
+def ring_raises_on_rank1(tensor):
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank 1")
+    return tensor
+
+
+def _exchange_helper(send, recv, right, left):
+    ops = [dist.P2POp(dist.isend, send, right), dist.P2POp(dist.irecv, recv, left)]
+    for req in dist.batch_isend_irecv(ops):
+        req.wait()
+
+
+def ring_with_a_helper(tensor):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = list(tensor.view(-1).tensor_split(world))
+    for s in range(world - 1):
+        send_i, recv_i = (rank - s) % world, (rank - s - 1) % world
+        buf = torch.empty_like(chunks[recv_i])
+        _exchange_helper(chunks[send_i], buf, right, left)
+        chunks[recv_i] += buf
+    for s in range(world - 1):
+        send_i, recv_i = (rank + 1 - s) % world, (rank - s) % world
+        buf = torch.empty_like(chunks[recv_i])
+        _exchange_helper(chunks[send_i], buf, right, left)
+        chunks[recv_i].copy_(buf)
+    return tensor
+
+
+@pytest.mark.parametrize("fn, message", [
+    (parallel.ring_all_reduce, "library's own implementation"),
+    (ring_calls_all_reduce, "calls all_reduce, which this exercise asks you to build"),
+    (ring_wraps_the_library, "course's utils.parallel"),
+])
+def test_ring_check_refuses_the_collective_and_the_library(fn, message):
+    with pytest.raises(CheckFailed, match=message):
+        checks.check_ring_all_reduce(fn)
+
+
+def test_ring_check_names_the_deadlock_of_blocking_sends():
+    with pytest.raises(CheckFailed, match="deadlock: every rank is blocked in its dist.send"):
+        checks.check_ring_all_reduce(ring_blocking_sends)
+
+
+def test_ring_check_hands_over_the_ranks_traceback():
+    with pytest.raises(CheckFailed) as info:
+        checks.check_ring_all_reduce(ring_raises_on_rank1)
+    assert "boom on rank 1" in str(info.value) and "Traceback from rank 1" in str(info.value)
+    assert "boom on rank 1" in info.value.remote_traceback
+
+
+def test_helpers_defined_in_the_notebook_travel_with_the_function(monkeypatch):
+    _as_notebook_function(_exchange_helper)
+    checks.check_ring_all_reduce(ring_with_a_helper)
+
+
+def test_ring_and_average_pass_on_the_answers(tmp_path):
+    checks.check_ring_all_reduce(_answer("ring_all_reduce", tmp_path))
+    checks.check_average_gradients(_answer("average_gradients", tmp_path))
+
+
+def test_average_check_refuses_the_library():
+    with pytest.raises(CheckFailed, match="library's own implementation"):
+        checks.check_average_gradients(parallel.average_gradients)
+
+
+# ------------------------------------------------------------------ overlapped DDP by hand
+
+def overlap_uses_ddp(model, bucket_numel=0):
+    from torch.nn.parallel import DistributedDataParallel
+    DistributedDataParallel(model)
+    return lambda: None
+
+
+def overlap_blocking(model, bucket_numel=0):
+    world = dist.get_world_size()
+
+    def hook(p):
+        dist.all_reduce(p.grad)
+        p.grad /= world
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return lambda: None
+
+
+def overlap_after_backward(model, bucket_numel=0):
+    world = dist.get_world_size()
+
+    def finish():
+        works = [(p, dist.all_reduce(p.grad, async_op=True)) for p in model.parameters()]
+        for p, w in works:
+            w.wait()
+            p.grad /= world
+    return finish
+
+
+def _per_param(model, divide=True, clear=True):
+    world = dist.get_world_size()
+    pending = []
+
+    def hook(p):
+        pending.append((p, dist.all_reduce(p.grad, async_op=True)))
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for p, w in pending:
+            w.wait()
+            if divide:
+                p.grad /= world
+        if clear:
+            pending.clear()
+    return finish
+
+
+_as_notebook_function(_per_param)      # a helper from another cell: it travels with the function
+
+
+def overlap_sums(model, bucket_numel=0):
+    return _per_param(model, divide=False)
+
+
+def overlap_never_clears(model, bucket_numel=0):
+    return _per_param(model, clear=False)
+
+
+def overlap_ignores_buckets(model, bucket_numel=0):
+    return _per_param(model)
+
+
+@pytest.mark.parametrize("fn, message", [
+    (placeholder, "not implemented"),
+    (overlap_uses_ddp, "calls DistributedDataParallel"),
+    (overlap_blocking, "blocking .async_op not set"),
+    (overlap_after_backward, "after backward\\(\\) returned"),
+    (overlap_sums, "summed, not averaged"),
+    (overlap_never_clears, "after 3 steps the weights differ"),
+    (overlap_ignores_buckets, "bucket_numel=80 you made 6 all-reduces"),
+])
+def test_overlap_check_names_the_mistake(fn, message):
+    with pytest.raises(CheckFailed, match=message):
+        checks.check_overlap_ddp(fn)
+
+
+def test_overlap_check_and_trace_pass_on_the_answer(tmp_path, capsys):
+    answer = _answer("overlap_ddp", tmp_path)
+    checks.check_overlap_ddp(answer)
+    events = checks.check_overlap_trace(answer, bucket_numel=70_000)
+    assert sum(e[0] == "c10d::allreduce_" for e in events) == 4      # the lab's answer key
+
+
+def test_overlap_trace_fails_without_overlap():
+    with pytest.raises(CheckFailed, match="no overlap"):
+        checks.check_overlap_trace(overlap_after_backward)
+
+
+# ------------------------------------------------------------------ the torchrun script
+
+MISTAKES = {   # name: (text replaced in the answer, replacement, regex of the message)
+    "no_set_epoch": ("sampler.set_epoch(epoch)", "pass", "same order of examples.*set_epoch"),
+    "no_sampler": ("loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler)",
+                   "loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, shuffle=True)",
+                   "ALL the data"),
+    "every_rank_saves": ("        if rank == 0:\n            torch.save(", "        if True:\n            torch.save(",
+                         "rank 1 saved a checkpoint too"),
+    "batch_not_divided": ("batch_size=args.batch_size // world", "batch_size=args.batch_size",
+                          "global batch was 64"),
+    "saves_the_wrapper": ("model.module.state_dict()", "model.state_dict()", "start with 'module.'"),
+    "device_ids_on_cpu": ('device_ids=[local_rank] if device.type == "cuda" else None', "device_ids=[local_rank]",
+                          "device_ids on a CPU model"),
+}
+
+
+def _write(tmp_path, text, name="ddp_train.py"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_script_check_passes_on_the_answer(tmp_path):
+    checks.check_ddp_script(_write(tmp_path, _script_answer()))
+
+
+def test_script_check_on_the_placeholder_and_the_library(tmp_path):
+    from utils import authoring
+    lab_text = authoring.strip_solutions(_script_answer())
+    with pytest.raises(CheckFailed, match="not implemented"):
+        checks.check_ddp_script(_write(tmp_path, lab_text))
+    with pytest.raises(CheckFailed, match="uses the course's `utils`"):
+        checks.check_ddp_script(_write(tmp_path, "from utils import ddp_train\nddp_train.main()\n"))
+    with pytest.raises(CheckFailed, match="there is no file"):
+        checks.check_ddp_script(str(tmp_path / "missing.py"))
+
+
+@pytest.mark.parametrize("mistake", sorted(MISTAKES))
+def test_script_check_names_the_mistake(tmp_path, mistake):
+    old, new, message = MISTAKES[mistake]
+    text = _script_answer()
+    assert old in text, f"the answer changed: update MISTAKES[{mistake!r}]"
+    with pytest.raises(CheckFailed, match=message):
+        checks.check_ddp_script(_write(tmp_path, text.replace(old, new)))
+
+
+def test_the_oracle_is_the_serial_script(tmp_path):
+    """_simulate(world=1) must be the serial script the lab shows, run as a program."""
+    import subprocess
+    import sys
+    path = _write(tmp_path, checks.SERIAL_SCRIPT, "train_serial.py")
+    ckpt = tmp_path / "s.pt"
+    subprocess.run([sys.executable, path, "--epochs", "2", "--ckpt", str(ckpt)], check=True, capture_output=True)
+    got = torch.load(ckpt, weights_only=True)["model"]
+    from utils.checks.ddp import _simulate
+    want = _simulate(2, 32, 1)
+    assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
+    assert all(torch.allclose(want[k], _simulate(2, 32, 2)[k], atol=1e-5) for k in want)   # same global batches
+
+
+# ------------------------------------------------------------------ the lab's hints
+
+def test_no_hint_of_lab3_contains_a_line_of_its_answer():
+    from utils import authoring
+    for cell in _cells():
+        blocks = re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell, re.S)
+        for block in blocks:
+            lines = block.splitlines()
+            hints = [ln.strip()[len("# HINT:"):].strip() for ln in lines if ln.strip().startswith("# HINT:")]
+            answer = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
+            for a in answer:
+                for h in hints:
+                    assert a not in h, f"a hint gives away the answer line {a!r}"
+    assert authoring.strip_solutions  # the lab is generated from these cells
