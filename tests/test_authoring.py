@@ -122,9 +122,7 @@ def leaked_lines(path) -> list[str]:
             if any(form in hints for form in _substantial(line))]
 
 
-@pytest.mark.parametrize("lab", [pytest.param(lab, marks=pytest.mark.xfail(
-    strict=False, reason="lab 3's hints are being rewritten in tiers by another change (issue 22)"))
-    if lab.startswith("lab3") else lab for lab in LABS])
+@pytest.mark.parametrize("lab", LABS)
 def test_hints_never_contain_a_line_of_the_answer(lab):
     leaked = leaked_lines(ROOT / "solutions" / f"{lab}.ipynb")
     assert not leaked, f"{lab}: hints give away the answer's code: {leaked}"

@@ -17,6 +17,7 @@ PROFILE_NAMES = ("smoke", "cpu", "gpu")
 
 # Each row: key -> (smoke, cpu, gpu). Units in the comments. Stages own the rows under their
 # heading; add a row rather than a literal in a notebook.
+# fmt: off  (the table keeps its columns: one row per size, units in the comments)
 TABLE: dict[str, tuple] = {
     # --- common (00_environment, the training loop) ---
     "dataset": ("digits", "fashion_mnist", "cifar10"),   # default dataset of the stage notebooks
@@ -132,6 +133,7 @@ TABLE: dict[str, tuple] = {
     "rdzv_timeout_s": (2, 5, 10),                         # seconds the failure demos wait before giving up
     # --- stage 5: assessment: its sizes live in the spec files (labs/assessment/spec_*.toml) ---
 }
+# fmt: on
 
 class UnknownProfileError(ValueError):
     pass

@@ -41,7 +41,7 @@ It fits one 10-minute session on one GPU with no datasets:
   the grade's status is ``passed``.
 
 It needs PyTorch, and nbclient + ipykernel for the notebooks: on a GPU server without Jupyter,
-install the wheels of ``/work/shared/gpu-wheels`` (see README, "Before class") into ``.site``.
+install the Jupyter wheels you fetched for it (see README, "Before class") into ``.site``.
 """
 from __future__ import annotations
 
@@ -337,7 +337,7 @@ def execute_notebook(src: Path, dest: Path, profile: str, timeout: float = 1200,
         raise RuntimeError(
             f"cannot execute notebooks: {e}. On a server without Jupyter, install the wheels first: "
             "python3 -m pip install -q --no-index --no-deps --no-compile --target .site "
-            "/work/shared/gpu-wheels/*.whl (see README, 'Before class')") from None
+            "<the folder of Jupyter wheels>/*.whl (see README, 'Before class')") from None
     nb = nbformat.read(str(src), as_version=4)
     saved = dict(os.environ)
     os.environ.clear()
