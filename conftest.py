@@ -8,6 +8,7 @@ outputs after nbval ran it, so nothing is executed twice.
 A cell that is meant to write to stderr (a demonstration of an error message) says so with a
 line `# stderr expected: <why>`; then its stderr is allowed.
 """
+
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,10 @@ STDERR_OK = "# stderr expected:"
 # added to one of these files lands in its tier without a decorator; a single slow test elsewhere
 # carries @pytest.mark.slow itself. `make check` deselects all four marks.
 MARKED_FILES = {
-    "test_parallel.py": ("slow",),           # every test starts ranks (make check keeps test_oracle_ddp's 2 ranks)
+    "test_parallel.py": ("slow",),  # every test starts ranks (make check keeps test_oracle_ddp's 2 ranks)
     "test_stage5.py": ("slow",),
     "test_torchrun.py": ("slow",),
-    "test_lab.py": ("slow",),                # starts JupyterLab
+    "test_lab.py": ("slow",),  # starts JupyterLab
     "test_grader.py": ("sandbox", "slow"),
     "test_grader_attacks.py": ("sandbox", "slow"),
     "test_slurm.py": ("slurm", "slow"),
@@ -41,7 +42,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    result = yield                      # nbval ran the cell (a failing cell raises here already)
+    result = yield  # nbval ran the cell (a failing cell raises here already)
     outputs = getattr(item, "test_outputs", None)
     if outputs is None or not hasattr(item, "cell") or STDERR_OK in item.cell.source:
         return result
@@ -49,5 +50,7 @@ def pytest_runtest_call(item):
     if err.strip():
         item.raise_cell_error(
             "The cell wrote to stderr (JupyterLab shows this in red). Fix its cause, or mark the cell "
-            f"with `{STDERR_OK} <why>` if the output is the point of the cell", "\n" + err[-3000:])
+            f"with `{STDERR_OK} <why>` if the output is the point of the cell",
+            "\n" + err[-3000:],
+        )
     return result

@@ -9,19 +9,25 @@ its spread, so that a noisy (shared, throttled, busy) machine cannot fool one fi
   would let drift between rounds into the figure; a ratio within one round mostly cancels it.
 * Every benchmark's last line is ``ratio <median>`` (the median of the per-round ratios).
 """
+
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from utils.bench import quartiles  # the one summary of repeats (re-exported for the benchmarks)
 
 __all__ = ["interleave", "Ratio", "paired_ratio", "quartiles", "time_table", "machine_note", "cpu_seconds"]
 
 
-def interleave(variants: dict[str, Callable[[], float]], repeats: int, *, warmup_rounds: int = 1,
-               progress: Callable[[int, int], None] | None = None) -> dict[str, list[float]]:
+def interleave(
+    variants: dict[str, Callable[[], float]],
+    repeats: int,
+    *,
+    warmup_rounds: int = 1,
+    progress: Callable[[int, int], None] | None = None,
+) -> dict[str, list[float]]:
     """``{name: [seconds, one per round]}``: each callable measures its variant once and returns
     what it measured (seconds, or seconds per step). ``warmup_rounds`` untimed rounds first
     (allocator, caches, first-call costs). The order rotates by one each round."""
@@ -46,6 +52,7 @@ def interleave(variants: dict[str, Callable[[], float]], repeats: int, *, warmup
 @dataclass(frozen=True)
 class Ratio:
     """Per-round ratios of two variants and their summary."""
+
     ratios: tuple
 
     @property
@@ -71,8 +78,7 @@ class Ratio:
 
     def __str__(self):
         (q25, q75) = self.iqr
-        return (f"{self.median:.3f} (IQR {q25:.3f}-{q75:.3f}, min-max {self.min:.3f}-{self.max:.3f}, "
-                f"{self.n} repeats)")
+        return f"{self.median:.3f} (IQR {q25:.3f}-{q75:.3f}, min-max {self.min:.3f}-{self.max:.3f}, {self.n} repeats)"
 
 
 def paired_ratio(numerator, denominator) -> Ratio:
@@ -92,8 +98,10 @@ def time_table(times: dict[str, list[float]], unit: str = "ms", scale: float = 1
     for name, ts in times.items():
         q25, q50, q75 = (scale * q for q in quartiles(ts))
         lo, hi = scale * min(ts), scale * max(ts)
-        lines.append(f"{name:<{w}} {q50:>11.3f} {f'{q25:.3f}-{q75:.3f}':>17} {f'{lo:.3f}-{hi:.3f}':>17}"
-                     + (f"  {extra[name]}" if extra and name in extra else ""))
+        lines.append(
+            f"{name:<{w}} {q50:>11.3f} {f'{q25:.3f}-{q75:.3f}':>17} {f'{lo:.3f}-{hi:.3f}':>17}"
+            + (f"  {extra[name]}" if extra and name in extra else "")
+        )
     return "\n".join(lines)
 
 
@@ -115,6 +123,7 @@ def cpu_seconds(fn: Callable[[], object], number: int = 1) -> float:
     load drops out of the figure (their cache traffic does not). Meant for one torch thread
     (``--threads 1``): with more, it adds up every thread's time, spinning included."""
     import time
+
     t0 = time.process_time()
     for _ in range(number):
         fn()

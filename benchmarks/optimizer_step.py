@@ -25,6 +25,7 @@ instead of elapsed time, so the waits for a core drop out of both sides of the r
     python benchmarks/optimizer_step.py [--device cpu|cuda] [--models resnet9,mlp50] [--repeats 31]
                                         [--threads 1 --clock cpu]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,20 +37,20 @@ import torch
 from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:                      # run as a script from a checkout
+if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import cpu_seconds, interleave, machine_note, paired_ratio, time_table  # noqa: E402
-from utils import bench, device as dev, models  # noqa: E402
+from utils import bench, models  # noqa: E402
+from utils import device as dev
 from utils.optim import LARS, lars_param_groups  # noqa: E402
-
 
 # mlp50: 50 Linear(64, 64) layers with ReLUs between them, 100 small parameter tensors
 MODELS = {"resnet9": lambda: models.ResNet9(width=64), "mlp50": lambda: models.mlp(64, 50)}
 
 
 def optimizers(model: nn.Module) -> dict:
-    groups = lambda: lars_param_groups(model, 5e-4)    # noqa: E731  fresh dicts per optimizer
+    groups = lambda: lars_param_groups(model, 5e-4)  # noqa: E731  fresh dicts per optimizer
     return {
         "SGD (foreach)": torch.optim.SGD(groups(), lr=0.1, momentum=0.9, foreach=True),
         "SGD (default)": torch.optim.SGD(groups(), lr=0.1, momentum=0.9),
@@ -69,17 +70,23 @@ def measure(name: str, device, repeats: int, min_round_s: float, clock: str = "w
     number = max(1, math.ceil(min_round_s / max(one, 1e-7)))
 
     def timer(opt):
-        if clock == "cpu":                  # CPU seconds of this process (see --clock)
+        if clock == "cpu":  # CPU seconds of this process (see --clock)
             return lambda: (opt.step(), cpu_seconds(opt.step, number))[1]
         return lambda: bench.time_fn(opt.step, warmup=1, repeats=1, number=number, device=device).seconds[0]
 
     times = interleave({k: timer(o) for k, o in opts.items()}, repeats)
     tensors = list(model.parameters())
-    print(f"\n{name}: {sum(p.numel() for p in tensors):,} parameters in {len(tensors)} tensors, on {device}; "
-          f"{repeats} interleaved rounds of {number} steps each, {clock} clock")
+    print(
+        f"\n{name}: {sum(p.numel() for p in tensors):,} parameters in {len(tensors)} tensors, on {device}; "
+        f"{repeats} interleaved rounds of {number} steps each, {clock} clock"
+    )
     print(time_table(times, "ms"))
-    pairs = [("LARS", "SGD (foreach)"), ("LARC (clip)", "SGD (foreach)"), ("LARS", "SGD (default)"),
-             ("SGD (default)", "SGD (foreach)")]
+    pairs = [
+        ("LARS", "SGD (foreach)"),
+        ("LARC (clip)", "SGD (foreach)"),
+        ("LARS", "SGD (default)"),
+        ("SGD (default)", "SGD (foreach)"),
+    ]
     ratios = {(a, b): paired_ratio(times[a], times[b]) for a, b in pairs}
     for (a, b), r in ratios.items():
         print(f"  {a} / {b}: {r}")
@@ -93,9 +100,13 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=31, help="interleaved rounds (the ratio is their median)")
     ap.add_argument("--min-round-s", type=float, default=0.1, help="seconds each timed round lasts at least")
     ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="wall: elapsed time (CUDA events on a GPU); cpu: this process's CPU time, "
-                         "steadier on a machine others load (CPU device, use with --threads 1)")
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time (CUDA events on a GPU); cpu: this process's CPU time, "
+        "steadier on a machine others load (CPU device, use with --threads 1)",
+    )
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]
@@ -113,8 +124,7 @@ def main(argv=None):
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}; {machine_note()}")
     results = {n: measure(n, device, args.repeats, args.min_round_s, args.clock) for n in names}
     worst = max(results, key=lambda n: results[n].median)
-    print("\nLARS / SGD (foreach), median of per-round ratios: "
-          + "; ".join(f"{n} {r}" for n, r in results.items()))
+    print("\nLARS / SGD (foreach), median of per-round ratios: " + "; ".join(f"{n} {r}" for n, r in results.items()))
     print(f"final line: the worse model ({worst}); {machine_note()}")
     print(f"ratio {results[worst].median:.3f}")
 

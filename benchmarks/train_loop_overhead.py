@@ -17,6 +17,7 @@ instead of elapsed time, so the waits for a core drop out of both sides of the r
     python benchmarks/train_loop_overhead.py [--steps 200] [--repeats 15] [--batch 64] [--width 32]
                                              [--threads 1 --clock cpu]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
-if str(ROOT) not in sys.path:                      # run as a script from a checkout
+if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from benchmarks._common import cpu_seconds, interleave, machine_note, paired_ratio, time_table  # noqa: E402
@@ -66,11 +67,19 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds (the ratio is their median)")
     ap.add_argument("--batch", type=int, default=64, help="images per step")
     ap.add_argument("--width", type=int, default=32, help="Net hidden channels")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch threads (default: torch's); 1 gives steadier figures on a shared machine")
-    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                    help="wall: elapsed time; cpu: this process's CPU time, steadier on a machine others "
-                         "load (use with --threads 1)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: torch's); 1 gives steadier figures on a shared machine",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time; cpu: this process's CPU time, steadier on a machine others "
+        "load (use with --threads 1)",
+    )
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -86,24 +95,26 @@ def main(argv=None):
 
     runs = {
         "hand loop": lambda: hand_loop(*fresh(), args.steps),
-        "hand loop (again)": lambda: hand_loop(*fresh(), args.steps),   # the control: same code
+        "hand loop (again)": lambda: hand_loop(*fresh(), args.steps),  # the control: same code
         "fit": lambda: train.fit(*fresh(), steps=args.steps, progress=False),
-        "fit + progress bar": lambda: train.fit(*fresh(), steps=args.steps),   # fit's default
+        "fit + progress bar": lambda: train.fit(*fresh(), steps=args.steps),  # fit's default
     }
     clock = cpu_seconds if args.clock == "cpu" else timed
     times = interleave({k: (lambda fn=fn: clock(fn)) for k, fn in runs.items()}, args.repeats)
 
     print(device.hardware_summary().splitlines()[0])
-    print(f"Net({args.width}) on digits, batch {args.batch}, {args.steps} SGD steps, "
-          f"{args.repeats} interleaved repeats, {args.clock} clock, torch threads {torch.get_num_threads()}; "
-          f"{machine_note()}")
-    print(time_table(times, "s", 1.0, extra={k: f"{args.steps / min(ts):,.0f} steps/s (best)"
-                                                for k, ts in times.items()}))
+    print(
+        f"Net({args.width}) on digits, batch {args.batch}, {args.steps} SGD steps, "
+        f"{args.repeats} interleaved repeats, {args.clock} clock, torch threads {torch.get_num_threads()}; "
+        f"{machine_note()}"
+    )
+    print(
+        time_table(times, "s", 1.0, extra={k: f"{args.steps / min(ts):,.0f} steps/s (best)" for k, ts in times.items()})
+    )
     bar = paired_ratio(times["fit + progress bar"], times["hand loop"])
     plain = paired_ratio(times["fit"], times["hand loop"])
     control = paired_ratio(times["hand loop (again)"], times["hand loop"])
-    print(f"hand loop (again) / hand loop (the control, same code; its distance from 1 is this run's noise): "
-          f"{control}")
+    print(f"hand loop (again) / hand loop (the control, same code; its distance from 1 is this run's noise): {control}")
     print(f"fit + progress bar / hand loop (fit's default): {bar}")
     print(f"fit / hand loop: {plain}")
     print(f"ratio {plain.median:.3f}")

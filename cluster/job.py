@@ -11,6 +11,7 @@ Each rank prints two lines the checker (cluster/slurm_check.py) reads:
 ``allreduce-check``: the all-reduce of rank+1 over the group, which must be W(W+1)/2 on every rank;
 ``weights-check``: a SHA-256 of the final weights, which DDP keeps identical on every rank.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -62,19 +63,28 @@ def main(argv=None) -> int:
     log = os.path.join(run_dir, "logs", f"rank{env.rank}.log")
     print(f"rank {env.rank}/{env.world_size} on {socket.gethostname()}: log in {log}", flush=True)
     _log_to(log)
-    print(f"=== job {os.environ.get('SLURM_JOB_ID', '-')} restart {os.environ.get('SLURM_RESTART_COUNT', '0')} "
-          f"rank {env.rank}/{env.world_size} local {env.local_rank}/{env.local_world_size} "
-          f"host {socket.gethostname()} from {env.source} at {time.strftime('%H:%M:%S')} ===", flush=True)
+    print(
+        f"=== job {os.environ.get('SLURM_JOB_ID', '-')} restart {os.environ.get('SLURM_RESTART_COUNT', '0')} "
+        f"rank {env.rank}/{env.world_size} local {env.local_rank}/{env.local_world_size} "
+        f"host {socket.gethostname()} from {env.source} at {time.strftime('%H:%M:%S')} ===",
+        flush=True,
+    )
     ctx = parallel.setup(cfg.backend or None, device=cfg.device or None)
     # The group works: every rank contributes rank + 1; the sum is W(W+1)/2 everywhere.
     t = torch.tensor([float(ctx.rank + 1)], device=ctx.device)
     torch.distributed.all_reduce(t)
-    print(f"allreduce-check rank {ctx.rank}/{ctx.world_size}: sum {t.item():.0f} "
-          f"expected {ctx.world_size * (ctx.world_size + 1) // 2}", flush=True)
-    res = ddp_train.train(dataclasses.replace(cfg, return_state=True))   # same group; torn down at its end
+    print(
+        f"allreduce-check rank {ctx.rank}/{ctx.world_size}: sum {t.item():.0f} "
+        f"expected {ctx.world_size * (ctx.world_size + 1) // 2}",
+        flush=True,
+    )
+    res = ddp_train.train(dataclasses.replace(cfg, return_state=True))  # same group; torn down at its end
     h = res["history"]
-    print(f"weights-check rank {res['rank']}/{res['world_size']}: sha256 {weights_digest(res['state'])} "
-          f"start_epoch {res['start_epoch']} steps {h['steps'] if h else 0}", flush=True)
+    print(
+        f"weights-check rank {res['rank']}/{res['world_size']}: sha256 {weights_digest(res['state'])} "
+        f"start_epoch {res['start_epoch']} steps {h['steps'] if h else 0}",
+        flush=True,
+    )
     return 0
 
 

@@ -22,6 +22,7 @@ Needs root (slurmd starts job steps as the submitting user) and slurm-wlm + mung
 (``apt-get install slurm-wlm munge``). Exit status 0 when every check passed, 1 when one failed,
 77 when the check cannot run here (the reason is printed).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -35,7 +36,7 @@ import sys
 import tempfile
 import time
 
-SKIP = 77                                   # exit status: cannot run here (automake's convention)
+SKIP = 77  # exit status: cannot run here (automake's convention)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SBIN = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/usr/local/sbin", "/sbin"])
 TOOLS = ("munged", "slurmctld", "slurmd", "sbatch", "srun", "scontrol", "sinfo")
@@ -45,11 +46,15 @@ def why_not() -> str | None:
     """Why the check cannot run on this machine, or None when it can."""
     missing = [t for t in TOOLS if shutil.which(t, path=SBIN) is None]
     if missing:
-        return (f"SLURM is not installed (missing {', '.join(missing)}): as root, "
-                "`apt-get install -y slurm-wlm munge` (Debian/Ubuntu), then run `make slurm-check` again")
+        return (
+            f"SLURM is not installed (missing {', '.join(missing)}): as root, "
+            "`apt-get install -y slurm-wlm munge` (Debian/Ubuntu), then run `make slurm-check` again"
+        )
     if hasattr(os, "geteuid") and os.geteuid() != 0:
-        return ("the local SLURM needs root (slurmd starts each job step as the user who submitted it): "
-                "run `sudo make slurm-check`, or skip it")
+        return (
+            "the local SLURM needs root (slurmd starts each job step as the user who submitted it): "
+            "run `sudo make slurm-check`, or skip it"
+        )
     return None
 
 
@@ -64,14 +69,27 @@ class LocalSlurm:
 
     def __init__(self, tmp: str, python_bin: str):
         self.tmp, self.procs = tmp, []
-        self.env = dict(os.environ, SLURM_CONF=os.path.join(tmp, "slurm.conf"),
-                        PATH=os.pathsep.join([python_bin, SBIN]), LAB_ROOT=ROOT,
-                        OMP_NUM_THREADS="1")       # as torchrun sets it: every launcher does the same float math
+        self.env = dict(
+            os.environ,
+            SLURM_CONF=os.path.join(tmp, "slurm.conf"),
+            PATH=os.pathsep.join([python_bin, SBIN]),
+            LAB_ROOT=ROOT,
+            OMP_NUM_THREADS="1",
+        )  # as torchrun sets it: every launcher does the same float math
         # sbatch passes the submitting environment on to the job: start from a clean one (no
         # SLURM job of ours, no torchrun/launch() rendezvous variables of a surrounding run)
         drop = ("SLURM_", "SBATCH_", "SRUN_", "TORCHELASTIC_", "LAB_DIST_")
-        rdzv = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                "GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE")
+        rdzv = (
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "RANK",
+            "WORLD_SIZE",
+            "LOCAL_RANK",
+            "LOCAL_WORLD_SIZE",
+            "GROUP_RANK",
+            "ROLE_RANK",
+            "ROLE_WORLD_SIZE",
+        )
         for k in [k for k in self.env if (k.startswith(drop) and k != "SLURM_CONF") or k in rdzv]:
             del self.env[k]
 
@@ -92,20 +110,30 @@ class LocalSlurm:
         t = self.tmp
         for d in ("munge", "state", "spool", "log"):
             os.makedirs(os.path.join(t, d), exist_ok=True)
-        os.chmod(t, 0o711)                          # munged wants its socket's directories searchable
+        os.chmod(t, 0o711)  # munged wants its socket's directories searchable
         os.chmod(os.path.join(t, "munge"), 0o711)
         key = os.path.join(t, "munge", "munge.key")
         with open(os.open(key, os.O_WRONLY | os.O_CREAT, 0o600), "wb") as f:
             f.write(os.urandom(1024))
         sock = os.path.join(t, "munge", "munge.sock")
-        self._start("munged", [shutil.which("munged", path=SBIN), "--foreground", "--force",
-                               f"--socket={sock}", f"--key-file={key}", f"--pid-file={t}/munge/munged.pid",
-                               f"--seed-file={t}/munge/seed", f"--log-file={t}/log/munged.log"])
+        self._start(
+            "munged",
+            [
+                shutil.which("munged", path=SBIN),
+                "--foreground",
+                "--force",
+                f"--socket={sock}",
+                f"--key-file={key}",
+                f"--pid-file={t}/munge/munged.pid",
+                f"--seed-file={t}/munge/seed",
+                f"--log-file={t}/log/munged.log",
+            ],
+        )
         self._wait(lambda: os.path.exists(sock), 20, "munged to create its socket")
         node = self.run(shutil.which("slurmd", path=SBIN), "-C").splitlines()[0]
         name = re.search(r"NodeName=(\S+)", node).group(1)
         mem = int(re.search(r"RealMemory=(\d+)", node).group(1))
-        node = re.sub(r"RealMemory=\d+", f"RealMemory={max(1, mem * 9 // 10)}", node)   # slack: never drained
+        node = re.sub(r"RealMemory=\d+", f"RealMemory={max(1, mem * 9 // 10)}", node)  # slack: never drained
         conf = f"""# written by cluster/slurm_check.py: one node, this machine; removed when the check ends
 ClusterName=labcheck
 SlurmctldHost={name}(127.0.0.1)
@@ -144,8 +172,11 @@ PartitionName=check Nodes=ALL Default=YES MaxTime=INFINITE State=UP
             f.write(conf)
         self._start("slurmctld", [shutil.which("slurmctld", path=SBIN), "-D", "-c", "-f", self.env["SLURM_CONF"]])
         self._start("slurmd", [shutil.which("slurmd", path=SBIN), "-D", "-f", self.env["SLURM_CONF"]])
-        self._wait(lambda: self.run("sinfo", "-h", "-o", "%t", check=False).strip() == "idle", 60,
-                   "the node to be idle in sinfo")
+        self._wait(
+            lambda: self.run("sinfo", "-h", "-o", "%t", check=False).strip() == "idle",
+            60,
+            "the node to be idle in sinfo",
+        )
         return name
 
     def _wait(self, cond, timeout, what):
@@ -182,7 +213,7 @@ PartitionName=check Nodes=ALL Default=YES MaxTime=INFINITE State=UP
                     time.sleep(0.5)
         except (subprocess.SubprocessError, OSError):
             pass
-        for _name, p in reversed(self.procs):     # slurmd, slurmctld, then munged
+        for _name, p in reversed(self.procs):  # slurmd, slurmctld, then munged
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
                 try:
@@ -213,12 +244,16 @@ def check_run(run_dir: str, world: int, attempts: int = 1) -> dict:
     for r, text in logs.items():
         heads = re.findall(r"^=== job .* restart (\d+) rank (\d+)/(\d+)", text, re.M)
         if len(heads) != attempts or any(int(w) != world or int(rr) != r for _, rr, w in heads):
-            raise AssertionError(f"{run_dir} rank {r}: expected {attempts} attempt(s) as rank {r}/{world}, "
-                                 f"log says {heads}:\n{text[-2000:]}")
+            raise AssertionError(
+                f"{run_dir} rank {r}: expected {attempts} attempt(s) as rank {r}/{world}, "
+                f"log says {heads}:\n{text[-2000:]}"
+            )
         sums = re.findall(r"^allreduce-check rank \d+/\d+: sum (\d+) expected (\d+)", text, re.M)
         if len(sums) != attempts or any(int(s) != world * (world + 1) // 2 for s, _ in sums):
-            raise AssertionError(f"{run_dir} rank {r}: all-reduce of rank+1 should be {world * (world + 1) // 2} "
-                                 f"on every attempt, log has {sums}:\n{text[-2000:]}")
+            raise AssertionError(
+                f"{run_dir} rank {r}: all-reduce of rank+1 should be {world * (world + 1) // 2} "
+                f"on every attempt, log has {sums}:\n{text[-2000:]}"
+            )
         last = re.findall(r"^weights-check rank \d+/\d+: sha256 (\w+) start_epoch (\d+)", text, re.M)
         if not last:
             raise AssertionError(f"{run_dir} rank {r}: no weights-check line (did training crash?):\n{text[-3000:]}")
@@ -246,8 +281,22 @@ def main(argv=None) -> int:
     slurm = LocalSlurm(tmp, os.path.dirname(sys.executable))
     ok = False
     # Tiny training, the same everywhere, so weights can be compared across launchers.
-    work = ["--epochs", str(args.epochs), "--n-train", "256", "--n-val", "64", "--width", "8", "--batch-size", "16",
-            "--backend", "gloo", "--device", "cpu"]
+    work = [
+        "--epochs",
+        str(args.epochs),
+        "--n-train",
+        "256",
+        "--n-val",
+        "64",
+        "--width",
+        "8",
+        "--batch-size",
+        "16",
+        "--backend",
+        "gloo",
+        "--device",
+        "cpu",
+    ]
 
     def step(msg):
         print(f"[{time.monotonic() - t0:5.1f}s] {msg}", flush=True)
@@ -259,56 +308,83 @@ def main(argv=None) -> int:
         os.makedirs(out)
         # name: (template, sbatch options, template arguments before the training options). The
         # requeue job goes first, so it fails (and is requeued) while the others wait their turn.
-        fail_step = 2 * (256 // (2 * 16)) + 3              # 8 steps per epoch: epoch 3, after 2 checkpoints
-        jobs = {"requeue": ("srun_tasks.sbatch", ["-N1", "-n2", "-c1"], []),
-                "single_node": ("single_node.sbatch", ["-N1", "-c2"], ["2"]),
-                "multi_node": ("multi_node.sbatch", ["-N1", "-c2"], ["2"]),
-                "srun_tasks": ("srun_tasks.sbatch", ["-N1", "-n2", "-c1"], [])}
+        fail_step = 2 * (256 // (2 * 16)) + 3  # 8 steps per epoch: epoch 3, after 2 checkpoints
+        jobs = {
+            "requeue": ("srun_tasks.sbatch", ["-N1", "-n2", "-c1"], []),
+            "single_node": ("single_node.sbatch", ["-N1", "-c2"], ["2"]),
+            "multi_node": ("multi_node.sbatch", ["-N1", "-c2"], ["2"]),
+            "srun_tasks": ("srun_tasks.sbatch", ["-N1", "-n2", "-c1"], []),
+        }
         ids = {}
         for name, (script, opts, pre) in jobs.items():
             run = os.path.join(tmp, "runs", name)
-            ids[name] = slurm.run("sbatch", "--parsable", *opts, f"--output={out}/{name}-%j.out",
-                                  os.path.join(ROOT, "cluster", script), run, *pre, *work,
-                                  *(["--fail-at-step", str(fail_step)] if name == "requeue" else [])
-                                  ).strip().split(";")[0]
-            step(f"submitted {name}: job {ids[name]} (sbatch {' '.join(opts)} cluster/{script} RUN_DIR {' '.join(pre)})")
+            ids[name] = (
+                slurm.run(
+                    "sbatch",
+                    "--parsable",
+                    *opts,
+                    f"--output={out}/{name}-%j.out",
+                    os.path.join(ROOT, "cluster", script),
+                    run,
+                    *pre,
+                    *work,
+                    *(["--fail-at-step", str(fail_step)] if name == "requeue" else []),
+                )
+                .strip()
+                .split(";")[0]
+            )
+            step(
+                f"submitted {name}: job {ids[name]} (sbatch {' '.join(opts)} cluster/{script} RUN_DIR {' '.join(pre)})"
+            )
         # The requeue: the first run loses rank 1 (SIGKILL, like a lost node) in its third epoch,
         # after two checkpoints; the job fails. `scontrol requeue` puts it back to PENDING; it may
         # start again once the old job credential has expired (cred_expire=10 in slurm.conf above;
         # SLURM's default is 120 s, and forcing StartTime=now gets "Job credential revoked").
         j = slurm.wait_job(ids["requeue"], args.timeout)
         if j.get("JobState") != "FAILED":
-            raise AssertionError(f"job {ids['requeue']} should have failed (rank 1 killed at step {fail_step}), "
-                                 f"it ended {j.get('JobState')}")
+            raise AssertionError(
+                f"job {ids['requeue']} should have failed (rank 1 killed at step {fail_step}), "
+                f"it ended {j.get('JobState')}"
+            )
         slurm.run("scontrol", "requeue", ids["requeue"])
         slurm._wait(lambda: slurm.job(ids["requeue"]).get("JobState") == "PENDING", 60, "the requeued job to pend")
         step(f"job {ids['requeue']} failed at step {fail_step} as planned; requeued it")
         results = {}
         for name, jid in ids.items():
             j = slurm.wait_job(jid, args.timeout * 2)
-            text = open(os.path.join(out, f"{name}-{jid}.out")).read() if os.path.exists(
-                os.path.join(out, f"{name}-{jid}.out")) else ""
+            text = (
+                open(os.path.join(out, f"{name}-{jid}.out")).read()
+                if os.path.exists(os.path.join(out, f"{name}-{jid}.out"))
+                else ""
+            )
             if j.get("JobState") != "COMPLETED" or j.get("ExitCode") != "0:0":
-                raise AssertionError(f"job {jid} ({name}) ended {j.get('JobState')} exit {j.get('ExitCode')}:\n"
-                                     f"{text[-3000:]}\nrank logs: {os.path.join(tmp, 'runs', name, 'logs')}")
+                raise AssertionError(
+                    f"job {jid} ({name}) ended {j.get('JobState')} exit {j.get('ExitCode')}:\n"
+                    f"{text[-3000:]}\nrank logs: {os.path.join(tmp, 'runs', name, 'logs')}"
+                )
             attempts = 2 if name == "requeue" else 1
             if name == "requeue" and j.get("Restarts") != "1":
                 raise AssertionError(f"job {jid}: expected Restarts=1 after the requeue, got {j.get('Restarts')}")
             results[name] = check_run(os.path.join(tmp, "runs", name), 2, attempts)
-            step(f"job {jid} {name}: COMPLETED; 2 ranks, all-reduce sums 3, weights agree "
-                 f"({results[name]['digest'][:12]}), started at epoch {results[name]['start_epoch']}")
+            step(
+                f"job {jid} {name}: COMPLETED; 2 ranks, all-reduce sums 3, weights agree "
+                f"({results[name]['digest'][:12]}), started at epoch {results[name]['start_epoch']}"
+            )
         rq = results["requeue"]
         if rq["start_epoch"] < 1:
-            raise AssertionError("the requeued job did not resume: its second run started at epoch 0:\n"
-                                 + rq["logs"][0][-2000:])
+            raise AssertionError(
+                "the requeued job did not resume: its second run started at epoch 0:\n" + rq["logs"][0][-2000:]
+            )
         ck = os.path.join(tmp, "runs", "requeue", "ckpt.pt")
         if f"resumed from {ck}: epoch {rq['start_epoch']}" not in rq["logs"][0]:
             raise AssertionError("rank 0 of the requeued job does not say it resumed:\n" + rq["logs"][0][-2000:])
         if "restart 1 rank" not in rq["logs"][0]:
             raise AssertionError("the second run of the requeued job did not see SLURM_RESTART_COUNT=1")
         if rq["start_epoch"] != 2 or len(re.findall(r"^weights-check", rq["logs"][0], re.M)) != 1:
-            raise AssertionError("the requeued job should resume from the epoch-2 checkpoint its first run "
-                                 f"left, having never finished before: rank 0 log:\n{rq['logs'][0][-2000:]}")
+            raise AssertionError(
+                "the requeued job should resume from the epoch-2 checkpoint its first run "
+                f"left, having never finished before: rank 0 log:\n{rq['logs'][0][-2000:]}"
+            )
         step(f"requeued job resumed from epoch {rq['start_epoch']} of {args.epochs} (SLURM_RESTART_COUNT=1)")
         base = results["srun_tasks"]["digest"]
         differ = {n: r["digest"][:12] for n, r in results.items() if r["digest"] != base}
@@ -323,8 +399,10 @@ def main(argv=None) -> int:
         slurm.stop()
         if ok and not args.keep:
             shutil.rmtree(tmp, ignore_errors=True)
-        step(f"SLURM stopped; {'all checks passed' if ok else 'FAILED'}"
-             + (f"; files in {tmp}" if (args.keep or not ok) else ""))
+        step(
+            f"SLURM stopped; {'all checks passed' if ok else 'FAILED'}"
+            + (f"; files in {tmp}" if (args.keep or not ok) else "")
+        )
     return 0 if ok else 1
 
 

@@ -1,6 +1,7 @@
 """Workers for tests/test_oracle_ddp.py: module-level functions, so that the processes
 utils.parallel.launch spawns can import them by name (pytest puts tests/ on sys.path, and spawned
 children inherit it). Also the data and model both sides of the comparison use."""
+
 from __future__ import annotations
 
 import torch
@@ -9,8 +10,8 @@ from torch import nn
 
 from utils import parallel
 
-B, D, H, C = 4, 5, 7, 3          # per-rank batch, input features, hidden units, classes
-MICRO = 3                         # micro-batches per optimizer step in the no_sync case
+B, D, H, C = 4, 5, 7, 3  # per-rank batch, input features, hidden units, classes
+MICRO = 3  # micro-batches per optimizer step in the no_sync case
 LR, MOMENTUM = 0.1, 0.9
 
 
@@ -64,7 +65,7 @@ def equivalence_worker():
     with model.no_sync():
         for j in range(MICRO - 1):
             (loss_fn(model(x[r, j]), y[r, j]) / MICRO).backward()
-            if j == 0:       # under no_sync nothing was all-reduced: the rank's own gradient
+            if j == 0:  # under no_sync nothing was all-reduced: the rank's own gradient
                 out["local_grad_after_first_micro"] = {n: p.grad.clone() for n, p in model.module.named_parameters()}
     (loss_fn(model(x[r, MICRO - 1]), y[r, MICRO - 1]) / MICRO).backward()
     opt.step()

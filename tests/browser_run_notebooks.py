@@ -12,6 +12,7 @@ counts what JupyterLab shows in red: stderr outputs, error outputs, and progress
 danger style. Exit status 1 when any notebook shows one. A screenshot per notebook goes to
 $OUT (default /tmp/browser-notebooks).
 """
+
 from __future__ import annotations
 
 import json
@@ -44,12 +45,20 @@ def start_lab(port: int, where: Path) -> subprocess.Popen:
     # prompt and output are in the page, through a settings override of this server only.
     settings = where.parent / "settings"
     settings.mkdir(exist_ok=True)
-    (settings / "overrides.json").write_text(json.dumps(
-        {"@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"}}))
-    args = (f"--no-browser --ip 127.0.0.1 --port {port} --IdentityProvider.token={TOKEN} "
-            f"--LabApp.app_settings_dir={settings} --LabApp.workspaces_dir={where.parent / 'workspaces'}")
-    proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}", f"VENV={ROOT / '.venv'}"], cwd=where,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    (settings / "overrides.json").write_text(
+        json.dumps({"@jupyterlab/notebook-extension:tracker": {"windowingMode": "none"}})
+    )
+    args = (
+        f"--no-browser --ip 127.0.0.1 --port {port} --IdentityProvider.token={TOKEN} "
+        f"--LabApp.app_settings_dir={settings} --LabApp.workspaces_dir={where.parent / 'workspaces'}"
+    )
+    proc = subprocess.Popen(
+        ["make", "-s", "lab", f"LAB_ARGS={args}", f"VENV={ROOT / '.venv'}"],
+        cwd=where,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     for _ in range(180):
         try:
             urllib.request.urlopen(f"http://127.0.0.1:{port}/api/status?token={TOKEN}", timeout=5)
@@ -68,8 +77,11 @@ def browser() -> webdriver.Chrome:
 
 
 PANEL = "document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)')"
-COUNT_JS = """
-const panel = """ + PANEL + """;
+COUNT_JS = (
+    """
+const panel = """
+    + PANEL
+    + """;
 if (!panel) return {cells: 0, done: 0, running: 0, stderr: [], red_bars: 0};
 const cells = [...panel.querySelectorAll('.jp-CodeCell')];
 const prompts = cells.map(c => (c.querySelector('.jp-InputPrompt') || {}).textContent || '');
@@ -83,16 +95,17 @@ return {
             + '.widget-progress .progress-bar-danger').length,
 };
 """
+)
 
 
 def run_notebook(drv, port: int, path: str, timeout_s: float) -> dict:
-    drv.get(f"http://127.0.0.1:{port}/lab/tree/{path}?reset&token={TOKEN}")   # reset: only this notebook open
+    drv.get(f"http://127.0.0.1:{port}/lab/tree/{path}?reset&token={TOKEN}")  # reset: only this notebook open
     deadline = time.monotonic() + 120
     while not drv.execute_script(f"const p = {PANEL}; return p ? p.querySelectorAll('.jp-CodeCell').length : 0"):
         if time.monotonic() > deadline:
             raise RuntimeError(f"{path}: the notebook did not open")
         time.sleep(1)
-    time.sleep(3)                                  # the kernel starts
+    time.sleep(3)  # the kernel starts
     drv.find_element(By.XPATH, "//div[contains(@class,'lm-MenuBar-itemLabel') and text()='Run']").click()
     drv.find_element(By.XPATH, "//div[contains(@class,'lm-Menu-itemLabel') and text()='Run All Cells']").click()
     t0 = time.monotonic()
@@ -101,7 +114,8 @@ def run_notebook(drv, port: int, path: str, timeout_s: float) -> dict:
         state = drv.execute_script(COUNT_JS)
         errors = drv.execute_script(
             f"return [...{PANEL}.querySelectorAll('.jp-OutputArea-output[data-mime-type=\"application/vnd.jupyter.error\"]')]"
-            ".map(e => e.textContent.slice(-400))")
+            ".map(e => e.textContent.slice(-400))"
+        )
         if errors or (state["done"] == state["cells"] and not state["running"]):
             break
         if time.monotonic() - t0 > timeout_s:
@@ -117,6 +131,7 @@ def main(paths: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     import shutil
     import tempfile
+
     copy = Path(tempfile.mkdtemp(prefix="browser-lab-")) / "repo"
     shutil.copytree(ROOT, copy, ignore=shutil.ignore_patterns(".venv", ".git", "__pycache__"))
     port = free_port()

@@ -16,6 +16,7 @@ NCCL-only logic runs on gloo through the same code path: with ``nccl_on_gloo=Tru
 group, recording that NCCL was asked for. Use with pytest's ``monkeypatch.setattr`` in the test
 process, or with plain ``setattr`` in a spawned rank (``install_in_rank``).
 """
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -28,7 +29,7 @@ from torch.cuda._utils import _get_device_index
 class FakeCuda:
     def __init__(self, n: int = 1, *, uuids=None, capability=(9, 0), name="Fake H100", initialized=True):
         self.n = n
-        self.initialized = initialized     # False: CUDA not initialised until set_device (a CPU rank)
+        self.initialized = initialized  # False: CUDA not initialised until set_device (a CPU rank)
         self.uuids = list(uuids or [f"fake-gpu-{i}" for i in range(n)])
         self.capability, self.name = capability, name
         self.current = 0
@@ -39,12 +40,12 @@ class FakeCuda:
 
     # -- torch.cuda -----------------------------------------------------------------------
     def set_device(self, device):
-        idx = _get_device_index(device)            # torch's own check: ValueError without an index
+        idx = _get_device_index(device)  # torch's own check: ValueError without an index
         if idx >= self.n:
             raise RuntimeError("CUDA error: invalid device ordinal")
         if idx >= 0:
             self.current = idx
-        self.initialized = True                    # torch._C._cuda_setDevice initialises CUDA
+        self.initialized = True  # torch._C._cuda_setDevice initialises CUDA
         self.set_device_calls.append(idx)
 
     def current_device(self):
@@ -54,8 +55,14 @@ class FakeCuda:
         i = _get_device_index(i, optional=True)
         if not 0 <= i < self.n:
             raise AssertionError("Invalid device id")
-        return SimpleNamespace(name=self.name, major=self.capability[0], minor=self.capability[1],
-                               total_memory=80 * 2**30, multi_processor_count=132, uuid=self.uuids[i])
+        return SimpleNamespace(
+            name=self.name,
+            major=self.capability[0],
+            minor=self.capability[1],
+            total_memory=80 * 2**30,
+            multi_processor_count=132,
+            uuid=self.uuids[i],
+        )
 
     def is_bf16_supported(self, including_emulation: bool = True):
         return self.capability >= (8, 0) or including_emulation
@@ -81,6 +88,7 @@ class FakeCuda:
             def __exit__(self, *exc):
                 fake.current = self.prev
                 return False
+
         return device
 
     def current_stream(self, device=None):
@@ -93,7 +101,7 @@ class FakeCuda:
         class FakeEvent:
             def __init__(self, enable_timing=False):
                 assert enable_timing, "CUDA events need enable_timing=True to be timed"
-                self.device = fake.current           # a CUDA event belongs to the current device
+                self.device = fake.current  # a CUDA event belongs to the current device
                 self.stream = None
                 self.t = None
                 self.synced = False
@@ -101,6 +109,7 @@ class FakeCuda:
 
             def record(self, stream=None):
                 import time
+
                 self.stream = stream if stream is not None else fake.current_stream()
                 if self.stream.device_index != self.device:
                     raise RuntimeError("Event device does not match recording stream's device")
@@ -111,7 +120,8 @@ class FakeCuda:
 
             def elapsed_time(self, other):
                 assert other.synced, "read an event's time only after synchronising on it"
-                return (other.t - self.t) * 1e3        # milliseconds, as CUDA does
+                return (other.t - self.t) * 1e3  # milliseconds, as CUDA does
+
         return FakeEvent
 
     # -- installing -----------------------------------------------------------------------
@@ -130,7 +140,7 @@ class FakeCuda:
         setattr_(c, "device", self.make_device_class())
         setattr_(c, "current_stream", self.current_stream)
         setattr_(c, "Event", self.make_event_class())
-        if accelerator:          # torch.accelerator / the default DeviceMesh see CUDA, as on a GPU box
+        if accelerator:  # torch.accelerator / the default DeviceMesh see CUDA, as on a GPU box
             setattr_(torch._C, "_get_accelerator", lambda *a, **k: torch.device("cuda"))
         if nccl_on_gloo:
             real_init = dist.init_process_group
@@ -138,6 +148,7 @@ class FakeCuda:
             def init_process_group(backend=None, *args, **kwargs):
                 self.backends_asked.append(backend)
                 return real_init("gloo" if backend == "nccl" else backend, *args, **kwargs)
+
             setattr_(dist, "is_nccl_available", lambda: True)
             setattr_(dist, "init_process_group", init_process_group)
         return self
@@ -154,7 +165,7 @@ def install_in_rank(n: int, uuids, **kw) -> FakeCuda:
 # A fake NCCL that, like NCCL, takes only tensors on the GPU
 # ----------------------------------------------------------------------------------------
 
-NCCL_CPU_ERROR = "No backend type associated with device type cpu"     # torch's words, NCCL-only group
+NCCL_CPU_ERROR = "No backend type associated with device type cpu"  # torch's words, NCCL-only group
 
 
 class OnFakeGpu(torch.Tensor):
@@ -165,9 +176,15 @@ class OnFakeGpu(torch.Tensor):
 
     @staticmethod
     def __new__(cls, inner):
-        r = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(),
-                                                storage_offset=inner.storage_offset(), dtype=inner.dtype,
-                                                device=torch.device("meta"), requires_grad=inner.requires_grad)
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            inner.shape,
+            strides=inner.stride(),
+            storage_offset=inner.storage_offset(),
+            dtype=inner.dtype,
+            device=torch.device("meta"),
+            requires_grad=inner.requires_grad,
+        )
         r.inner = inner
         return r
 
@@ -177,24 +194,33 @@ class OnFakeGpu(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         from torch.utils._pytree import tree_leaves, tree_map
+
         kwargs = kwargs or {}
-        cpu = [a for a in tree_leaves((args, kwargs))
-               if isinstance(a, torch.Tensor) and not isinstance(a, OnFakeGpu) and a.dim() > 0]
+        cpu = [
+            a
+            for a in tree_leaves((args, kwargs))
+            if isinstance(a, torch.Tensor) and not isinstance(a, OnFakeGpu) and a.dim() > 0
+        ]
         if cpu:
-            raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices, "
-                               "cuda:0 and cpu!")
-        to_cpu = (func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None
-                  and torch.device(kwargs["device"]).type == "cpu")
+            raise RuntimeError(
+                "Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu!"
+            )
+        to_cpu = (
+            func is torch.ops.aten._to_copy.default
+            and kwargs.get("device") is not None
+            and torch.device(kwargs["device"]).type == "cpu"
+        )
 
         def unwrap(a):
             if isinstance(a, OnFakeGpu):
                 return a.inner
             return torch.device("cpu") if isinstance(a, torch.device) and a.type in ("cuda", "meta") else a
+
         out = func(*tree_map(unwrap, args), **tree_map(unwrap, kwargs))
         if to_cpu:
             return out
         if func._schema.is_mutable and args and isinstance(args[0], OnFakeGpu):
-            return args[0]                                 # in place: the tensor itself
+            return args[0]  # in place: the tensor itself
         return tree_map(lambda t: OnFakeGpu(t) if isinstance(t, torch.Tensor) else t, out)
 
 
@@ -223,6 +249,7 @@ def install_nccl_device_rule(setattr_) -> None:
             t = real_to(self, "cpu", *rest, **{k: v for k, v in kwargs.items() if k != "device"})
             return OnFakeGpu(t.detach().clone())
         return real_to(self, *args, **kwargs)
+
     setattr_(torch.Tensor, "to", to)
     setattr_(torch.Tensor, "cuda", lambda self, device=None, **kw: to(self, torch.device("cuda", device or 0)))
 
@@ -231,18 +258,29 @@ def install_nccl_device_rule(setattr_) -> None:
 
         def op(*args, **kwargs):
             from torch.utils._pytree import tree_leaves
+
             _check_on_gpu(tree_leaves((args, kwargs)))
             return fn(*[_inner(a) for a in args], **{k: _inner(v) for k, v in kwargs.items()})
+
         op.__name__ = name
         setattr_(dist, name, op)
         return op
 
-    for name in ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                 "reduce", "send", "recv"):
+    for name in (
+        "all_reduce",
+        "broadcast",
+        "all_gather",
+        "all_gather_into_tensor",
+        "reduce_scatter_tensor",
+        "reduce",
+        "send",
+        "recv",
+    ):
         wrap(name)
-    real_batch = dist.batch_isend_irecv         # (isend / irecv stay torch's own: P2POp accepts only those)
+    real_batch = dist.batch_isend_irecv  # (isend / irecv stay torch's own: P2POp accepts only those)
 
     def batch_isend_irecv(ops):
         _check_on_gpu([o.tensor for o in ops])
         return real_batch([dist.P2POp(o.op, o.tensor.inner, o.peer, o.group, o.tag) for o in ops])
+
     setattr_(dist, "batch_isend_irecv", batch_isend_irecv)

@@ -5,7 +5,6 @@ import pytest
 
 from utils import authoring
 
-
 SOLUTION = """def accuracy(logits, labels):
     ### BEGIN SOLUTION
     # HINT: compare logits.argmax(dim=1) with labels
@@ -27,9 +26,14 @@ def test_solution_block_becomes_hint_and_placeholder_at_same_indent():
         ns["accuracy"](None, None)
 
 
-@pytest.mark.parametrize("bad,msg", [("### BEGIN SOLUTION\nx = 1", "without ### END"),
-                                     ("x = 1\n### END SOLUTION", "without ### BEGIN"),
-                                     ("### BEGIN SOLUTION\n### BEGIN SOLUTION", "inside another")])
+@pytest.mark.parametrize(
+    "bad,msg",
+    [
+        ("### BEGIN SOLUTION\nx = 1", "without ### END"),
+        ("x = 1\n### END SOLUTION", "without ### BEGIN"),
+        ("### BEGIN SOLUTION\n### BEGIN SOLUTION", "inside another"),
+    ],
+)
 def test_unbalanced_markers_are_errors(bad, msg):
     with pytest.raises(authoring.AuthoringError, match=msg):
         authoring.strip_solutions(bad)
@@ -49,7 +53,7 @@ def _repo(tmp_path):
 
 def test_generate_then_check_then_detect_drift(tmp_path, capsys):
     root = _repo(tmp_path)
-    assert authoring.main(["--root", str(root), "--check"]) == 1      # labs/ missing
+    assert authoring.main(["--root", str(root), "--check"]) == 1  # labs/ missing
     assert authoring.main(["--root", str(root)]) == 0
     lab = json.loads((root / "labs" / "lab9.ipynb").read_text())
     code = lab["cells"][1]
@@ -72,13 +76,18 @@ def test_generate_then_check_then_detect_drift(tmp_path, capsys):
 
 ROOT = authoring.ROOT
 LABS = sorted(p.stem for p in (ROOT / "solutions").glob("*.ipynb"))
-OWNED_TIERED = ["lab0_example", "lab1_gd_sgd_batch", "lab2_throughput", "lab4_large_batch",
-                "lab5_memory_and_model_parallel"]
+OWNED_TIERED = [
+    "lab0_example",
+    "lab1_gd_sgd_batch",
+    "lab2_throughput",
+    "lab4_large_batch",
+    "lab5_memory_and_model_parallel",
+]
 TRIVIAL = {"pass", "else:", "try:", "continue", "break", "return", "finally:"}
 
 
 def _norm(text: str) -> str:
-    return "".join(text.split())          # whitespace never distinguishes two lines of code
+    return "".join(text.split())  # whitespace never distinguishes two lines of code
 
 
 def _blocks(path):
@@ -108,7 +117,7 @@ def _substantial(line: str) -> list[str]:
     forms = {line.rstrip(":")}
     for kw in ("return ", "if ", "elif ", "while ", "for "):
         if line.startswith(kw):
-            forms.add(line[len(kw):].rstrip(":"))
+            forms.add(line[len(kw) :].rstrip(":"))
     lhs, eq, rhs = line.partition("=")
     if eq and not rhs.startswith("=") and lhs and lhs[-1] not in "<>!=+-*/":
         forms.add(rhs)
@@ -118,8 +127,7 @@ def _substantial(line: str) -> list[str]:
 def leaked_lines(path) -> list[str]:
     blocks = _blocks(path)
     hints = _norm(" ".join(h for _, hs in blocks for h in hs))
-    return [line for answer, _ in blocks for line in answer
-            if any(form in hints for form in _substantial(line))]
+    return [line for answer, _ in blocks for line in answer if any(form in hints for form in _substantial(line))]
 
 
 @pytest.mark.parametrize("lab", LABS)
@@ -129,8 +137,10 @@ def test_hints_never_contain_a_line_of_the_answer(lab):
 
 
 def test_leak_detector_catches_a_verbatim_hint(tmp_path):
-    src = ("def f(a, b):\n    ### BEGIN SOLUTION\n    # HINT 3 (pseudo-code): return (a.argmax(dim=1) == b).float()\n"
-           "    return (a.argmax(dim=1) == b).float()\n    ### END SOLUTION\n")
+    src = (
+        "def f(a, b):\n    ### BEGIN SOLUTION\n    # HINT 3 (pseudo-code): return (a.argmax(dim=1) == b).float()\n"
+        "    return (a.argmax(dim=1) == b).float()\n    ### END SOLUTION\n"
+    )
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(src)]
     p = tmp_path / "x.ipynb"
@@ -148,26 +158,36 @@ def test_every_exercise_has_three_tiers_of_hints(lab):
 
 
 def test_tiered_hints_are_kept_in_order_and_malformed_ones_are_errors():
-    ok = ("    ### BEGIN SOLUTION\n    # HINT 1 (the idea): a\n    # HINT 2 (look up): b\n"
-          "    # HINT 3 (pseudo-code): c\n    x = 1\n    ### END SOLUTION")
+    ok = (
+        "    ### BEGIN SOLUTION\n    # HINT 1 (the idea): a\n    # HINT 2 (look up): b\n"
+        "    # HINT 3 (pseudo-code): c\n    x = 1\n    ### END SOLUTION"
+    )
     out = authoring.strip_solutions(ok)
-    assert out.splitlines()[:3] == ["    # HINT 1 (the idea): a", "    # HINT 2 (look up): b",
-                                    "    # HINT 3 (pseudo-code): c"]
+    assert out.splitlines()[:3] == [
+        "    # HINT 1 (the idea): a",
+        "    # HINT 2 (look up): b",
+        "    # HINT 3 (pseudo-code): c",
+    ]
     assert "x = 1" not in out and authoring.PLACEHOLDER in out
     for bad in ("# HINT 2 (the idea): a", "# HINT4: a", "# HINTS: a"):
         with pytest.raises(authoring.AuthoringError, match="malformed hint"):
             authoring.strip_solutions(f"### BEGIN SOLUTION\n{bad}\nx = 1\n### END SOLUTION")
     with pytest.raises(authoring.AuthoringError, match="in order"):
-        authoring.strip_solutions("### BEGIN SOLUTION\n# HINT 3 (pseudo-code): a\n"
-                                  "# HINT 1 (the idea): b\nx = 1\n### END SOLUTION")
+        authoring.strip_solutions(
+            "### BEGIN SOLUTION\n# HINT 3 (pseudo-code): a\n# HINT 1 (the idea): b\nx = 1\n### END SOLUTION"
+        )
 
 
 def test_answer_keys_are_removed_and_empty_cells_dropped():
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_markdown_cell("Q1?\n### BEGIN ANSWER KEY\nsecret 42\n### END ANSWER KEY"),
-                nbformat.v4.new_markdown_cell("### BEGIN ANSWER KEY\nall secret\n### END ANSWER KEY"),
-                nbformat.v4.new_code_cell("my_prediction = None  # write your number here\n"
-                                          "### BEGIN ANSWER KEY\nmy_prediction = 4.0\n### END ANSWER KEY")]
+    nb.cells = [
+        nbformat.v4.new_markdown_cell("Q1?\n### BEGIN ANSWER KEY\nsecret 42\n### END ANSWER KEY"),
+        nbformat.v4.new_markdown_cell("### BEGIN ANSWER KEY\nall secret\n### END ANSWER KEY"),
+        nbformat.v4.new_code_cell(
+            "my_prediction = None  # write your number here\n"
+            "### BEGIN ANSWER KEY\nmy_prediction = 4.0\n### END ANSWER KEY"
+        ),
+    ]
     lab = authoring.student_copy(nb)
     assert [c.source for c in lab.cells] == ["Q1?", "my_prediction = None  # write your number here"]
     with pytest.raises(authoring.AuthoringError, match="without"):

@@ -1,4 +1,5 @@
 """utils.batch_sweeps: the critical-batch fit and a steps-to-target sweep at smoke scale."""
+
 import math
 
 from utils import batch_sweeps, data
@@ -13,8 +14,9 @@ def test_fit_critical_batch_recovers_model_curve():
 
 def test_steps_to_target_sweep_smoke():
     splits = data.load("digits", n_train=300, n_val=100)
-    rows = batch_sweeps.sweep_steps_to_target(splits, [16, 64], lambda B: 0.05, target_acc=0.5, max_steps=60,
-                                              width=8, device="cpu", progress=False)
+    rows = batch_sweeps.sweep_steps_to_target(
+        splits, [16, 64], lambda B: 0.05, target_acc=0.5, max_steps=60, width=8, device="cpu", progress=False
+    )
     assert [r["batch_size"] for r in rows] == [16, 64]
     for r in rows:
         assert r["steps_to_target"] is not None and r["steps_to_target"] <= 60, r

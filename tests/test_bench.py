@@ -1,5 +1,6 @@
 """utils.bench: the timer against known durations, throughput and loaders; the stage-2
 self-checks; the throughput benchmark. (Byte counts and the memory predictor: test_memory.py.)"""
+
 import json
 import statistics
 import threading
@@ -11,10 +12,10 @@ import torch
 import utils.checks as checks
 from utils import bench, data, models, train
 
-
 # ----------------------------------------------------------------------------------------
 # time_fn
 # ----------------------------------------------------------------------------------------
+
 
 def test_time_fn_matches_a_sleep_within_10_percent():
     t = bench.time_fn(lambda: time.sleep(0.05), warmup=1, repeats=5)
@@ -32,7 +33,7 @@ def test_time_fn_leaves_the_warm_up_out():
 
     def fn():
         calls.append(1)
-        time.sleep(0.2 if len(calls) <= 2 else 0.05)     # two cold calls, then warm ones
+        time.sleep(0.2 if len(calls) <= 2 else 0.05)  # two cold calls, then warm ones
 
     t = bench.time_fn(fn, warmup=2, repeats=5)
     assert len(calls) == 7
@@ -45,7 +46,7 @@ def test_time_fn_reports_the_median_not_the_mean():
 
     def fn():
         calls.append(1)
-        time.sleep(0.3 if len(calls) == 3 else 0.05)     # one outlier among five
+        time.sleep(0.3 if len(calls) == 3 else 0.05)  # one outlier among five
 
     t = bench.time_fn(fn, warmup=0, repeats=5)
     assert t.median == pytest.approx(0.05, rel=0.10) and t.mean > 0.09
@@ -69,6 +70,7 @@ def test_time_fn_synchronises_an_asynchronous_device():
 def test_time_fn_uses_cuda_events_on_cuda(monkeypatch):
     """The CUDA branch, driven by a fake one-GPU torch.cuda (no GPU needed)."""
     from fake_gpu import FakeCuda
+
     fake = FakeCuda(1).install(monkeypatch.setattr)
     monkeypatch.setattr(bench, "synchronize", lambda device=None: None)
     t = bench.time_fn(lambda: time.sleep(0.05), warmup=1, repeats=4, device="cuda")
@@ -86,6 +88,7 @@ def test_time_fn_rejects_bad_arguments():
 # ----------------------------------------------------------------------------------------
 # Throughput and loaders
 # ----------------------------------------------------------------------------------------
+
 
 def test_throughput_rows_and_the_model_is_not_changed():
     model = models.Net(8, in_channels=1, image_size=8)
@@ -157,6 +160,7 @@ def test_simulated_gpu_refuses_work_after_close():
 # Self-checks: pass on a right answer, fail on the placeholder and typical mistakes
 # ----------------------------------------------------------------------------------------
 
+
 def _placeholder(*a, **k):
     raise NotImplementedError("Exercise: write this part (see the hint above)")
 
@@ -188,8 +192,12 @@ def state_bytes_ignores_frozen(model, optimizer, momentum=0.0):
 
 def test_check_state_bytes():
     checks.check_state_bytes(state_bytes_right)
-    for wrong, says in [(_placeholder, "not implemented"), (state_bytes_counts_elements, "element"),
-                        (state_bytes_adam_once, "TWO"), (state_bytes_ignores_frozen, "requires_grad")]:
+    for wrong, says in [
+        (_placeholder, "not implemented"),
+        (state_bytes_counts_elements, "element"),
+        (state_bytes_adam_once, "TWO"),
+        (state_bytes_ignores_frozen, "requires_grad"),
+    ]:
         with pytest.raises(checks.CheckFailed, match=says):
             checks.check_state_bytes(wrong)
 
@@ -237,8 +245,12 @@ def time_step_no_warmup(step, sync, warmup=3, repeats=5):
 
 def test_check_time_step():
     checks.check_time_step(time_step_right)
-    for wrong, says in [(_placeholder, "not implemented"), (time_step_no_sync, "sync"),
-                        (time_step_mean, "MEDIAN"), (time_step_no_warmup, "warmup")]:
+    for wrong, says in [
+        (_placeholder, "not implemented"),
+        (time_step_no_sync, "sync"),
+        (time_step_mean, "MEDIAN"),
+        (time_step_no_warmup, "warmup"),
+    ]:
         with pytest.raises(checks.CheckFailed, match=says):
             checks.check_time_step(wrong)
     assert not [th for th in threading.enumerate() if th.name == "SimulatedGPU"]
@@ -279,8 +291,11 @@ def wait_fraction_step_share(loader, step):
 
 def test_check_wait_fraction():
     checks.check_wait_fraction(wait_fraction_right)
-    for wrong, says in [(_placeholder, "not implemented"), (wait_fraction_ratio, "TOTAL"),
-                        (wait_fraction_step_share, "share spent in step")]:
+    for wrong, says in [
+        (_placeholder, "not implemented"),
+        (wait_fraction_ratio, "TOTAL"),
+        (wait_fraction_step_share, "share spent in step"),
+    ]:
         with pytest.raises(checks.CheckFailed, match=says):
             checks.check_wait_fraction(wrong)
 
@@ -289,16 +304,34 @@ def test_check_wait_fraction():
 # The benchmark script
 # ----------------------------------------------------------------------------------------
 
+
 def test_throughput_benchmark_writes_json_and_ends_with_speedup(tmp_path, capsys):
     import importlib.util
     from pathlib import Path
+
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "throughput.py"
     spec = importlib.util.spec_from_file_location("throughput_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     out = tmp_path / "r" / "t.json"
-    assert mod.main(["--quick", "--batch-sizes", "2", "--width", "4", "--repeats", "2", "--min-repeat-s", "0",
-                     "--out", str(out)]) == 0
+    assert (
+        mod.main(
+            [
+                "--quick",
+                "--batch-sizes",
+                "2",
+                "--width",
+                "4",
+                "--repeats",
+                "2",
+                "--min-repeat-s",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     lines = capsys.readouterr().out.strip().splitlines()
     has_gpu = torch.cuda.is_available()
     assert lines[-1].startswith("speedup ") and (has_gpu or lines[-1] == "speedup n/a (no GPU)"), lines[-1]

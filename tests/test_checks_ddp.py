@@ -2,6 +2,7 @@
 course's own implementation, and on the likely mistakes written out below, with a message that
 names the mistake; and PASSES on the answers in solutions/lab3_ddp.ipynb (taken from the notebook
 itself, so the test follows the lab). 2 ranks, tiny models."""
+
 import json
 import re
 from pathlib import Path
@@ -25,8 +26,10 @@ def _answer(fn_name, tmp_path):
     """The solution's function, defined from a file so that inspect.getsource works (as in a notebook)."""
     src = next(c for c in _cells() if c.startswith(f"def {fn_name}("))
     path = tmp_path / f"answer_{fn_name}.py"
-    path.write_text("import os\nimport torch\nimport torch.distributed as dist\nfrom torch import nn\n"
-                    "from torch.utils.data import DistributedSampler\n\n" + src + "\n")
+    path.write_text(
+        "import os\nimport torch\nimport torch.distributed as dist\nfrom torch import nn\n"
+        "from torch.utils.data import DistributedSampler\n\n" + src + "\n"
+    )
     ns = {"__name__": f"answer_{fn_name}"}
     exec(compile(path.read_text(), str(path), "exec"), ns)
     return ns[fn_name]
@@ -49,6 +52,7 @@ def _as_notebook_function(fn):
 
 # ------------------------------------------------------------------ ring all-reduce: refusals
 
+
 def ring_calls_all_reduce(tensor):
     dist.all_reduce(tensor)
     return tensor
@@ -63,8 +67,8 @@ def ring_blocking_sends(tensor):
     chunks = list(tensor.view(-1).tensor_split(world))
     for s in range(2 * (world - 1)):
         buf = torch.empty_like(chunks[(rank - s - 1) % world])
-        dist.send(chunks[(rank - s) % world], (rank + 1) % world)
-        dist.recv(buf, (rank - 1) % world)
+        dist.send(chunks[(rank - s) % world], (rank + 1) % world)  # the mistake under test
+        dist.recv(buf, (rank - 1) % world)  # the mistake under test
     return tensor
 
 
@@ -97,11 +101,14 @@ def ring_with_a_helper(tensor):
     return tensor
 
 
-@pytest.mark.parametrize("fn, message", [
-    (parallel.ring_all_reduce, "library's own implementation"),
-    (ring_calls_all_reduce, "calls all_reduce, which this exercise asks you to build"),
-    (ring_wraps_the_library, "course's utils.parallel"),
-])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (parallel.ring_all_reduce, "library's own implementation"),
+        (ring_calls_all_reduce, "calls all_reduce, which this exercise asks you to build"),
+        (ring_wraps_the_library, "course's utils.parallel"),
+    ],
+)
 def test_ring_check_refuses_the_collective_and_the_library(fn, message):
     with pytest.raises(CheckFailed, match=message):
         checks.check_ring_all_reduce(fn)
@@ -136,8 +143,10 @@ def test_average_check_refuses_the_library():
 
 # ------------------------------------------------------------------ overlapped DDP by hand
 
+
 def overlap_uses_ddp(model, bucket_numel=0):
     from torch.nn.parallel import DistributedDataParallel
+
     DistributedDataParallel(model)
     return lambda: None
 
@@ -162,6 +171,7 @@ def overlap_after_backward(model, bucket_numel=0):
         for p, w in works:
             w.wait()
             p.grad /= world
+
     return finish
 
 
@@ -182,10 +192,11 @@ def _per_param(model, divide=True, clear=True):
                 p.grad /= world
         if clear:
             pending.clear()
+
     return finish
 
 
-_as_notebook_function(_per_param)      # a helper from another cell: it travels with the function
+_as_notebook_function(_per_param)  # a helper from another cell: it travels with the function
 
 
 def overlap_sums(model, bucket_numel=0):
@@ -200,15 +211,18 @@ def overlap_ignores_buckets(model, bucket_numel=0):
     return _per_param(model)
 
 
-@pytest.mark.parametrize("fn, message", [
-    (placeholder, "not implemented"),
-    (overlap_uses_ddp, "calls DistributedDataParallel"),
-    (overlap_blocking, "blocking .async_op not set"),
-    (overlap_after_backward, "after backward\\(\\) returned"),
-    (overlap_sums, "summed, not averaged"),
-    (overlap_never_clears, "after 3 steps the weights differ"),
-    (overlap_ignores_buckets, "bucket_numel=80 you made 6 all-reduces"),
-])
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (placeholder, "not implemented"),
+        (overlap_uses_ddp, "calls DistributedDataParallel"),
+        (overlap_blocking, "blocking .async_op not set"),
+        (overlap_after_backward, "after backward\\(\\) returned"),
+        (overlap_sums, "summed, not averaged"),
+        (overlap_never_clears, "after 3 steps the weights differ"),
+        (overlap_ignores_buckets, "bucket_numel=80 you made 6 all-reduces"),
+    ],
+)
 def test_overlap_check_names_the_mistake(fn, message):
     with pytest.raises(CheckFailed, match=message):
         checks.check_overlap_ddp(fn)
@@ -218,7 +232,7 @@ def test_overlap_check_and_trace_pass_on_the_answer(tmp_path, capsys):
     answer = _answer("overlap_ddp", tmp_path)
     checks.check_overlap_ddp(answer)
     events = checks.check_overlap_trace(answer, bucket_numel=70_000)
-    assert sum(e[0] == "c10d::allreduce_" for e in events) == 4      # the lab's answer key
+    assert sum(e[0] == "c10d::allreduce_" for e in events) == 4  # the lab's answer key
 
 
 def test_overlap_trace_fails_without_overlap():
@@ -228,18 +242,25 @@ def test_overlap_trace_fails_without_overlap():
 
 # ------------------------------------------------------------------ the torchrun script
 
-MISTAKES = {   # name: (text replaced in the answer, replacement, regex of the message)
+MISTAKES = {  # name: (text replaced in the answer, replacement, regex of the message)
     "no_set_epoch": ("sampler.set_epoch(epoch)", "pass", "same order of examples.*set_epoch"),
-    "no_sampler": ("loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler)",
-                   "loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, shuffle=True)",
-                   "ALL the data"),
-    "every_rank_saves": ("        if rank == 0:\n            torch.save(", "        if True:\n            torch.save(",
-                         "rank 1 saved a checkpoint too"),
-    "batch_not_divided": ("batch_size=args.batch_size // world", "batch_size=args.batch_size",
-                          "global batch was 64"),
+    "no_sampler": (
+        "loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, sampler=sampler)",
+        "loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size // world, shuffle=True)",
+        "ALL the data",
+    ),
+    "every_rank_saves": (
+        "        if rank == 0:\n            torch.save(",
+        "        if True:\n            torch.save(",
+        "rank 1 saved a checkpoint too",
+    ),
+    "batch_not_divided": ("batch_size=args.batch_size // world", "batch_size=args.batch_size", "global batch was 64"),
     "saves_the_wrapper": ("model.module.state_dict()", "model.state_dict()", "start with 'module.'"),
-    "device_ids_on_cpu": ('device_ids=[local_rank] if device.type == "cuda" else None', "device_ids=[local_rank]",
-                          "device_ids on a CPU model"),
+    "device_ids_on_cpu": (
+        'device_ids=[local_rank] if device.type == "cuda" else None',
+        "device_ids=[local_rank]",
+        "device_ids on a CPU model",
+    ),
 }
 
 
@@ -255,6 +276,7 @@ def test_script_check_passes_on_the_answer(tmp_path):
 
 def test_script_check_on_the_placeholder_and_the_library(tmp_path):
     from utils import authoring
+
     lab_text = authoring.strip_solutions(_script_answer())
     with pytest.raises(CheckFailed, match="not implemented"):
         checks.check_ddp_script(_write(tmp_path, lab_text))
@@ -277,25 +299,29 @@ def test_the_oracle_is_the_serial_script(tmp_path):
     """_simulate(world=1) must be the serial script the lab shows, run as a program."""
     import subprocess
     import sys
+
     path = _write(tmp_path, checks.SERIAL_SCRIPT, "train_serial.py")
     ckpt = tmp_path / "s.pt"
     subprocess.run([sys.executable, path, "--epochs", "2", "--ckpt", str(ckpt)], check=True, capture_output=True)
     got = torch.load(ckpt, weights_only=True)["model"]
     from utils.checks.ddp import _simulate
+
     want = _simulate(2, 32, 1)
     assert all(torch.allclose(got[k], want[k], atol=1e-6) for k in want)
-    assert all(torch.allclose(want[k], _simulate(2, 32, 2)[k], atol=1e-5) for k in want)   # same global batches
+    assert all(torch.allclose(want[k], _simulate(2, 32, 2)[k], atol=1e-5) for k in want)  # same global batches
 
 
 # ------------------------------------------------------------------ the lab's hints
 
+
 def test_no_hint_of_lab3_contains_a_line_of_its_answer():
     from utils import authoring
+
     for cell in _cells():
         blocks = re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell, re.S)
         for block in blocks:
             lines = block.splitlines()
-            hints = [ln.strip()[len("# HINT:"):].strip() for ln in lines if ln.strip().startswith("# HINT:")]
+            hints = [ln.strip()[len("# HINT:") :].strip() for ln in lines if ln.strip().startswith("# HINT:")]
             answer = [ln.strip() for ln in lines if ln.strip() and not ln.strip().startswith("#")]
             for a in answer:
                 for h in hints:

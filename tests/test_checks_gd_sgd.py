@@ -1,4 +1,5 @@
 """utils.checks.gd_sgd: lab 1's self-checks pass on the references and name typical mistakes."""
+
 import pytest
 import torch
 
@@ -56,7 +57,7 @@ def test_check_sgd_catches_typical_mistakes():
     def same_batch(x, y, w0, b0, lr, steps, batch_size, seed=0):
         path, w, b = [(w0, b0)], w0, b0
         for _ in range(steps):
-            idx = next(linear_regression.minibatches(len(x), batch_size, seed))     # a new iterator each step
+            idx = next(linear_regression.minibatches(len(x), batch_size, seed))  # a new iterator each step
             w, b = linear_regression.gd_step(x[idx], y[idx], w, b, lr)
             path.append((w, b))
         return torch.tensor(path)

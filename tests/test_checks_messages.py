@@ -2,6 +2,7 @@
 that names it and says what to try; the untouched lab placeholder gets the "not implemented"
 line; and what a Jupyter kernel shows for a failed check is short: the student's own cell, then
 that line, no frames from utils.checks and no chained traceback."""
+
 import math
 import os
 import re
@@ -17,10 +18,11 @@ from utils import checks, linear_regression
 
 
 def placeholder(*args, **kwargs):
-    raise NotImplementedError("Exercise: write this part (see the hint above)")   # labs/' placeholder
+    raise NotImplementedError("Exercise: write this part (see the hint above)")  # labs/' placeholder
 
 
 # ------------------------------------------------------------------ hand-written mistakes
+
 
 def gd_step_forgets_b(x, y, w, b, lr):
     r = w * x - y
@@ -78,7 +80,7 @@ def wait_fraction_percent(loader, step):
 
 def shard_without_set_epoch(n, batch_size, rank, world_size, epoch, seed):
     idx = list(DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=seed))
-    return [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
+    return [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
 
 
 def save_in_place(path, model, optimizer, epoch, rank):
@@ -154,6 +156,7 @@ def test_the_untouched_placeholder_says_not_implemented(check):
 def _kernel_tracebacks(cells: list[str]) -> list[list[str]]:
     """What a Jupyter kernel sends the browser for each cell: the error's traceback lines."""
     from jupyter_client.manager import start_new_kernel
+
     km, kc = start_new_kernel(kernel_name="python3", cwd=os.path.dirname(os.path.dirname(__file__)))
     out = []
     try:
@@ -164,8 +167,10 @@ def _kernel_tracebacks(cells: list[str]) -> list[list[str]]:
                 if msg["parent_header"].get("msg_id") != msg_id:
                     continue
                 if msg["msg_type"] == "error":
-                    lines = [re.sub(r"\x1b\[[0-9;]*m", "", line)
-                             for line in "\n".join(msg["content"]["traceback"]).splitlines()]
+                    lines = [
+                        re.sub(r"\x1b\[[0-9;]*m", "", line)
+                        for line in "\n".join(msg["content"]["traceback"]).splitlines()
+                    ]
                 if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
                     break
             out.append(lines)
@@ -178,6 +183,7 @@ def _kernel_tracebacks(cells: list[str]) -> list[list[str]]:
 def _lab_cells(name: str, defines: str):
     """The untouched exercise cell of labs/NAME that defines `defines`, and the check cell after it."""
     import json
+
     cells = json.loads((Path(__file__).resolve().parents[1] / "labs" / name).read_text())["cells"]
     i = next(i for i, c in enumerate(cells) if f"def {defines}(" in "".join(c["source"]))
     return "".join(cells[i]["source"]), "".join(cells[i + 1]["source"])
@@ -187,13 +193,17 @@ def test_a_kernel_shows_a_failed_check_as_the_cell_and_one_line():
     exercise, check = _lab_cells("lab1_gd_sgd_batch.ipynb", "gd_step")
     assert "NotImplementedError" in exercise and "check_gd_step" in check
     placeholder_cell = exercise + "\n" + check
-    wrong_cell = ("def gd_step(x, y, w, b, lr):\n"
-                  "    r = w * x - y\n"
-                  "    return float(w - lr * 2 * (r * x).mean()), float(b - lr * 2 * r.mean())\n"
-                  "utils.checks.check_gd_step(gd_step)")
+    wrong_cell = (
+        "def gd_step(x, y, w, b, lr):\n"
+        "    r = w * x - y\n"
+        "    return float(w - lr * 2 * (r * x).mean()), float(b - lr * 2 * r.mean())\n"
+        "utils.checks.check_gd_step(gd_step)"
+    )
     _, first, second = _kernel_tracebacks(["import utils.checks", placeholder_cell, wrong_cell])
-    for cell, lines, last in ((placeholder_cell, first, r"CheckFailed: gd_step: not implemented yet\. Try: replace the"),
-                              (wrong_cell, second, r"CheckFailed: gd_step: returned \(.*\): the residual leaves out b\. Try: ")):
+    for cell, lines, last in (
+        (placeholder_cell, first, r"CheckFailed: gd_step: not implemented yet\. Try: replace the"),
+        (wrong_cell, second, r"CheckFailed: gd_step: returned \(.*\): the residual leaves out b\. Try: "),
+    ):
         text = "\n".join(lines)
         assert lines, "the check did not fail in the kernel"
         assert re.match(last, lines[-1]), text

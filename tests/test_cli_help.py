@@ -1,4 +1,5 @@
 """Every option of the course's command-line tools says what it does in --help."""
+
 import argparse
 import importlib
 import importlib.util
@@ -31,25 +32,31 @@ def _benchmark_main(name):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "benchmarks" / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return getattr(mod, "main", None) or getattr(mod, "parse_args")
+    return getattr(mod, "main", None) or mod.parse_args
 
 
 TOOLS = {
     "utils.ddp_train": lambda: importlib.import_module("utils.ddp_train").parse_args,
     "utils.authoring": lambda: importlib.import_module("utils.authoring").main,
-    **{f"benchmarks/{p.stem}.py": (lambda p=p: _benchmark_main(p.stem)) for p in sorted((ROOT / "benchmarks").glob("[!_]*.py"))},
+    **{
+        f"benchmarks/{p.stem}.py": (lambda p=p: _benchmark_main(p.stem))
+        for p in sorted((ROOT / "benchmarks").glob("[!_]*.py"))
+    },
 }
 
 
 @pytest.mark.parametrize("tool", sorted(TOOLS))
 def test_every_option_has_a_description(tool, monkeypatch):
     parser = _parser_of(TOOLS[tool](), monkeypatch)
-    missing = [a.option_strings[0] for a in parser._actions
-               if a.option_strings and not isinstance(a, argparse._HelpAction)
-               and (not a.help or a.help == argparse.SUPPRESS)]
+    missing = [
+        a.option_strings[0]
+        for a in parser._actions
+        if a.option_strings and not isinstance(a, argparse._HelpAction) and (not a.help or a.help == argparse.SUPPRESS)
+    ]
     assert not missing, f"{tool}: options without a --help description: {missing}"
 
 
 def test_ddp_train_trains_long_enough_from_a_shell():
     from utils.ddp_train import TrainConfig, parse_args
+
     assert parse_args([]).epochs == 10 and TrainConfig().epochs == 2

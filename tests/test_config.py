@@ -22,6 +22,7 @@ def test_env_selects_profile(monkeypatch):
     assert config.profile().name == "cpu"
     monkeypatch.delenv("LAB_PROFILE")
     import torch
+
     assert config.default_profile_name() == ("gpu" if torch.cuda.is_available() else "cpu")
 
 

@@ -11,8 +11,8 @@ from torch.utils.data import DistributedSampler
 
 from utils import data
 
-
 # ---------------------------------------------------------------- datasets
+
 
 def test_digits_split_is_normalised_and_disjoint():
     s = data.load("digits", n_val=397)
@@ -22,8 +22,9 @@ def test_digits_split_is_normalised_and_disjoint():
     y = torch.cat([s.train.tensors[1], s.val.tensors[1]])
     assert sorted(y.unique().tolist()) == list(range(10))
     small = data.load("digits", n_train=100)
-    assert len(small.train) == 100 and torch.equal(small.val.tensors[1], s.val.tensors[1]), \
+    assert len(small.train) == 100 and torch.equal(small.val.tensors[1], s.val.tensors[1]), (
         "the validation split must not depend on n_train"
+    )
 
 
 def test_unknown_dataset_names_the_choices():
@@ -39,6 +40,7 @@ def test_synthetic_any_shape():
 
 
 # ---------------------------------------------------------------- parsers on tiny files
+
 
 def _idx_bytes(arr: np.ndarray) -> bytes:
     code = {np.uint8: 0x08}[arr.dtype.type]
@@ -66,8 +68,10 @@ def _cifar_tar(path: Path, n_per_batch=4, seed=0):
     batches = {}
     with tarfile.open(path, "w:gz") as tar:
         for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
-            d = {b"data": rng.integers(0, 256, (n_per_batch, 3072), dtype=np.uint8),
-                 b"labels": rng.integers(0, 10, n_per_batch).tolist()}
+            d = {
+                b"data": rng.integers(0, 256, (n_per_batch, 3072), dtype=np.uint8),
+                b"labels": rng.integers(0, 10, n_per_batch).tolist(),
+            }
             batches[name] = d
             raw = pickle.dumps(d)
             info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
@@ -87,11 +91,13 @@ def test_read_cifar10_tiny_archive(tmp_path):
 
 # ---------------------------------------------------------------- verified, atomic downloads
 
+
 def _remote(tmp_path, payload: bytes, name="f.bin", md5=None):
     src = tmp_path / "mirror" / name
     src.parent.mkdir(exist_ok=True)
     src.write_bytes(payload)
     import hashlib
+
     return data.RemoteFile(name, (src.as_uri(),), md5 or hashlib.md5(payload).hexdigest())
 
 
@@ -100,7 +106,7 @@ def test_fetch_downloads_verifies_and_reuses(tmp_path):
     dest = tmp_path / "data"
     p = data.fetch(rf, dest)
     assert p.read_bytes() == b"hello dataset"
-    (tmp_path / "mirror" / "f.bin").unlink()          # now "offline": the verified copy is reused
+    (tmp_path / "mirror" / "f.bin").unlink()  # now "offline": the verified copy is reused
     assert data.fetch(rf, dest) == p
     assert [f.name for f in dest.iterdir()] == ["f.bin"], "no partial files may be left behind"
 
@@ -135,8 +141,12 @@ def test_offline_error_names_files_url_and_where_to_put_them(tmp_path):
 
 def test_fashion_mnist_end_to_end_on_tiny_files(tmp_path, monkeypatch):
     rng = np.random.default_rng(0)
-    arrays = [rng.integers(0, 256, (12, 28, 28), dtype=np.uint8), rng.integers(0, 10, 12, dtype=np.uint8),
-              rng.integers(0, 256, (5, 28, 28), dtype=np.uint8), rng.integers(0, 10, 5, dtype=np.uint8)]
+    arrays = [
+        rng.integers(0, 256, (12, 28, 28), dtype=np.uint8),
+        rng.integers(0, 10, 12, dtype=np.uint8),
+        rng.integers(0, 256, (5, 28, 28), dtype=np.uint8),
+        rng.integers(0, 10, 5, dtype=np.uint8),
+    ]
     files = []
     for rf, arr in zip(data.FASHION_MNIST_FILES, arrays):
         payload = gzip.compress(_idx_bytes(arr))
@@ -147,22 +157,23 @@ def test_fashion_mnist_end_to_end_on_tiny_files(tmp_path, monkeypatch):
     assert s.train.tensors[1].tolist() == arrays[1].tolist()
 
 
-
 # ---------------------------------------------------------------- sizes a dataset cannot give
+
 
 def test_load_refuses_sizes_the_dataset_cannot_give():
     with pytest.raises(ValueError, match=r"n_train \+ n_val = 12,000 but digits has 1,797 images: lower"):
         data.load("digits", n_train=10_000, n_val=2_000)
     with pytest.raises(ValueError, match="n_train/n_val row in utils/config.py"):
-        data.load("digits", n_val=1_797)           # nothing left for training
+        data.load("digits", n_val=1_797)  # nothing left for training
     with pytest.raises(ValueError, match="60,000 training images"):
         data.load("fashion_mnist", n_train=60_001)
     with pytest.raises(ValueError, match="10,000 held-out images"):
         data.load("cifar10", n_val=12_000)
-    assert len(data.load("digits", n_train=1_400, n_val=397).train) == 1_400     # exactly all 1,797
+    assert len(data.load("digits", n_train=1_400, n_val=397).train) == 1_400  # exactly all 1,797
 
 
 # ---------------------------------------------------------------- stand-ins
+
 
 @pytest.fixture(scope="module")
 def standin_root(tmp_path_factory):
@@ -189,8 +200,10 @@ def test_standins_have_the_real_formats_sizes_and_classes(standin_root):
         names = sorted(m.name for m in tar.getmembers())
         b1 = pickle.load(tar.extractfile("cifar-10-batches-py/data_batch_1"), encoding="bytes")
         meta = pickle.load(tar.extractfile("cifar-10-batches-py/batches.meta"), encoding="bytes")
-    assert names == sorted([f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)]
-                           + ["cifar-10-batches-py/test_batch", "cifar-10-batches-py/batches.meta"])
+    assert names == sorted(
+        [f"cifar-10-batches-py/data_batch_{i}" for i in range(1, 6)]
+        + ["cifar-10-batches-py/test_batch", "cifar-10-batches-py/batches.meta"]
+    )
     assert b1[b"data"].shape == (10_000, 3072) and b1[b"data"].dtype == np.uint8
     assert isinstance(b1[b"labels"], list) and len(b1[b"labels"]) == 10_000
     assert meta[b"label_names"][0] == b"airplane" and len(meta[b"label_names"]) == 10
@@ -199,7 +212,7 @@ def test_standins_have_the_real_formats_sizes_and_classes(standin_root):
     for y in (ytr, yte, cytr, cyte):
         counts = np.bincount(y, minlength=10)
         assert len(counts) == 10 and counts.min() == counts.max() == len(y) // 10, "balanced, 10 classes"
-    for x in (xtr, ctr):     # images, not constants: a spread of grey levels in every class
+    for x in (xtr, ctr):  # images, not constants: a spread of grey levels in every class
         assert 40 < x.std() < 100 and len(np.unique(x[:100])) > 200
 
 
@@ -214,31 +227,39 @@ def test_standins_are_deterministic():
 def test_standin_files_are_the_same_bytes_every_time(standin_root, tmp_path):
     data.write_standins(tmp_path, which=("fashion_mnist",))
     for f in data.FASHION_MNIST_FILES:
-        assert data.md5sum(tmp_path / "standin/fashion_mnist" / f.name) == \
-            data.md5sum(standin_root / "standin/fashion_mnist" / f.name), f.name
+        assert data.md5sum(tmp_path / "standin/fashion_mnist" / f.name) == data.md5sum(
+            standin_root / "standin/fashion_mnist" / f.name
+        ), f.name
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fashion_mnist", "cifar10"])
 def test_a_small_cnn_learns_the_standin_but_not_perfectly(standin_root, name, monkeypatch, capsys):
     from utils import models, train
+
     monkeypatch.setenv("LAB_DATA", "standin")
     splits = data.load(name, n_train=3000, n_val=1000, root=standin_root)
     assert data.standin_notice(name) in capsys.readouterr().out
     assert "STAND-IN" in data.standin_notice(name)
     torch.manual_seed(0)
     net = models.net_for(splits.shape, width=16)
-    h = train.fit(net, data.make_loader(splits.train, 64), torch.optim.Adam(net.parameters(), lr=2e-3),
-                  epochs=2, val_loader=data.make_loader(splits.val, 500, shuffle=False), progress=False)
+    h = train.fit(
+        net,
+        data.make_loader(splits.train, 64),
+        torch.optim.Adam(net.parameters(), lr=2e-3),
+        epochs=2,
+        val_loader=data.make_loader(splits.val, 500, shuffle=False),
+        progress=False,
+    )
     assert 0.4 < h.val_acc < 0.98, f"{name} stand-in: {h.val_acc:.3f} (chance 0.1; learnable, not trivial)"
 
 
 @pytest.mark.slow
 def test_without_the_switch_nothing_reads_the_standins(standin_root, monkeypatch, capsys):
     monkeypatch.delenv("LAB_DATA", raising=False)
-    monkeypatch.setenv("DATA_DIR", str(standin_root))          # the stand-ins are right there...
+    monkeypatch.setenv("DATA_DIR", str(standin_root))  # the stand-ins are right there...
     with pytest.raises(data.DatasetUnavailable, match="Fashion-MNIST is not available"):
-        data.load("fashion_mnist", download=False)              # ...but the real path ignores them
+        data.load("fashion_mnist", download=False)  # ...but the real path ignores them
     with pytest.raises(data.DatasetUnavailable, match="downloading is off"):
         data.load("cifar10", download=False)
     assert "STAND-IN" not in capsys.readouterr().out
@@ -254,7 +275,7 @@ def test_the_switch_is_explicit_and_a_missing_standin_says_how_to_make_it(tmp_pa
     monkeypatch.setenv("LAB_DATA", "standin")
     with pytest.raises(data.DatasetUnavailable, match=r"python -m utils.data standins"):
         data.load("cifar10", root=tmp_path)
-    assert len(data.load("digits").train) == 1400          # digits is bundled: no stand-in involved
+    assert len(data.load("digits").train) == 1400  # digits is bundled: no stand-in involved
 
 
 def test_standins_command_line(tmp_path, monkeypatch):
@@ -265,6 +286,7 @@ def test_standins_command_line(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------- loaders
+
 
 @pytest.mark.parametrize("kind", ["device", "dataloader"])
 @pytest.mark.parametrize("n,batch", [(23, 5), (20, 4)])
@@ -297,7 +319,7 @@ def test_rank_shards_are_disjoint_and_cover(kind, n, world):
         for i in range(world):
             for j in range(i + 1, world):
                 assert not set(shards[i]) & set(shards[j]), "shards must be disjoint"
-    else:   # padding repeats exactly total - n samples, as DistributedSampler does
+    else:  # padding repeats exactly total - n samples, as DistributedSampler does
         assert sum(len(s) for s in shards) - n == -(-n // world) * world - n
 
 

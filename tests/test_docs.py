@@ -9,6 +9,7 @@
 
 A row of the table is a line that starts with ``| `utils/.../name.py` |``.
 """
+
 import re
 from pathlib import Path
 
@@ -19,8 +20,11 @@ ROW = re.compile(r"^\|\s*`(utils/[^`]+\.py)`\s*\|")
 
 
 def utils_modules() -> set[str]:
-    return {p.relative_to(ROOT).as_posix() for p in (ROOT / "utils").rglob("*.py")
-            if p.name not in NOT_MODULES and "__pycache__" not in p.parts}
+    return {
+        p.relative_to(ROOT).as_posix()
+        for p in (ROOT / "utils").rglob("*.py")
+        if p.name not in NOT_MODULES and "__pycache__" not in p.parts
+    }
 
 
 def design_rows() -> list[str]:
@@ -29,19 +33,22 @@ def design_rows() -> list[str]:
 
 def test_design_table_is_parsed():
     rows = design_rows()
-    assert len(rows) >= 10, f"found only {len(rows)} module rows in {DESIGN}: is the table still `| `utils/x.py` | ... |`?"
+    assert len(rows) >= 10, (
+        f"found only {len(rows)} module rows in {DESIGN}: is the table still `| `utils/x.py` | ... |`?"
+    )
 
 
 def test_every_module_has_a_row_in_design():
     missing = sorted(utils_modules() - set(design_rows()))
-    assert not missing, (f"modules with no row in docs/DESIGN.md's module table: {missing}. "
-                         "Add a row `| `utils/....py` | what it owns |`")
+    assert not missing, (
+        f"modules with no row in docs/DESIGN.md's module table: {missing}. "
+        "Add a row `| `utils/....py` | what it owns |`"
+    )
 
 
 def test_design_names_no_module_that_is_gone():
     gone = sorted(set(design_rows()) - utils_modules())
-    assert not gone, (f"docs/DESIGN.md's module table names files that do not exist: {gone}. "
-                      "Remove or rename their rows")
+    assert not gone, f"docs/DESIGN.md's module table names files that do not exist: {gone}. Remove or rename their rows"
 
 
 def test_design_has_one_row_per_module():
@@ -88,6 +95,8 @@ def test_relative_links_point_at_files_that_exist():
 
 def test_link_parser_sees_links_and_skips_code(tmp_path):
     md = tmp_path / "x.md"
-    md.write_text("[a](docs/A.md) [b](https://x.org) [c](#top) ![i](img/p.png \"t\") [d](B.md#sec)\n"
-                  "`[e](inline.md)`\n```\n[f](fenced.md)\n```\n")
+    md.write_text(
+        '[a](docs/A.md) [b](https://x.org) [c](#top) ![i](img/p.png "t") [d](B.md#sec)\n'
+        "`[e](inline.md)`\n```\n[f](fenced.md)\n```\n"
+    )
     assert relative_links(md) == ["docs/A.md", "img/p.png", "B.md"]

@@ -11,15 +11,15 @@ from utils import files
 
 
 def test_text_bytes_json_and_torch_round_trip(tmp_path):
-    files.atomic_write(tmp_path / "a" / "b.txt", "héllo\r\nworld")          # folders are made
-    assert (tmp_path / "a" / "b.txt").read_bytes() == "héllo\r\nworld".encode()   # newlines kept as given
+    files.atomic_write(tmp_path / "a" / "b.txt", "héllo\r\nworld")  # folders are made
+    assert (tmp_path / "a" / "b.txt").read_bytes() == "héllo\r\nworld".encode()  # newlines kept as given
     files.atomic_write(tmp_path / "c.bin", b"\x00\x01")
     assert (tmp_path / "c.bin").read_bytes() == b"\x00\x01"
     files.atomic_write_json(tmp_path / "d.json", {"x": 1, "p": tmp_path})
     assert json.loads((tmp_path / "d.json").read_text()) == {"x": 1, "p": str(tmp_path)}
     files.atomic_save({"w": torch.arange(3)}, tmp_path / "e.pt")
     assert torch.equal(torch.load(tmp_path / "e.pt")["w"], torch.arange(3))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "c.bin", "d.json", "e.pt"]   # no temporaries
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "c.bin", "d.json", "e.pt"]  # no temporaries
 
 
 def test_a_failed_write_keeps_the_old_file_and_leaves_nothing(tmp_path, monkeypatch):
@@ -39,7 +39,7 @@ def test_a_failed_write_keeps_the_old_file_and_leaves_nothing(tmp_path, monkeypa
 def test_an_unserialisable_object_never_touches_the_target(tmp_path):
     target = tmp_path / "model.pt"
     files.atomic_save({"ok": 1}, target)
-    with pytest.raises((pickle.PicklingError, AttributeError)):   # which one depends on where the lambda lives
-        files.atomic_save({"bad": lambda: 0}, target)        # pickling fails before any byte is written
+    with pytest.raises((pickle.PicklingError, AttributeError)):  # which one depends on where the lambda lives
+        files.atomic_save({"bad": lambda: 0}, target)  # pickling fails before any byte is written
     assert torch.load(target) == {"ok": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]

@@ -1,5 +1,6 @@
 """fit's per-epoch and per-step records, reduced once per epoch on the device, against a hand
 computation: with lr = 0 the model never changes, so every number can be recomputed directly."""
+
 import pytest
 import torch
 from torch import nn
@@ -10,7 +11,7 @@ from utils.train import fit
 def test_epoch_loss_accuracy_and_step_losses_equal_a_direct_computation():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 4))
-    sizes = [8, 8, 8, 5]                                       # an uneven last batch: weighted by size
+    sizes = [8, 8, 8, 5]  # an uneven last batch: weighted by size
     batches = [(torch.randn(n, 6), torch.randint(0, 4, (n,))) for n in sizes]
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     hist = fit(model, batches, opt, epochs=2, progress=False)

@@ -6,6 +6,7 @@ left. One graded run of the reference and of the serial script is shared (module
 graded concurrently); the bad inputs are graded in ONE `batch` command. The hostile
 submissions (a student who read the grader's source) are in test_grader_attacks.py.
 """
+
 from __future__ import annotations
 
 import csv
@@ -21,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
+import utils.models
 from utils.grader import sandbox, weights
 from utils.grader.batch import gradescope_batch, gradescope_result
-from utils.grader.gradescope import build_zip
 from utils.grader.core import grade, write_json
+from utils.grader.gradescope import build_zip
 from utils.grader.spec import REFERENCE_SOLUTION, ROOT, SERIAL_SCRIPT, SpecError, load_spec
 from utils.grader.static import check_source
-import utils.models
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the grader watches /proc")
 
@@ -54,12 +55,29 @@ def batch_run(spec, tmp_path_factory):
         (subs / name / "assessment.py").write_text(COPY_PAYLOAD)
         (subs / name / "payload.pt").write_bytes(payloads[name].read_bytes())
     test_spec = tmp_path / "spec.toml"
-    test_spec.write_text(CI_SPEC.read_text().replace("time_budget_s = 90", f"time_budget_s = {HANG_BUDGET_S}")
-                         .replace("max_output_mb = 64", "max_output_mb = 2"))
+    test_spec.write_text(
+        CI_SPEC.read_text()
+        .replace("time_budget_s = 90", f"time_budget_s = {HANG_BUDGET_S}")
+        .replace("max_output_mb = 64", "max_output_mb = 2")
+    )
     out = tmp_path / "out"
-    cmd = [sys.executable, "-m", "utils.grader", "batch", str(subs), "--spec", str(test_spec),
-           "--csv", str(out / "gradebook.csv"), "--gradescope", str(out / "results.json"),
-           "--reports", str(out / "reports"), "--jobs", "3"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "utils.grader",
+        "batch",
+        str(subs),
+        "--spec",
+        str(test_spec),
+        "--csv",
+        str(out / "gradebook.csv"),
+        "--gradescope",
+        str(out / "results.json"),
+        "--reports",
+        str(out / "reports"),
+        "--jobs",
+        "3",
+    ]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield proc, tmp_path
     if proc.poll() is None:
@@ -84,11 +102,13 @@ def codes(report) -> set[str]:
 # The two oracles
 # ----------------------------------------------------------------------------------------
 
+
 def test_reference_solution_passes(graded, spec):
     r = graded["reference"]
     assert r["status"] == "passed", (
         f"the reference solution must pass the CI spec; reasons: {r['reason']}\n"
-        f"rank 0 stderr:\n{r['logs'].get('0', {}).get('stderr', '')[-1500:]}")
+        f"rank 0 stderr:\n{r['logs'].get('0', {}).get('stderr', '')[-1500:]}"
+    )
     assert r["accuracy"] >= spec.target_val_acc
     assert r["ranks_measured"] == spec.nprocs == r["workers_seen"], r["rank_evidence"]
     ev = r["rank_evidence"]
@@ -102,11 +122,13 @@ def test_reference_solution_passes(graded, spec):
     assert r["leftover_processes"] == [] and r["static_warnings"] == [] and r["review"] == [], r
     assert ev["ddp_fingerprints"], "rank 0's DDP weights at exit should be fingerprinted"
     shard = (1797 - spec.n_val) // spec.nprocs
-    assert all(m[0][0] >= shard and m[0][1] == 0 for m in ev["ddp_models"].values()), \
+    assert all(m[0][0] >= shard and m[0][1] == 0 for m in ev["ddp_models"].values()), (
         f"every epoch through DDP, weights changed only by optimizer steps: {ev['ddp_models']}"
+    )
     assert "saved" in r["logs"]["0"]["stdout"], "the tail of rank 0's log should be in the report"
-    assert r["isolation"]["in_force"] and all(len(x) <= 100 for x in r["isolation"]["in_force"]
-                                             + r["isolation"]["not_in_force"]), "short isolation lines"
+    assert r["isolation"]["in_force"] and all(
+        len(x) <= 100 for x in r["isolation"]["in_force"] + r["isolation"]["not_in_force"]
+    ), "short isolation lines"
     assert len(r["sha256"]) == 64
 
 
@@ -122,7 +144,8 @@ def test_unchanged_serial_script_fails_on_accuracy_and_ranks(graded, spec):
     else:
         assert r["status"] == "failed", r["reason"]
         assert {"accuracy", "not_distributed"} <= codes(r), (
-            f"the serial script must fail on accuracy and on the measured ranks, got {r['reasons']}")
+            f"the serial script must fail on accuracy and on the measured ranks, got {r['reasons']}"
+        )
         assert r["ranks_measured"] == 0 and "init_process_group" in r["reason"]
     assert r["accuracy"] < spec.target_val_acc
     warnings = " ".join(r["static_warnings"])
@@ -148,13 +171,34 @@ def _assert_gradescope(doc, per_submission=True):
     """Gradescope's autograder results.json: tests with name/status/output, numeric scores; one
     submission's file also has score, max_score and visibility on every test, and a top-level
     score equal to the sum of the tests' (nothing contradicts the total)."""
-    assert set(doc) <= {"score", "execution_time", "output", "output_format", "test_output_format",
-                        "test_name_format", "visibility", "stdout_visibility", "extra_data", "tests",
-                        "leaderboard"}, sorted(doc)
+    assert set(doc) <= {
+        "score",
+        "execution_time",
+        "output",
+        "output_format",
+        "test_output_format",
+        "test_name_format",
+        "visibility",
+        "stdout_visibility",
+        "extra_data",
+        "tests",
+        "leaderboard",
+    }, sorted(doc)
     assert isinstance(doc["tests"], list) and doc["tests"]
     for t in doc["tests"]:
-        assert set(t) <= {"score", "max_score", "status", "name", "name_format", "number", "output",
-                          "output_format", "tags", "visibility", "extra_data"}, sorted(t)
+        assert set(t) <= {
+            "score",
+            "max_score",
+            "status",
+            "name",
+            "name_format",
+            "number",
+            "output",
+            "output_format",
+            "tags",
+            "visibility",
+            "extra_data",
+        }, sorted(t)
         assert t["status"] in ("passed", "failed") and isinstance(t["name"], str)
         for k in ("score", "max_score"):
             assert k not in t or isinstance(t[k], (int, float))
@@ -171,16 +215,20 @@ def _assert_gradescope(doc, per_submission=True):
 # Spec and static checks (no process started)
 # ----------------------------------------------------------------------------------------
 
+
 def test_spec_validation(tmp_path):
     s = load_spec(CI_SPEC, time_budget_s=5)
     assert s.time_budget_s == 5 and s.nprocs == 2 and s.dataset == "digits"
     assert load_spec(ROOT / "labs" / "assessment" / "spec_gpu.toml").dataset == "cifar10"
     bad = tmp_path / "bad.toml"
-    for text, needle in [("[assessment]\nname='x'\n", "missing"),
-                         (CI_SPEC.read_text() + "colour = 'red'\n", "unknown field"),
-                         (CI_SPEC.read_text().replace("nprocs = 2", "nprocs = 0"), "nprocs"),
-                         (CI_SPEC.read_text().replace('dataset = "digits"', 'dataset = "mnist"'), "dataset"),
-                         ("not toml [", "not valid TOML"), ("x = 1\n", "[assessment]")]:
+    for text, needle in [
+        ("[assessment]\nname='x'\n", "missing"),
+        (CI_SPEC.read_text() + "colour = 'red'\n", "unknown field"),
+        (CI_SPEC.read_text().replace("nprocs = 2", "nprocs = 0"), "nprocs"),
+        (CI_SPEC.read_text().replace('dataset = "digits"', 'dataset = "mnist"'), "dataset"),
+        ("not toml [", "not valid TOML"),
+        ("x = 1\n", "[assessment]"),
+    ]:
         bad.write_text(text)
         with pytest.raises(SpecError, match=needle.replace("[", r"\[")):
             load_spec(bad)
@@ -190,7 +238,8 @@ def test_spec_validation(tmp_path):
 
 def test_static_checks_flag_typical_mistakes():
     assert "line 1" in check_source("def main(:\n")["syntax_error"]
-    bad = check_source(textwrap.dedent("""
+    bad = check_source(
+        textwrap.dedent("""
         import torch, torch.distributed as dist
         from torch.utils.data import DistributedSampler
         def main():
@@ -200,13 +249,15 @@ def test_static_checks_flag_typical_mistakes():
             for epoch in range(3):
                 pass
             torch.save(model.module.state_dict(), "model.pt")
-        """))["warnings"]
+        """)
+    )["warnings"]
     text = " ".join(bad)
     assert "set_epoch" in text and "every rank" in text and "seed" in text, bad
     assert "init_process_group" not in text and "DistributedDataParallel wrapper" not in text, bad
     good = check_source((ROOT / "solutions" / "assessment" / "assessment.py").read_text())
     assert good == {"syntax_error": None, "warnings": []}, good
-    early_return = check_source(textwrap.dedent("""
+    early_return = check_source(
+        textwrap.dedent("""
         import torch
         def main(rank):
             torch.manual_seed(0)
@@ -214,13 +265,15 @@ def test_static_checks_flag_typical_mistakes():
             if rank != 0:
                 return
             torch.save(sd, "model.pt")
-        """))["warnings"]
+        """)
+    )["warnings"]
     assert not any("every rank" in w for w in early_return), early_return
 
 
 # ----------------------------------------------------------------------------------------
 # The model file, checked without running anything
 # ----------------------------------------------------------------------------------------
+
 
 class _RunsCodeWhenUnpickled:
     def __init__(self, marker):
@@ -232,6 +285,7 @@ class _RunsCodeWhenUnpickled:
 
 def _good_state(spec):
     from utils.data import load
+
     shape = load("digits").shape
     return utils.models.build(spec.model, shape, **spec.model_kwargs).state_dict(), shape
 
@@ -260,16 +314,19 @@ def _payloads(spec, tmp_path) -> dict[str, Path]:
     return paths
 
 
-@pytest.mark.parametrize("case, code, words", [
-    ("pickle_exploit", "unsafe_checkpoint", "NOT executed"),
-    ("whole_model", "unsafe_checkpoint", "state_dict()"),
-    ("wrong_keys", "wrong_keys", "missing"),
-    ("ddp_prefix", "wrong_keys", "model.module.state_dict()"),
-    ("wrong_shapes", "wrong_shapes", "conv1.weight"),
-    ("nan_weights", "nan_weights", "fc1.weight"),
-    ("not_a_zip", "bad_checkpoint", "torch.save"),
-    ("zipbomb", "bad_checkpoint", "compressed"),
-])
+@pytest.mark.parametrize(
+    "case, code, words",
+    [
+        ("pickle_exploit", "unsafe_checkpoint", "NOT executed"),
+        ("whole_model", "unsafe_checkpoint", "state_dict()"),
+        ("wrong_keys", "wrong_keys", "missing"),
+        ("ddp_prefix", "wrong_keys", "model.module.state_dict()"),
+        ("wrong_shapes", "wrong_shapes", "conv1.weight"),
+        ("nan_weights", "nan_weights", "fc1.weight"),
+        ("not_a_zip", "bad_checkpoint", "torch.save"),
+        ("zipbomb", "bad_checkpoint", "compressed"),
+    ],
+)
 def test_checkpoint_rejections(spec, tmp_path, case, code, words):
     path = _payloads(spec, tmp_path)[case]
     heldout = load_heldout()
@@ -284,6 +341,7 @@ def test_checkpoint_rejections(spec, tmp_path, case, code, words):
 
 def load_heldout():
     from utils.data import load
+
     return load("digits").val
 
 
@@ -302,23 +360,23 @@ BAD_SCRIPTS = {
     "syntax_error": "def main(:\n    pass\n",
     "import_error": "import no_such_module_for_the_grader_test\n",
     "one_rank_crash": "import os, time\nif os.environ.get('RANK') == '1':\n"
-                      "    raise RuntimeError('rank 1 lost its shard')\ntime.sleep(600)\n",
+    "    raise RuntimeError('rank 1 lost its shard')\ntime.sleep(600)\n",
     "hang": "import time\ntime.sleep(600)\n",
     "print_forever": "while True:\n    print('accuracy 1.0 ' * 100)\n",
     "huge_file": "import sys\nout = sys.argv[sys.argv.index('--out') + 1]\nwith open(out, 'wb') as f:\n"
-                 "    for _ in range(4096):\n        f.write(bytes(1 << 20))    # 4 GiB\n",
+    "    for _ in range(4096):\n        f.write(bytes(1 << 20))    # 4 GiB\n",
     "no_output": "print('final validation accuracy: 0.999')\n",
     "background_child": "import subprocess, sys\nsubprocess.Popen([sys.executable, '-c', "
-                        "'import time; time.sleep(600)'], start_new_session=True)\n",
+    "'import time; time.sleep(600)'], start_new_session=True)\n",
     # Exits without a traceback: the student's own last words on stderr are the feedback.
     "system_exit": "raise SystemExit('stopping: CRASH-CAUSE-A lr must be positive')\n",
     "argparse_error": "import argparse\np = argparse.ArgumentParser()\np.add_argument('--data-dir')\n"
-                      "p.add_argument('--out')\np.add_argument('--epochs', required=True)\np.parse_args()\n",
+    "p.add_argument('--out')\np.add_argument('--epochs', required=True)\np.parse_args()\n",
     "exit_message_long": "import sys\nsys.stderr.write('noise ' * 2000 + '\\n')\n"
-                         "sys.exit('CRASH-CAUSE-C ' + 'y' * 1000)\n",
+    "sys.exit('CRASH-CAUSE-C ' + 'y' * 1000)\n",
 }
 
-HANG_BUDGET_S = 30     # the bad inputs' budget: long enough for torchrun to start on a busy 2-core box
+HANG_BUDGET_S = 30  # the bad inputs' budget: long enough for torchrun to start on a busy 2-core box
 
 # student -> (status, reason code that must be among the reasons, words in the reason)
 EXPECTED = {
@@ -330,8 +388,11 @@ EXPECTED = {
     "huge_file": ("error", "output_limit", "MiB limit"),
     "no_output": ("error", "no_output", "without writing model.pt"),
     "background_child": ("error", "background_processes", "still running"),
-    "system_exit": ("error", "crashed", "without a Python traceback; the last lines it wrote to stderr: "
-                    "stopping: CRASH-CAUSE-A lr must be positive"),
+    "system_exit": (
+        "error",
+        "crashed",
+        "without a Python traceback; the last lines it wrote to stderr: stopping: CRASH-CAUSE-A lr must be positive",
+    ),
     "argparse_error": ("error", "crashed", "error: the following arguments are required: --epochs"),
     "exit_message_long": ("error", "crashed", "CRASH-CAUSE-C yyy"),
     "pickle_exploit": ("error", "unsafe_checkpoint", "NOT executed"),
@@ -387,15 +448,22 @@ def test_a_rank_exiting_without_a_traceback_gets_its_own_words_back(batch_run, s
     rows = {r["student"]: r for r in csv.DictReader((out / "gradebook.csv").open())}
     tests = {t["name"]: t for t in json.loads((out / "results.json").read_text())["tests"]}
     reports = {p.stem: json.loads(p.read_text()) for p in (out / "reports").glob("*.json")}
-    words = {"system_exit": "stopping: CRASH-CAUSE-A lr must be positive",
-             "argparse_error": "error: the following arguments are required: --epochs",
-             "exit_message_long": "CRASH-CAUSE-C yyy"}
+    words = {
+        "system_exit": "stopping: CRASH-CAUSE-A lr must be positive",
+        "argparse_error": "error: the following arguments are required: --epochs",
+        "exit_message_long": "CRASH-CAUSE-C yyy",
+    }
     for student, said in words.items():
         r = reports[student]
         one = gradescope_result(r, spec)
-        surfaces = {"report": r["reason"], "excerpt": r["error_excerpt"], "gradebook": rows[student]["reason"],
-                    "results.json": tests[student]["output"], "autograder": one["output"],
-                    "autograder test": one["tests"][1]["output"]}
+        surfaces = {
+            "report": r["reason"],
+            "excerpt": r["error_excerpt"],
+            "gradebook": rows[student]["reason"],
+            "results.json": tests[student]["output"],
+            "autograder": one["output"],
+            "autograder test": one["tests"][1]["output"],
+        }
         for where, text in surfaces.items():
             assert said in text, (student, where, text)
             assert str(tmp_path) not in text and str(ROOT) not in text and "Traceback" not in text, (where, text)
@@ -403,7 +471,7 @@ def test_a_rank_exiting_without_a_traceback_gets_its_own_words_back(batch_run, s
     assert "usage: assessment.py" in reports["argparse_error"]["reason"]
     long = reports["exit_message_long"]["reason"]
     assert "y" * 201 not in long and "noise " * 40 not in long and len(long) < 900, long
-    for student, r in reports.items():         # each student's words in their own feedback only
+    for student, r in reports.items():  # each student's words in their own feedback only
         for other, said in words.items():
             if other != student:
                 mark = next((w for w in said.split() if "CRASH" in w), said)
@@ -415,17 +483,33 @@ def test_a_rank_exiting_without_a_traceback_gets_its_own_words_back(batch_run, s
 # The command line and calibration, on the shared graded run (no new process)
 # ----------------------------------------------------------------------------------------
 
+
 def test_cli_run_and_calibrate(graded, spec, monkeypatch, tmp_path, capsys):
     import math
 
     import utils.grader.batch as batch
     import utils.grader.cli as cli
     import utils.grader.core as core
+
     ref = graded["reference"]
     monkeypatch.setattr(core, "grade", lambda *a, **k: dict(ref))
     monkeypatch.setattr(batch, "grade", lambda *a, **k: dict(ref))
-    assert cli.main(["run", "student.py", "--spec", str(CI_SPEC), "--json", str(tmp_path / "r.json"),
-                     "--gradescope", str(tmp_path / "gs.json"), "-v"]) == 0
+    assert (
+        cli.main(
+            [
+                "run",
+                "student.py",
+                "--spec",
+                str(CI_SPEC),
+                "--json",
+                str(tmp_path / "r.json"),
+                "--gradescope",
+                str(tmp_path / "gs.json"),
+                "-v",
+            ]
+        )
+        == 0
+    )
     shown = capsys.readouterr().out
     assert "PASSED" in shown and "ranks measured 2 of 2" in shown and "sandbox in force" in shown
     assert max(len(line) for line in shown.splitlines() if not line.startswith(("  ---", "train"))) < 200
@@ -448,6 +532,7 @@ def test_gpu_spec_without_enough_gpus_is_a_clear_grader_error(spec):
 
 def test_gpus_are_divided_among_jobs(spec, monkeypatch):
     from utils.grader.batch import _gpu_slots
+
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     gpu_spec = spec.replace(device="cuda")
     assert _gpu_slots(gpu_spec, 2) == [[0, 1, 2, 3], [4, 5, 6, 7]]
@@ -468,11 +553,14 @@ def test_model_file_must_be_a_regular_file(tmp_path):
 # The sandbox alone: a hang and escapes, a killed grader
 # ----------------------------------------------------------------------------------------
 
+
 # A plain child, one in its own session, an orphan, and a double-forked daemon in its own session,
 # each marked by a distinct sleep so that /proc shows whether it survived.
 def _escapes(mark: int) -> str:
-    return (f"sleep {mark} & setsid sleep {mark} & (sleep {mark} &) ; {sys.executable} -c 'import os, time; "
-            f"os.fork() or (os.setsid(), os.fork() or time.sleep({mark}))' ; ")
+    return (
+        f"sleep {mark} & setsid sleep {mark} & (sleep {mark} &) ; {sys.executable} -c 'import os, time; "
+        f"os.fork() or (os.setsid(), os.fork() or time.sleep({mark}))' ; "
+    )
 
 
 def _marked(mark: int) -> list[int]:
@@ -505,8 +593,15 @@ def tool(request):
 def test_a_hanging_job_is_killed_at_its_deadline(tmp_path, tool):
     mark = 600 + os.getpid() % 300 + (tool == "bwrap")
     (tmp_path / "w").mkdir()
-    res = sandbox.run(["sh", "-c", _escapes(mark) + f"sleep {mark}"], job_dir=tmp_path / "w",
-                      log_path=tmp_path / "log", env={}, budget_s=1.5, limits=_limits(), tool=tool)
+    res = sandbox.run(
+        ["sh", "-c", _escapes(mark) + f"sleep {mark}"],
+        job_dir=tmp_path / "w",
+        log_path=tmp_path / "log",
+        env={},
+        budget_s=1.5,
+        limits=_limits(),
+        tool=tool,
+    )
     assert res.timed_out and res.returncode is None and 1.5 <= res.wall_s < 8
     assert res.remaining == [] and _marked(mark) == [], "a process of the job survived its deadline"
 
@@ -516,15 +611,24 @@ def test_a_killed_grader_takes_the_submission_along(tmp_path, tool):
     either mechanism (the outer process's PR_SET_PDEATHSIG, bwrap --die-with-parent or unshare
     --kill-child, then the PID namespace goes)."""
     import time
+
     mark = 900 + os.getpid() % 300 + (tool == "bwrap")
-    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
         from pathlib import Path
         from utils.grader import sandbox
         d = Path({str(tmp_path)!r})
         (d / "w").mkdir()
         sandbox.run(["sh", "-c", {_escapes(mark) + f"sleep {mark}"!r}], job_dir=d / "w", log_path=d / "log",
                     env={{}}, budget_s=60, limits=sandbox.Limits(1 << 30, 64, 1 << 20, 60, 1 << 20))
-        """)], cwd=ROOT, env={**os.environ, sandbox.FORCE_VAR: tool})
+        """),
+        ],
+        cwd=ROOT,
+        env={**os.environ, sandbox.FORCE_VAR: tool},
+    )
     deadline = time.time() + 30
     while len(_marked(mark)) < 4 and time.time() < deadline:
         time.sleep(0.1)
@@ -535,24 +639,29 @@ def test_a_killed_grader_takes_the_submission_along(tmp_path, tool):
     while _marked(mark) and time.time() < deadline:
         time.sleep(0.1)
     assert _marked(mark) == [], "the submission outlived its grader"
-    sandbox.JobCgroup.sweep_stale()             # what the next grader does first
-    left = [str(p) for m, t, _ in sandbox._mounts() if t in ("cgroup", "cgroup2")
-            for p in Path(m).rglob(f"grader-{child.pid}-*")]
+    sandbox.JobCgroup.sweep_stale()  # what the next grader does first
+    left = [
+        str(p)
+        for m, t, _ in sandbox._mounts()
+        if t in ("cgroup", "cgroup2")
+        for p in Path(m).rglob(f"grader-{child.pid}-*")
+    ]
     assert left == [], f"the dead grader's cgroup was not swept: {left}"
 
 
 def test_probe_and_grader_fingerprint_alike():
     from utils.grader._probe import sitecustomize as probe
+
     sd = utils.models.build("net", (1, 8, 8), width=4).state_dict()
     assert probe.fingerprint(sd) == weights.fingerprint(sd)
     nudged = {**sd, "fc3.bias": sd["fc3.bias"] + 1e-3}
     assert probe.fingerprint(nudged) != weights.fingerprint(sd)
 
 
-
 def test_graded_weights_must_be_the_ddp_models():
     """verify_weights on records as the probe sends them: which model, which reason."""
     from utils.grader.core import verify_weights
+
     ev = {"ddp_fingerprints": ["decoy", "real"], "ddp_models": {"0": [[700, 0], [700, 0]], "1": [[700, 0], [700, 0]]}}
     assert verify_weights(ev, "real", 1400, 2) == (1, [])
     k, why = verify_weights(ev, "elsewhere", 1400, 2)
@@ -561,7 +670,7 @@ def test_graded_weights_must_be_the_ddp_models():
     ev["ddp_models"] = {"0": [[700, 0], [700, 2]], "1": [[700, 0], [629, 0]]}
     assert [c for c, _ in verify_weights(ev, "real", 1400, 2)[1]] == ["weights_changed", "too_little_data"]
     assert "rank 1 passed 629 training examples" in verify_weights(ev, "real", 1400, 2)[1][1][1]
-    ev["ddp_models"] = {"0": [[700, 0], [700, 0]], "1": [[700, 0]]}      # rank 1 wrapped one model only
+    ev["ddp_models"] = {"0": [[700, 0], [700, 0]], "1": [[700, 0]]}  # rank 1 wrapped one model only
     assert verify_weights(ev, "real", 1400, 2)[1][0][0] == "not_ddp_weights"
 
 
@@ -569,9 +678,11 @@ def test_graded_weights_must_be_the_ddp_models():
 # Gradescope, per submission, in a fake /autograder
 # ----------------------------------------------------------------------------------------
 
+
 def test_gradescope_autograder_in_a_fake_root(graded, spec, tmp_path, monkeypatch):
     import utils.grader.cli as cli
     import utils.grader.core as core
+
     root = tmp_path / "autograder"
     (root / "submission").mkdir(parents=True)
     (root / "source").mkdir()
@@ -609,24 +720,33 @@ def test_feedback_names_the_failing_rank_and_its_own_error():
     own last exception line and the line of the student's file, with torch.distributed's
     '[rankN]: ' prefixes; a rank killed by a signal says so, nothing is invented."""
     from utils.grader.core import failing_rank
-    rank0 = ('[rank0]: Traceback (most recent call last):\n[rank0]:   File "/job/assessment.py", line 14, in <module>\n'
-             '[rank0]:     main()\n[rank0]:   File "/usr/lib/x.py", line 3, in f\n'
-             "[rank0]: ValueError: batch size 0\n")
-    rank1 = '[rank1]: Traceback (most recent call last):\n[rank1]: RuntimeError: Connection closed by peer\n'
-    launcher = ("Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -15 (pid: 8)\n"
-                "  traceback : Signal 15 (SIGTERM) received by PID 8\nRoot Cause (first observed failure):\n[0]:\n"
-                "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 7)\n")
+
+    rank0 = (
+        '[rank0]: Traceback (most recent call last):\n[rank0]:   File "/job/assessment.py", line 14, in <module>\n'
+        '[rank0]:     main()\n[rank0]:   File "/usr/lib/x.py", line 3, in f\n'
+        "[rank0]: ValueError: batch size 0\n"
+    )
+    rank1 = "[rank1]: Traceback (most recent call last):\n[rank1]: RuntimeError: Connection closed by peer\n"
+    launcher = (
+        "Failures:\n[1]:\n  rank      : 1 (local_rank: 1)\n  exitcode  : -15 (pid: 8)\n"
+        "  traceback : Signal 15 (SIGTERM) received by PID 8\nRoot Cause (first observed failure):\n[0]:\n"
+        "  rank      : 0 (local_rank: 0)\n  exitcode  : 1 (pid: 7)\n"
+    )
     logs = {"0": {"stdout": "", "stderr": rank0}, "1": {"stdout": "", "stderr": rank1}}
     assert failing_rank(launcher, logs) == ("0", "ValueError: batch size 0 (assessment.py, line 14)")
     killed = launcher.replace("exitcode  : 1 (pid: 7)", "exitcode  : -9 (pid: 7)")
-    assert failing_rank(killed, {"0": {"stdout": "", "stderr": ""}, "1": {"stdout": "", "stderr": ""}}) == \
-        ("0", "killed by SIGKILL (out of memory?)")
+    assert failing_rank(killed, {"0": {"stdout": "", "stderr": ""}, "1": {"stdout": "", "stderr": ""}}) == (
+        "0",
+        "killed by SIGKILL (out of memory?)",
+    )
     # No traceback (argparse, SystemExit): the rank's own last lines on stderr, cut short.
     quiet = launcher.replace("exitcode  : 1 (pid: 7)", "exitcode  : 2 (pid: 7)")
     said = "[rank0]: usage: a.py --epochs E\n[rank0]: a.py: error: the following arguments are required: --epochs\n"
-    assert failing_rank(quiet, {"0": {"stdout": "", "stderr": said}, "1": {"stdout": "", "stderr": ""}}) == \
-        ("0", "exited with code 2 without a Python traceback; the last lines it wrote to stderr: usage: a.py "
-              "--epochs E | a.py: error: the following arguments are required: --epochs")
+    assert failing_rank(quiet, {"0": {"stdout": "", "stderr": said}, "1": {"stdout": "", "stderr": ""}}) == (
+        "0",
+        "exited with code 2 without a Python traceback; the last lines it wrote to stderr: usage: a.py "
+        "--epochs E | a.py: error: the following arguments are required: --epochs",
+    )
     long = "\n".join(f"line {i} " + "x" * 500 for i in range(50))
     _, err = failing_rank(quiet, {"0": {"stdout": "", "stderr": long}})
     assert err.count("line ") == 3 and "line 49 " in err and len(err) < 800, err

@@ -6,6 +6,7 @@ Oracles come from outside the grader: the files the attacks aim at (hashed befor
 the host's /tmp, /dev/shm and /var/tmp, a listening socket standing for an SSH agent, the
 kernel's view of the job's processes, and the reference gradebook rows.
 """
+
 from __future__ import annotations
 
 import csv
@@ -16,7 +17,6 @@ import socket
 import subprocess
 import sys
 import textwrap
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -29,9 +29,9 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="th
 
 CI_SPEC = ROOT / "labs" / "assessment" / "spec_ci.toml"
 SITE = Path(next(p for p in sys.path if p.endswith("site-packages")))
-SECRET_SEED = 918273645546372819                 # the test spec's secret: must never reach a job
+SECRET_SEED = 918273645546372819  # the test spec's secret: must never reach a job
 CANARY = "CANARY-7f3a9c1e-grader-secret"
-BUDGET_S = 120                                 # generous: nothing here hangs, and the box is busy
+BUDGET_S = 120  # generous: nothing here hangs, and the box is busy
 
 ATTACKS = {
     # 1. Writable project: plant code in the grader, a .pth in the venv, edit classmates and grades.
@@ -440,8 +440,12 @@ def _sha(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
 
 
-WATCHED = {"core": ROOT / "utils" / "grader" / "core.py", "planted": ROOT / "utils" / "grader" / "_planted.py",
-           "pth": SITE / "zz_planted.pth", "site": SITE / "sitecustomize.py"}
+WATCHED = {
+    "core": ROOT / "utils" / "grader" / "core.py",
+    "planted": ROOT / "utils" / "grader" / "_planted.py",
+    "pth": SITE / "zz_planted.pth",
+    "site": SITE / "sitecustomize.py",
+}
 
 
 @pytest.fixture(scope="module")
@@ -453,16 +457,18 @@ def attacked(tmp_path_factory):
         d.mkdir(parents=True)
     (home / ".cache" / "heldout.npz").write_bytes(b"held-out images of a dataset cache")
     spec = tmp / "spec.toml"
-    spec.write_text(CI_SPEC.read_text().replace("heldout_seed = 4242", f"heldout_seed = {SECRET_SEED}")
-                    .replace("time_budget_s = 90", f"time_budget_s = {BUDGET_S}"))
+    spec.write_text(
+        CI_SPEC.read_text()
+        .replace("heldout_seed = 4242", f"heldout_seed = {SECRET_SEED}")
+        .replace("time_budget_s = 90", f"time_budget_s = {BUDGET_S}")
+    )
     host_sentinel = tmp / "ESCAPED"
     agent = socket.socket(socket.AF_UNIX)
     agent_path = tmp / "agent.sock"
     agent.bind(str(agent_path))
     agent.listen(4)
     agent.settimeout(0.1)
-    fill = dict(root=ROOT, site=SITE, spec=spec, klass=klass, out=out, host=host_sentinel, home=home,
-                ssh=agent_path)
+    fill = dict(root=ROOT, site=SITE, spec=spec, klass=klass, out=out, host=host_sentinel, home=home, ssh=agent_path)
     for name, code in ATTACKS.items():
         (klass / f"{name}.py").write_text(textwrap.dedent(code.format(**fill)))
     # 1. ... and a folder whose torch/ would stand in for the launcher under `python -m`.
@@ -475,10 +481,29 @@ def attacked(tmp_path_factory):
     before = {k: _sha(p) for k, p in WATCHED.items()}
     before["classmate"] = _sha(klass / "attack_env.py")
     before["spec"] = _sha(spec)
-    env = {**os.environ, "SECRET_TOKEN": CANARY, "AWS_SECRET_ACCESS_KEY": CANARY, "HOME": str(home),
-           "SSH_AUTH_SOCK": str(agent_path), "GITHUB_TOKEN": CANARY}
-    cmd = [sys.executable, "-m", "utils.grader", "batch", str(klass), "--spec", str(spec),
-           "--csv", str(out / "gradebook.csv"), "--reports", str(out / "reports"), "--jobs", "3"]
+    env = {
+        **os.environ,
+        "SECRET_TOKEN": CANARY,
+        "AWS_SECRET_ACCESS_KEY": CANARY,
+        "HOME": str(home),
+        "SSH_AUTH_SOCK": str(agent_path),
+        "GITHUB_TOKEN": CANARY,
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "utils.grader",
+        "batch",
+        str(klass),
+        "--spec",
+        str(spec),
+        "--csv",
+        str(out / "gradebook.csv"),
+        "--reports",
+        str(out / "reports"),
+        "--jobs",
+        "3",
+    ]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
         try:
@@ -488,13 +513,26 @@ def attacked(tmp_path_factory):
         except OSError:
             agent_contacted = False
         reports = {p.stem: json.loads(p.read_text()) for p in (out / "reports").glob("*.json")}
-        rows = {r["student"]: r for r in csv.DictReader((out / "gradebook.csv").open())} \
-            if (out / "gradebook.csv").exists() else {}
-        yield dict(proc=proc, reports=reports, rows=rows, before=before, tmp=tmp, spec=spec, klass=klass,
-                   out=out, host_sentinel=host_sentinel, agent_contacted=agent_contacted)
+        rows = (
+            {r["student"]: r for r in csv.DictReader((out / "gradebook.csv").open())}
+            if (out / "gradebook.csv").exists()
+            else {}
+        )
+        yield dict(
+            proc=proc,
+            reports=reports,
+            rows=rows,
+            before=before,
+            tmp=tmp,
+            spec=spec,
+            klass=klass,
+            out=out,
+            host_sentinel=host_sentinel,
+            agent_contacted=agent_contacted,
+        )
     finally:
         agent.close()
-        for p in (WATCHED["planted"], WATCHED["pth"]):   # only if an attack got through
+        for p in (WATCHED["planted"], WATCHED["pth"]):  # only if an attack got through
             if before[[k for k, v in WATCHED.items() if v == p][0]] is None and p.exists():
                 p.unlink()
 
@@ -551,14 +589,16 @@ def test_attack_heldout_data_is_out_of_reach(attacked):
 def test_secret_split_cannot_be_rebuilt_from_public_code():
     """Class 2: the held-out set depends on the secret, not on anything public."""
     import numpy as np
+
+    import utils.data
     from utils.grader.core import prepare_data
     from utils.grader.spec import load_spec
-    import utils.data
+
     spec = load_spec(CI_SPEC)
     train_npz, held = prepare_data(spec)
     other = prepare_data(spec.replace(heldout_seed=spec.heldout_seed + 1))[1]
     public_val = utils.data.load("digits").val
-    key = lambda ds: {tuple(np.round(v, 4)) for v in ds.tensors[0].flatten(1).numpy()}   # noqa: E731
+    key = lambda ds: {tuple(np.round(v, 4)) for v in ds.tensors[0].flatten(1).numpy()}  # noqa: E731
     given = {tuple(np.round(v, 4)) for v in np.load(train_npz)["x"].reshape(len(np.load(train_npz)["y"]), -1)}
     assert len(held) == spec.n_val and not key(held) & given, "held-out images were given to the job"
     assert len(key(held) & key(public_val)) < 0.5 * len(held), "the public split is the held-out set"
@@ -665,7 +705,7 @@ def test_attack_resources_and_namespaces(attacked):
     assert "8 GiB refused" in logs and "ALLOCATED" not in logs, logs[-2000:]
     assert "SETNS OK" not in logs and "setns mnt" in logs, logs[-2000:]
     assert "sysctl blocked" in logs and "WROTE" not in logs, logs[-2000:]
-    if os.geteuid() == 0 and sandbox.private_devices():     # mapped to root: must not own the host's nodes
+    if os.geteuid() == 0 and sandbox.private_devices():  # mapped to root: must not own the host's nodes
         host = os.stat("/dev/null")
         assert logs.split("DEVNULL ")[1].split()[:2] != [str(host.st_dev), str(host.st_ino)], "host /dev/null bound"
     assert not attacked["host_sentinel"].exists(), "nsenter reached the host"
@@ -675,7 +715,7 @@ def test_attack_resources_and_namespaces(attacked):
     limits = res["rank_rlimits"]
     assert int(limits["Max address space"]) == 3072 << 20 and int(limits["Max file size"]) == 64 << 20, limits
     assert limits["Max processes"] != "unlimited" and limits["Max cpu time"] != "unlimited", limits
-    if res["cgroup_limits"]:                        # a cgroup here: every process of the job in it
+    if res["cgroup_limits"]:  # a cgroup here: every process of the job in it
         assert res["outside_job_cgroup"] == [] and res["processes_seen"] >= 5, res
         assert any("cpu" in x for x in res["cgroup_limits"]) and any("memory" in x for x in res["cgroup_limits"])
     else:
@@ -686,9 +726,9 @@ def test_attack_resources_and_namespaces(attacked):
 # The sandbox itself: the unshare fallback, refusal, and a class of 30 leaving nothing behind
 # ----------------------------------------------------------------------------------------
 
+
 def _limits():
-    return sandbox.Limits(memory_bytes=1 << 30, processes=64, file_bytes=1 << 20, cpu_seconds=30,
-                          tmpfs_bytes=8 << 20)
+    return sandbox.Limits(memory_bytes=1 << 30, processes=64, file_bytes=1 << 20, cpu_seconds=30, tmpfs_bytes=8 << 20)
 
 
 @pytest.fixture(params=["bwrap", "unshare"])
@@ -706,10 +746,22 @@ def test_each_sandbox_tool_isolates(tmp_path, tool):
     """bwrap and the unshare fallback, checked from inside with the probe's own checks."""
     job = tmp_path / "work"
     job.mkdir()
-    res = sandbox.run([sys.executable, "-I", "-c", sandbox._CHECK + "\nprint(open('/etc/hostname').read() "
-                       "if __import__('os').path.exists('/etc/hostname') else 'no hostname file')",
-                       str(sandbox.PACKAGE / "__init__.py")], job_dir=job, log_path=tmp_path / "log",
-                      env={}, budget_s=30, limits=_limits(), tool=tool)
+    res = sandbox.run(
+        [
+            sys.executable,
+            "-I",
+            "-c",
+            sandbox._CHECK + "\nprint(open('/etc/hostname').read() "
+            "if __import__('os').path.exists('/etc/hostname') else 'no hostname file')",
+            str(sandbox.PACKAGE / "__init__.py"),
+        ],
+        job_dir=job,
+        log_path=tmp_path / "log",
+        env={},
+        budget_s=30,
+        limits=_limits(),
+        tool=tool,
+    )
     text = (tmp_path / "log").read_text()
     out = json.loads([line for line in text.splitlines() if line.startswith("{")][0])
     assert res.returncode == 0 and sandbox._check_ok(out) is None, (tool, text)
@@ -718,6 +770,7 @@ def test_each_sandbox_tool_isolates(tmp_path, tool):
 
 def test_refuses_to_grade_without_a_sandbox(monkeypatch, capsys):
     import utils.grader.cli as cli
+
     monkeypatch.setattr(sandbox.shutil, "which", lambda name: None)
     sandbox.probe_isolation.cache_clear()
     try:
@@ -745,19 +798,30 @@ def test_class_of_30_with_two_at_a_time_leaves_nothing_behind(tmp_path, tool):
     cgroups_before = _cgroup_dirs()
     root = tmp_path / "jobs"
     root.mkdir()
-    script = ("import os, subprocess, time\n"
-              "for d in ('/tmp', '/dev/shm', '/var/tmp', '/job'):\n"
-              "    open(os.path.join(d, 'left-behind'), 'w').write('x')\n"
-              "subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
-              "if os.fork() == 0:\n    os.setsid()\n    os.fork() or time.sleep(600)\n    os._exit(0)\n")
+    script = (
+        "import os, subprocess, time\n"
+        "for d in ('/tmp', '/dev/shm', '/var/tmp', '/job'):\n"
+        "    open(os.path.join(d, 'left-behind'), 'w').write('x')\n"
+        "subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        "if os.fork() == 0:\n    os.setsid()\n    os.fork() or time.sleep(600)\n    os._exit(0)\n"
+    )
 
     def one(i):
         job = root / f"job{i}"
         work = job / "work"
         work.mkdir(parents=True)
-        res = sandbox.run([sys.executable, "-c", script], job_dir=work, log_path=job / "log", env={},
-                          budget_s=30, limits=_limits(), channel=True, tool=tool)
+        res = sandbox.run(
+            [sys.executable, "-c", script],
+            job_dir=work,
+            log_path=job / "log",
+            env={},
+            budget_s=30,
+            limits=_limits(),
+            channel=True,
+            tool=tool,
+        )
         import shutil
+
         shutil.rmtree(job)
         return res
 

@@ -1,4 +1,5 @@
 """utils.gradient_noise: gradient variance and the noise scale, against closed forms (smoke scale)."""
+
 import math
 
 import pytest
@@ -30,7 +31,7 @@ def test_closed_form_gradient_stats_match_monte_carlo():
 
 def test_two_batch_estimator_recovers_known_noise_scale():
     w, b = 2.3, -1.0
-    exact = PROBLEM.noise_scale(w, b)                # tr(Sigma)/|G|^2 in closed form: 3.07
+    exact = PROBLEM.noise_scale(w, b)  # tr(Sigma)/|G|^2 in closed form: 3.07
     s, g = gradient_noise.linear_grad_sq_norms(PROBLEM, w, b, 4, 128, draws=4000, seed=0)
     est = gradient_noise.noise_scale(s, g, 4, 128)
     G2, trS = PROBLEM.gradient_stats(w, b)
@@ -52,7 +53,7 @@ def test_noise_scale_ema_smooths_numerator_and_denominator_separately():
     for s, g in [(6.0, 1.2), (16.0, 2.5)]:
         ema.update(s, g)
     G2, trS = gradient_noise.two_batch_estimates([6.0, 16.0], [1.2, 2.5], 4, 64)
-    w = torch.tensor([0.5 * 0.5, 0.5], dtype=torch.float64) / 0.75   # bias-corrected EMA weights
+    w = torch.tensor([0.5 * 0.5, 0.5], dtype=torch.float64) / 0.75  # bias-corrected EMA weights
     want = float((w * trS).sum() / (w * G2).sum())
     assert math.isclose(ema.value.b_simple, want, rel_tol=1e-12)
 
@@ -61,6 +62,7 @@ def test_cnn_noise_scale_is_positive_and_leaves_parameters_alone():
     torch.manual_seed(0)
     splits = data.load("digits", n_train=200, n_val=50)
     from utils.models import net_for
+
     model = net_for(splits.shape, 8)
     before = [p.detach().clone() for p in model.parameters()]
     ns = gradient_noise.measure_noise_scale(model, splits.train, 4, 64, draws=4, device="cpu")

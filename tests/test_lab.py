@@ -2,13 +2,13 @@
 
 Started for real on a free port with --no-browser, polled until the server answers, then stopped.
 The oracle is the server's own REST API: /api/contents lists what a student can open."""
+
 import json
 import os
 import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -41,9 +41,15 @@ def lab_server(tmp_path_factory):
     env = {**os.environ, "HOME": str(home), "JUPYTER_RUNTIME_DIR": str(home / "runtime")}
     env.pop("JUPYTER_CONFIG_DIR", None)
     args = f"--no-browser --ip 127.0.0.1 --port {port} --IdentityProvider.token={TOKEN}"
-    proc = subprocess.Popen(["make", "-s", "lab", f"LAB_ARGS={args}"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        ["make", "-s", "lab", f"LAB_ARGS={args}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 150
     try:
@@ -81,10 +87,12 @@ def test_make_lab_serves_the_repository_root(lab_server):
 def test_make_lab_turns_the_news_popup_off(lab_server):
     base, home = lab_server
     page = _get(f"{base}/lab")
-    config = json.loads(re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>',
-                                  page, re.S).group(1))
-    assert "@jupyterlab/apputils-extension:announcements" in config.get("disabledExtensions", []), \
+    config = json.loads(
+        re.search(r'<script id="jupyter-config-data" type="application/json">(.*?)</script>', page, re.S).group(1)
+    )
+    assert "@jupyterlab/apputils-extension:announcements" in config.get("disabledExtensions", []), (
         f"the announcements plugin is enabled: disabledExtensions = {config.get('disabledExtensions')}"
+    )
     assert not (home / ".jupyter").exists(), "make lab wrote to the user's ~/.jupyter"
 
 

@@ -30,12 +30,12 @@ def utils_imports(path: Path, root: Path = UTILS) -> set:
     found = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.ImportFrom):
-            if node.level:                                   # relative: resolve against the file's package
+            if node.level:  # relative: resolve against the file's package
                 base = list(rel.parts[:-1])[: max(0, pkg_depth - (node.level - 1))]
                 parts = base + (node.module.split(".") if node.module else [])
                 if parts:
                     found.add(parts[0])
-                else:                                        # from . import a, b (at the top of utils)
+                else:  # from . import a, b (at the top of utils)
                     found.update(a.name for a in node.names)
             elif node.module and (node.module == "utils" or node.module.startswith("utils.")):
                 rest = node.module.split(".")[1:]
@@ -65,6 +65,8 @@ def test_nothing_imports_upward(name):
 def test_the_scanner_sees_relative_lazy_and_absolute_imports(tmp_path):
     (tmp_path / "parallel").mkdir()
     f = tmp_path / "parallel" / "probe.py"
-    f.write_text("from ..memory import x\nfrom .group import setup\ndef f():\n"
-                 "    from utils.demos import shard_demo\n    import utils.grader.core\n")
+    f.write_text(
+        "from ..memory import x\nfrom .group import setup\ndef f():\n"
+        "    from utils.demos import shard_demo\n    import utils.grader.core\n"
+    )
     assert utils_imports(f, root=tmp_path) == {"memory", "parallel", "demos", "grader"}

@@ -1,4 +1,5 @@
 """utils.linear_regression: GD and SGD on the linear problem, against closed forms."""
+
 import math
 
 import pytest
@@ -20,7 +21,8 @@ def test_full_batch_gd_reaches_least_squares(points):
     path = linear_regression.gd(x, y, -1.0, 3.0, lr=0.2, steps=300)
     assert abs(path[-1, 0] - w_star) < 1e-3 and abs(path[-1, 1] - b_star) < 1e-3, (
         f"full-batch GD ended at {path[-1].tolist()}, least squares is ({w_star}, {b_star}): "
-        "check mse_grad (2 mean(r x), 2 mean(r)) and gd_step's sign")
+        "check mse_grad (2 mean(r x), 2 mean(r)) and gd_step's sign"
+    )
     assert path.shape == (301, 2)
 
 
@@ -50,7 +52,7 @@ def test_sgd_with_whole_dataset_is_gd_and_small_batches_are_noisy(points):
 
 def test_minibatches_cover_each_epoch_once():
     it = linear_regression.minibatches(10, 3, seed=1)
-    epoch = torch.cat([next(it) for _ in range(3)])           # 3 batches of 3; the 10th index dropped
+    epoch = torch.cat([next(it) for _ in range(3)])  # 3 batches of 3; the 10th index dropped
     assert len(set(epoch.tolist())) == 9
     with pytest.raises(ValueError, match="batch_size"):
         next(linear_regression.minibatches(10, 11))

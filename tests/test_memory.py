@@ -1,11 +1,11 @@
 """utils.memory's byte counts of any model: the state predictor against a real optimizer's
 state, the activation estimate, the memory prediction."""
+
 import pytest
 import torch
 from torch import nn
 
 from utils import memory, models
-
 
 
 def _step(model, opt, shape=(3, 32, 32)):
@@ -105,4 +105,3 @@ def test_measure_memory_needs_cuda():
 def test_format_bytes():
     assert memory.format_bytes(512) == "512 B"
     assert memory.format_bytes(3 * 2**20) == "3.00 MiB"
-

@@ -1,17 +1,18 @@
 """Memory accounting, activation checkpointing, ZeRO/FSDP2, tensor and pipeline parallelism,
 against outside oracles: closed forms, one process, PyTorch's own implementations. Four process launches in all (shared
 by module-scoped fixtures), small sizes."""
+
 import math
 
 import pytest
 import torch
 
 import utils.checks
-from utils import parallel, memory
+from utils import memory, parallel
+from utils.checks import CheckFailed
 from utils.demos import pp_demo, shard_demo, tp_demo
 from utils.memory import parameter_bytes
-from utils.checks import CheckFailed
-from utils.parallel import pipeline, shard, tensor_parallel
+from utils.parallel import pipeline, shard
 
 # ---------------------------------------------------------------------------- memory (one process)
 
@@ -22,8 +23,11 @@ def test_saved_activation_bytes_equal_the_closed_form(amp):
     model = memory.block_mlp(W, L)
     got = memory.saved_bytes(model, torch.randn(B, W), forward=lambda m, x: m(x).float().pow(2), amp_dtype=amp)
     # hand count, fp32: per block 1 input (B x W) + GELU's input and output (B x 4W each), + the output
-    want = ((L * (1 + 2 * 4) + 1) * B * W * 4 if amp == "fp32" else
-            L * 9 * B * W * 2 + (2 * L - 1) * 4 * W * W * 2 + B * W * 4)
+    want = (
+        (L * (1 + 2 * 4) + 1) * B * W * 4
+        if amp == "fp32"
+        else L * 9 * B * W * 2 + (2 * L - 1) * 4 * W * W * 2 + B * W * 4
+    )
     assert got == want == memory.mlp_activation_bytes(W, L, B, amp_dtype=amp)
 
 
@@ -38,7 +42,7 @@ def test_checkpointing_keeps_one_input_per_segment_and_matches_the_gradients(seg
         fwd(ck, x).pow(2).mean().backward()
     for a, b in zip(plain.parameters(), ck.parameters()):
         torch.testing.assert_close(a.grad, b.grad)
-    assert calls.calls == [2] * L                       # every block recomputed once
+    assert calls.calls == [2] * L  # every block recomputed once
     # kept: one B x W input per segment, and the output the loss keeps
     want = (math.ceil(L / segment) + 1) * B * W * 4
     assert memory.saved_bytes(ck, x, forward=lambda m, i: fwd(m, i).pow(2)) == want
@@ -47,11 +51,12 @@ def test_checkpointing_keeps_one_input_per_segment_and_matches_the_gradients(seg
 
 def test_cpu_peak_replays_allocations_in_order():
     def fn():
-        a = torch.empty(1 << 20, dtype=torch.uint8)       # 1 MiB
-        b = torch.empty(2 << 20, dtype=torch.uint8)       # 3 MiB live
+        a = torch.empty(1 << 20, dtype=torch.uint8)  # 1 MiB
+        b = torch.empty(2 << 20, dtype=torch.uint8)  # 3 MiB live
         del a
-        c = torch.empty(1 << 20, dtype=torch.uint8)       # 3 MiB live again, never 4
+        c = torch.empty(1 << 20, dtype=torch.uint8)  # 3 MiB live again, never 4
         del b, c
+
     assert memory.peak_bytes(fn) == 3 << 20
 
 
@@ -74,6 +79,7 @@ def test_budget_rejects_unknown_optimizer():
 
 
 # ---------------------------------------------------------------------------- formulas
+
 
 def test_zero_bytes_are_the_papers_formulas():
     P, N = 1_000_000, 8
@@ -139,7 +145,7 @@ def test_every_strategy_trains_like_one_process(sharded):
     for s in ("ddp", "zero1", "fsdp2"):
         assert two[0][s]["loss"] == pytest.approx(ref, rel=1e-6, abs=1e-6), s
     assert two[0]["fsdp2_bf16"]["loss"] == pytest.approx(ref, rel=2e-2)
-    assert four[0]["fsdp2"]["loss"] == pytest.approx(ref[2:], rel=1e-6, abs=1e-6)     # resumed on 4
+    assert four[0]["fsdp2"]["loss"] == pytest.approx(ref[2:], rel=1e-6, abs=1e-6)  # resumed on 4
 
 
 def test_per_rank_bytes_are_the_zero_formulas(sharded):
@@ -185,8 +191,18 @@ def test_tensor_parallel_by_hand_equals_one_process_and_parallelize_module():
 
 
 def test_pipeline_by_hand_and_with_pipelining_equal_one_process():
-    out = parallel.launch(pp_demo.worker, 2, width=8, depth=2, batch_size=8, micro_batches=(1, 2, 4),
-                      repeats=1, library_m=2, timeout=240, stream=False)
+    out = parallel.launch(
+        pp_demo.worker,
+        2,
+        width=8,
+        depth=2,
+        batch_size=8,
+        micro_batches=(1, 2, 4),
+        repeats=1,
+        library_m=2,
+        timeout=240,
+        stream=False,
+    )
     for r in out:
         assert all(v["grad_err"] < 1e-6 for v in r["hand"].values())
         assert all(v["grad_err"] < 1e-6 for v in r["library"].values())
@@ -198,6 +214,7 @@ def test_pipeline_by_hand_and_with_pipelining_equal_one_process():
 
 
 # ---------------------------------------------------------------------------- self-checks
+
 
 def _col(linear, rank, n):
     return linear.weight.detach().chunk(n, 0)[rank], linear.bias.detach().chunk(n, 0)[rank]
@@ -218,11 +235,15 @@ def test_check_tensor_parallel_passes_and_names_the_wrong_axis():
 def test_check_zero_memory_passes_and_names_the_stage():
     utils.checks.check_zero_memory(lambda p, n, s: parallel.zero_bytes(p, n, s)["total"])
     with pytest.raises(CheckFailed, match="stage 2's value"):
-        utils.checks.check_zero_memory(lambda p, n, s: parallel.zero_bytes(p, n, min(s + 1, 3) if s == 1 else s)["total"])
+        utils.checks.check_zero_memory(
+            lambda p, n, s: parallel.zero_bytes(p, n, min(s + 1, 3) if s == 1 else s)["total"]
+        )
     with pytest.raises(CheckFailed, match="plain DDP"):
         utils.checks.check_zero_memory(lambda p, n, s: 16 * p / n)
     with pytest.raises(CheckFailed, match="fp32"):
-        utils.checks.check_zero_memory(lambda p, n, s: parallel.zero_bytes(p, n, s, param_bytes=4, grad_bytes=4)["total"])
+        utils.checks.check_zero_memory(
+            lambda p, n, s: parallel.zero_bytes(p, n, s, param_bytes=4, grad_bytes=4)["total"]
+        )
 
 
 def _gpipe(stage0, stage1, x, y, m, scale=True, detach=True, order="gpipe"):

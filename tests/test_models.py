@@ -57,12 +57,20 @@ def test_build_by_name():
 
 
 def test_mlp_layers_blocks_and_seed():
-    plain = models.mlp(20, 2, in_features=10, out_features=3)          # Linear(10, 20), ReLU, Linear(20, 3)
+    plain = models.mlp(20, 2, in_features=10, out_features=3)  # Linear(10, 20), ReLU, Linear(20, 3)
     assert [type(m).__name__ for m in plain] == ["Linear", "ReLU", "Linear"]
     assert models.count_parameters(plain) == 10 * 20 + 20 + 20 * 3 + 3
     bn = models.mlp(16, 3, in_features=64, out_features=10, norm="batch", flatten=True)
-    assert [type(m).__name__ for m in bn] == ["Flatten", "Linear", "BatchNorm1d", "ReLU", "Linear", "BatchNorm1d",
-                                             "ReLU", "Linear"]
+    assert [type(m).__name__ for m in bn] == [
+        "Flatten",
+        "Linear",
+        "BatchNorm1d",
+        "ReLU",
+        "Linear",
+        "BatchNorm1d",
+        "ReLU",
+        "Linear",
+    ]
     blocks = models.mlp(8, 3, expand=4, activation="gelu", seed=1)
     assert len(blocks) == 3 and blocks[0][0].out_features == 32 and isinstance(blocks[0][1], nn.GELU)
     again = models.mlp(8, 3, expand=4, activation="gelu", seed=1)

@@ -1,5 +1,6 @@
 """utils.monitor: starts, stops, returns samples (fake NVML) or a clear no-GPU result, and never
 leaves its thread behind."""
+
 import threading
 import time
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ def _monitor_threads():
 
 class FakeNVML:
     """Just enough of pynvml for two GPUs; GPU 1 does not report power (NotSupported)."""
+
     NVML_CLOCK_SM, NVML_CLOCK_MEM, NVML_TEMPERATURE_GPU = 1, 2, 0
 
     class NVMLError(Exception):
@@ -48,7 +50,7 @@ class FakeNVML:
     def nvmlDeviceGetPowerUsage(self, h):
         if h == 1:
             raise self.NVMLError("Not Supported")
-        return 250_000                      # mW
+        return 250_000  # mW
 
     def nvmlDeviceGetClockInfo(self, h, kind):
         return 1980 if kind == self.NVML_CLOCK_SM else 2619
@@ -139,8 +141,10 @@ def test_bad_arguments_are_clear():
 
 def test_plot_with_and_without_samples(monkeypatch):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     with monitor.GPUMonitor(interval=0.01, nvml=FakeNVML()) as mon:
         time.sleep(0.03)

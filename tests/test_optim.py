@@ -1,5 +1,6 @@
 """LARS against hand-computed updates; its trust ratio, LARC clipping, parameter groups,
 argument checks; gradient noise; GhostBatchNorm2d against BatchNorm2d."""
+
 import copy
 import math
 
@@ -8,16 +9,23 @@ import torch
 from torch import nn
 
 from utils.models import GhostBatchNorm2d, Net
-from utils.optim import (LARS, add_gradient_noise, lars_param_groups, make_optimizer,
-                         multiply_gradient_noise_, noise_sigma)
+from utils.optim import (
+    LARS,
+    add_gradient_noise,
+    lars_param_groups,
+    make_optimizer,
+    multiply_gradient_noise_,
+    noise_sigma,
+)
 
 
 def _norm(v):
     return math.sqrt(sum(x * x for x in v))
 
 
-def reference_lars(w, grads, *, lr, momentum=0.0, weight_decay=0.0, eta=0.001, eps=1e-8,
-                   nesterov=False, clip=False, adapt=True):
+def reference_lars(
+    w, grads, *, lr, momentum=0.0, weight_decay=0.0, eta=0.001, eps=1e-8, nesterov=False, clip=False, adapt=True
+):
     """The update of the paper written out with Python floats, one step per gradient in ``grads``."""
     w, buf = list(w), None
     for g in grads:
@@ -60,15 +68,19 @@ def test_one_step_by_hand():
     assert float(opt.state[next(iter(opt.state))]["trust_ratio"]) == pytest.approx(ratio, rel=1e-12)
 
 
-@pytest.mark.parametrize("kw", [
-    dict(lr=0.5, momentum=0.0, weight_decay=0.0),
-    dict(lr=0.5, momentum=0.9, weight_decay=0.0),
-    dict(lr=0.5, momentum=0.0, weight_decay=0.01),
-    dict(lr=2.0, momentum=0.9, weight_decay=0.05),
-    dict(lr=2.0, momentum=0.9, weight_decay=0.05, nesterov=True),
-    dict(lr=0.3, momentum=0.8, weight_decay=0.01, adapt=False),
-    dict(lr=0.01, momentum=0.9, weight_decay=0.01, clip=True),
-], ids=["plain", "momentum", "wd", "momentum+wd", "nesterov", "excluded", "larc"])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(lr=0.5, momentum=0.0, weight_decay=0.0),
+        dict(lr=0.5, momentum=0.9, weight_decay=0.0),
+        dict(lr=0.5, momentum=0.0, weight_decay=0.01),
+        dict(lr=2.0, momentum=0.9, weight_decay=0.05),
+        dict(lr=2.0, momentum=0.9, weight_decay=0.05, nesterov=True),
+        dict(lr=0.3, momentum=0.8, weight_decay=0.01, adapt=False),
+        dict(lr=0.01, momentum=0.9, weight_decay=0.01, clip=True),
+    ],
+    ids=["plain", "momentum", "wd", "momentum+wd", "nesterov", "excluded", "larc"],
+)
 def test_several_steps_match_reference(kw):
     eta = 0.02
     got, _ = run_lars(W0, GRADS, trust_coefficient=eta, eps=1e-8, **kw)
@@ -83,8 +95,13 @@ def test_excluded_group_is_sgd_with_momentum_and_groups_are_independent():
     b = nn.Parameter(torch.randn(3, dtype=torch.float64))
     a0 = a.detach().flatten().tolist()
     b_sgd = nn.Parameter(b.detach().clone())
-    lars = LARS([{"params": [a]}, {"params": [b], "adapt": False, "weight_decay": 0.0}],
-                lr=0.1, momentum=0.9, weight_decay=0.01, trust_coefficient=0.01)
+    lars = LARS(
+        [{"params": [a]}, {"params": [b], "adapt": False, "weight_decay": 0.0}],
+        lr=0.1,
+        momentum=0.9,
+        weight_decay=0.01,
+        trust_coefficient=0.01,
+    )
     sgd = torch.optim.SGD([b_sgd], lr=0.1, momentum=0.9)
     grads_a = []
     for _ in range(3):
@@ -114,8 +131,11 @@ def test_matches_torch_sgd_when_ratio_is_one():
     assert torch.allclose(p1, p2, atol=1e-6)
 
 
-@pytest.mark.parametrize("w,g", [([0.0, 0.0, 0.0], [0.1, -0.2, 0.3]), ([1.0, 2.0, -1.0], [0.0, 0.0, 0.0])],
-                         ids=["zero-weights", "zero-gradient"])
+@pytest.mark.parametrize(
+    "w,g",
+    [([0.0, 0.0, 0.0], [0.1, -0.2, 0.3]), ([1.0, 2.0, -1.0], [0.0, 0.0, 0.0])],
+    ids=["zero-weights", "zero-gradient"],
+)
 def test_trust_ratio_is_one_when_a_norm_is_zero(w, g):
     got, opt = run_lars(w, [g], lr=0.5, momentum=0.0, weight_decay=0.0, trust_coefficient=0.001)
     ratio = float(next(iter(opt.state.values()))["trust_ratio"])
@@ -140,7 +160,7 @@ def test_larc_clips_the_local_rate_at_the_global_one():
 
 def test_lazy_state_and_grad_untouched():
     p = nn.Parameter(torch.ones(3))
-    q = nn.Parameter(torch.ones(2))       # never gets a gradient
+    q = nn.Parameter(torch.ones(2))  # never gets a gradient
     opt = LARS([p, q], lr=0.1, momentum=0.9, weight_decay=0.1)
     assert len(opt.state) == 0, "state must be created on the first step, not in __init__"
     g = torch.tensor([1.0, 2.0, 3.0])
@@ -172,9 +192,9 @@ def test_reused_step_lists_follow_the_state():
     opt = LARS([a, b], **kw)
     for i, g in enumerate(GRADS):
         a.grad = torch.tensor(g, dtype=torch.float64)
-        b.grad = torch.tensor(g[::-1], dtype=torch.float64) if i != 1 else None   # b sits out step 1
+        b.grad = torch.tensor(g[::-1], dtype=torch.float64) if i != 1 else None  # b sits out step 1
         opt.step()
-        if i == 2:             # restore a copy of the state mid-run: new tensors in opt.state
+        if i == 2:  # restore a copy of the state mid-run: new tensors in opt.state
             opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     assert a.detach().tolist() == pytest.approx(reference_lars(W0, GRADS, **kw), rel=1e-12)
     b_grads = [g[::-1] for i, g in enumerate(GRADS) if i != 1]
@@ -195,17 +215,24 @@ def test_reused_step_lists_follow_the_state():
     w_now = a.detach().tolist()
     a.grad = torch.tensor(GRADS[2], dtype=torch.float64)
     opt.step()
-    assert a.detach().tolist() == pytest.approx(
-        reference_lars(w_now, GRADS[2:3], lr=0.1, weight_decay=1e-3), rel=1e-12)
+    assert a.detach().tolist() == pytest.approx(reference_lars(w_now, GRADS[2:3], lr=0.1, weight_decay=1e-3), rel=1e-12)
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(lr=0.0), "lr"), (dict(lr=-1.0), "lr"), (dict(lr=float("nan")), "lr"),
-    (dict(lr=0.1, momentum=1.0), "momentum"), (dict(lr=0.1, momentum=-0.1), "momentum"),
-    (dict(lr=0.1, weight_decay=-1e-4), "weight_decay"), (dict(lr=0.1, trust_coefficient=0.0), "trust_coefficient"),
-    (dict(lr=0.1, eps=-1.0), "eps"), (dict(lr=0.1, momentum=0.0, nesterov=True), "nesterov"),
-    (dict(lr=0.1, clip="yes"), "clip"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(lr=0.0), "lr"),
+        (dict(lr=-1.0), "lr"),
+        (dict(lr=float("nan")), "lr"),
+        (dict(lr=0.1, momentum=1.0), "momentum"),
+        (dict(lr=0.1, momentum=-0.1), "momentum"),
+        (dict(lr=0.1, weight_decay=-1e-4), "weight_decay"),
+        (dict(lr=0.1, trust_coefficient=0.0), "trust_coefficient"),
+        (dict(lr=0.1, eps=-1.0), "eps"),
+        (dict(lr=0.1, momentum=0.0, nesterov=True), "nesterov"),
+        (dict(lr=0.1, clip="yes"), "clip"),
+    ],
+)
 def test_bad_arguments_say_which(kw, msg):
     with pytest.raises(ValueError, match=msg):
         LARS([nn.Parameter(torch.ones(2))], **kw)
@@ -225,7 +252,7 @@ def test_param_groups_exclude_biases_and_norms():
     assert adapted["adapt"] and adapted["weight_decay"] == 5e-4
     assert not excluded["adapt"] and excluded["weight_decay"] == 0.0
     assert {id(p) for p in adapted["params"]} == {id(model[0].weight), id(model[3].weight)}
-    assert len(excluded["params"]) == 4     # conv bias, bn weight + bias, linear bias
+    assert len(excluded["params"]) == 4  # conv bias, bn weight + bias, linear bias
     model[3].bias.requires_grad_(False)
     assert len(lars_param_groups(model)[1]["params"]) == 3, "frozen parameters must be left out"
     assert len(lars_param_groups(nn.Linear(2, 2, bias=False))) == 1, "empty groups are dropped"
@@ -288,7 +315,7 @@ def test_ghost_batch_norm_equals_batch_norm_when_virtual_batch_is_the_batch():
 def test_ghost_batch_norm_normalises_each_virtual_batch():
     torch.manual_seed(0)
     x = torch.randn(12, 2, 3, 3)
-    x[6:] = x[6:] * 5 + 3                          # the two halves have different statistics
+    x[6:] = x[6:] * 5 + 3  # the two halves have different statistics
     gbn = GhostBatchNorm2d(2, virtual_batch_size=6, affine=False)
     out = gbn(x)
     ref = torch.cat([nn.functional.batch_norm(c, None, None, training=True) for c in x.split(6)])
@@ -298,6 +325,7 @@ def test_ghost_batch_norm_normalises_each_virtual_batch():
 
 
 # ---- self-checks of lab4: pass on a right answer, fail with a message on the placeholder and typical mistakes
+
 
 def _placeholder(*args, **kwargs):
     raise NotImplementedError("Exercise: write this part (see the hint above)")
@@ -317,17 +345,19 @@ def _lars_step(w, g, buf, lr, momentum, weight_decay, trust_coefficient, eps):
 
 def test_check_trust_ratio():
     from utils.checks import CheckFailed, check_trust_ratio
+
     check_trust_ratio(_trust_ratio)
     with pytest.raises(CheckFailed, match="not implemented"):
         check_trust_ratio(_placeholder)
     with pytest.raises(CheckFailed, match="weight decay is missing"):
         check_trust_ratio(lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + eps))
-    with pytest.raises(CheckFailed, match="return 1"):   # no zero-norm fallback
+    with pytest.raises(CheckFailed, match="return 1"):  # no zero-norm fallback
         check_trust_ratio(lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps))
 
 
 def test_check_lars_step():
     from utils.checks import CheckFailed, check_lars_step
+
     check_lars_step(_lars_step)
     with pytest.raises(CheckFailed, match="not implemented"):
         check_lars_step(_placeholder)
@@ -336,6 +366,7 @@ def test_check_lars_step():
         d = _trust_ratio(w, g, wd, tc, eps) * g
         buf = d.clone() if buf is None else m * buf + d
         return w - lr * buf, buf
+
     with pytest.raises(CheckFailed, match="before scaling"):
         check_lars_step(decay_after_scaling)
 
@@ -343,6 +374,7 @@ def test_check_lars_step():
         d = _trust_ratio(w, g, wd, tc, eps) * (g + wd * w)
         buf = d.clone() if buf is None else m * buf + d
         return w - buf, buf
+
     with pytest.raises(CheckFailed, match="global lr"):
         check_lars_step(lr_inside_only)
 
@@ -351,13 +383,17 @@ def test_step_never_reads_a_tensor_on_the_host(monkeypatch):
     """No .item(), float() or `if tensor` inside step: each would be a GPU -> CPU sync per parameter."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
-    opts = [LARS(lars_param_groups(model, 1e-3), lr=0.1, momentum=0.9, nesterov=nesterov, clip=clip)
-            for nesterov in (False, True) for clip in (False, True)]
+    opts = [
+        LARS(lars_param_groups(model, 1e-3), lr=0.1, momentum=0.9, nesterov=nesterov, clip=clip)
+        for nesterov in (False, True)
+        for clip in (False, True)
+    ]
     opts.append(LARS(lars_param_groups(model, 1e-3), lr=0.1, momentum=0.0))
     model(torch.randn(16, 4)).sum().backward()
 
     def sync(*args, **kwargs):
         raise AssertionError("LARS.step read a tensor on the host (a sync point per parameter)")
+
     for name in ("item", "__bool__", "__float__", "tolist"):
         monkeypatch.setattr(torch.Tensor, name, sync)
     for opt in opts:
@@ -365,28 +401,38 @@ def test_step_never_reads_a_tensor_on_the_host(monkeypatch):
         opt.step()
 
 
-@pytest.mark.parametrize("kw", [dict(momentum=0.9, weight_decay=1e-2), dict(momentum=0.0, weight_decay=0.0),
-                                dict(momentum=0.9, weight_decay=1e-2, nesterov=True, clip=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(momentum=0.9, weight_decay=1e-2),
+        dict(momentum=0.0, weight_decay=0.0),
+        dict(momentum=0.9, weight_decay=1e-2, nesterov=True, clip=True),
+    ],
+)
 def test_multi_tensor_step_equals_one_tensor_at_a_time(kw):
     """The group's tensors are stepped together (for-each ops, stacked norms); each must move
     exactly as if it were alone in its own optimizer, whatever its shape, dtype or gradient."""
     torch.manual_seed(0)
     shapes = [(4, 3), (7,), (2, 3, 3), (5, 5)]
-    together = [nn.Parameter(torch.randn(s, dtype=torch.float64 if i % 2 else torch.float32)) for i, s in enumerate(shapes)]
-    together[3].data.zero_()                                     # a zero-norm weight among them
+    together = [
+        nn.Parameter(torch.randn(s, dtype=torch.float64 if i % 2 else torch.float32)) for i, s in enumerate(shapes)
+    ]
+    together[3].data.zero_()  # a zero-norm weight among them
     alone = [nn.Parameter(p.detach().clone()) for p in together]
     opt = LARS(together, lr=0.1, trust_coefficient=0.02, **kw)
     opts = [LARS([p], lr=0.1, trust_coefficient=0.02, **kw) for p in alone]
     for step in range(3):
         for i, (p, q) in enumerate(zip(together, alone)):
-            g = torch.zeros_like(p) if (i == 1 and step == 1) else torch.randn_like(p)   # a zero gradient once
+            g = torch.zeros_like(p) if (i == 1 and step == 1) else torch.randn_like(p)  # a zero gradient once
             p.grad, q.grad = g, g.clone()
         opt.step()
         for o in opts:
             o.step()
         for p, q, o in zip(together, alone, opts):
             tol = 1e-12 if p.dtype == torch.float64 else 1e-6
-            assert torch.allclose(p, q, rtol=tol, atol=tol), "a tensor stepped with others differs from it stepped alone"
+            assert torch.allclose(p, q, rtol=tol, atol=tol), (
+                "a tensor stepped with others differs from it stepped alone"
+            )
             assert torch.allclose(opt.state[p]["trust_ratio"].double(), o.state[q]["trust_ratio"].double(), rtol=1e-6)
 
 

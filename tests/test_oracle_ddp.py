@@ -18,13 +18,14 @@ SUM divided by the world size W.
   examples. Only the ranks still active step their optimizer; when the last one finishes,
   DDP broadcasts its weights to all (``_sync_final_model``), so every rank ends with them.
 """
+
 from __future__ import annotations
 
+import _ddp_workers as wk
 import pytest
 import torch
 from torch import nn
 
-import _ddp_workers as wk
 from utils import parallel
 
 
@@ -42,7 +43,8 @@ def _sgd_steps(losses_per_step):
 def _close(got, want, what):
     for k, v in want.items():
         assert torch.allclose(got[k], v, rtol=1e-10, atol=1e-12), (
-            f"{what}: {k} differs from the single-process oracle by {(got[k] - v).abs().max():.2e}")
+            f"{what}: {k} differs from the single-process oracle by {(got[k] - v).abs().max():.2e}"
+        )
 
 
 def _check(results, world):
@@ -63,11 +65,14 @@ def _check(results, world):
     def join_loss(s, divisor):
         def loss_of(m):
             return sum(ce(m(x[r, s]), y[r, s], reduction="sum") for r in active[s]) / divisor
+
         return loss_of
+
     want_join = _sgd_steps([join_loss(s, world * wk.B) for s in range(steps)])
-    naive = _sgd_steps([join_loss(s, len(active[s]) * wk.B) for s in range(steps)])   # mean over active only
-    assert any(not torch.allclose(want_join[k], naive[k], rtol=1e-6) for k in want_join), \
+    naive = _sgd_steps([join_loss(s, len(active[s]) * wk.B) for s in range(steps)])  # mean over active only
+    assert any(not torch.allclose(want_join[k], naive[k], rtol=1e-6) for k in want_join), (
         "the uneven case should tell 'divide by W' from 'divide by the active ranks'"
+    )
 
     for res in results:
         r = res["rank"]
@@ -78,7 +83,8 @@ def _check(results, world):
         (ce(local(x[r, 0]), y[r, 0]) / wk.MICRO).backward()
         for n, p in local.named_parameters():
             assert torch.allclose(res["local_grad_after_first_micro"][n], p.grad, rtol=1e-10, atol=1e-12), (
-                f"rank {r}: under no_sync the gradient of {n} should be the rank's own (nothing all-reduced)")
+                f"rank {r}: under no_sync the gradient of {n} should be the rank's own (nothing all-reduced)"
+            )
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])

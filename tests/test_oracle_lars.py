@@ -20,6 +20,7 @@ outside (v' = v / gamma). With a constant gamma, as here, both give the same wei
 The whole comparison runs in float64 on real gradients of a small conv net with batch norm,
 over several steps, the reference updating its own copy of the model.
 """
+
 import copy
 import math
 
@@ -27,7 +28,7 @@ import pytest
 import torch
 from torch import nn
 
-from utils.optim import LARS, lars_param_groups     # the code under test, nothing else from it
+from utils.optim import LARS, lars_param_groups  # the code under test, nothing else from it
 
 STEPS, LR, ETA = 5, 0.1, 0.02
 
@@ -50,7 +51,7 @@ class Net(nn.Module):
 
 
 def excluded(name, p):
-    return p.ndim < 2                   # biases and BN weights/biases
+    return p.ndim < 2  # biases and BN weights/biases
 
 
 def paper_step(params, grads, bufs, *, lr, eta, beta, momentum, clip):
@@ -60,18 +61,18 @@ def paper_step(params, grads, bufs, *, lr, eta, beta, momentum, clip):
     rates = {}
     for (name, w), g in zip(params, grads):
         if excluded(name, w):
-            update = lr * g                                         # plain SGD, no decay
+            update = lr * g  # plain SGD, no decay
         else:
             w_norm = math.sqrt(float((w * w).sum()))
             g_norm = math.sqrt(float((g * g).sum()))
             if w_norm > 0 and g_norm > 0:
-                lam = eta * w_norm / (g_norm + beta * w_norm)      # eq. (6)
+                lam = eta * w_norm / (g_norm + beta * w_norm)  # eq. (6)
                 rates[name] = lam
             else:
-                lam = 1.0                                           # no adaptation
+                lam = 1.0  # no adaptation
                 rates[name] = None
             if clip and w_norm > 0 and g_norm > 0:
-                rate = min(lam, lr)                                 # LARC: min(local, global)
+                rate = min(lam, lr)  # LARC: min(local, global)
             else:
                 rate = lr * lam
             update = rate * (g + beta * w)
@@ -83,21 +84,31 @@ def paper_step(params, grads, bufs, *, lr, eta, beta, momentum, clip):
     return rates
 
 
-@pytest.mark.parametrize("beta,momentum,clip", [
-    (0.0, 0.9, False),          # weight decay zero
-    (5e-3, 0.9, False),
-    (5e-3, 0.0, False),         # no momentum
-    (5e-3, 0.9, True),          # LARC clip
-    (0.0, 0.0, True),
-], ids=["wd0-momentum", "wd-momentum", "wd-no-momentum", "larc-wd-momentum", "larc-wd0"])
+@pytest.mark.parametrize(
+    "beta,momentum,clip",
+    [
+        (0.0, 0.9, False),  # weight decay zero
+        (5e-3, 0.9, False),
+        (5e-3, 0.0, False),  # no momentum
+        (5e-3, 0.9, True),  # LARC clip
+        (0.0, 0.0, True),
+    ],
+    ids=["wd0-momentum", "wd-momentum", "wd-no-momentum", "larc-wd-momentum", "larc-wd0"],
+)
 def test_lars_follows_the_paper(beta, momentum, clip):
     torch.manual_seed(0)
     net = Net().double()
     ref = copy.deepcopy(net)
     x = torch.randn(16, 1, 6, 6, dtype=torch.float64)
     y = torch.randint(0, 3, (16,))
-    opt = LARS(lars_param_groups(net, beta, exclude=excluded), lr=LR, momentum=momentum,
-               trust_coefficient=ETA, eps=0.0, clip=clip)
+    opt = LARS(
+        lars_param_groups(net, beta, exclude=excluded),
+        lr=LR,
+        momentum=momentum,
+        trust_coefficient=ETA,
+        eps=0.0,
+        clip=clip,
+    )
     bufs, seen = {}, {"clipped": 0, "unclipped": 0, "zero-norm": 0}
     for step in range(STEPS):
         for model in (net, ref):
@@ -107,14 +118,23 @@ def test_lars_follows_the_paper(beta, momentum, clip):
         opt.step()
         named = list(ref.named_parameters())
         with torch.no_grad():
-            rates = paper_step([(n, p.data) for n, p in named], [p.grad for _, p in named], bufs,
-                               lr=LR, eta=ETA, beta=beta, momentum=momentum, clip=clip)
+            rates = paper_step(
+                [(n, p.data) for n, p in named],
+                [p.grad for _, p in named],
+                bufs,
+                lr=LR,
+                eta=ETA,
+                beta=beta,
+                momentum=momentum,
+                clip=clip,
+            )
         for lam in rates.values():
             seen["zero-norm" if lam is None else "clipped" if lam > LR else "unclipped"] += 1
         for (n, p), (_, q) in zip(net.named_parameters(), ref.named_parameters()):
             assert torch.allclose(p, q, rtol=1e-10, atol=1e-13), (
                 f"step {step}: {n} differs from the paper's update by {(p - q).abs().max():.2e} "
-                f"(wd {beta}, momentum {momentum}, clip {clip})")
+                f"(wd {beta}, momentum {momentum}, clip {clip})"
+            )
     assert seen["zero-norm"] >= STEPS + 1, "the zero-norm cases (zero weight, zero gradient) were not exercised"
     if clip:
         assert seen["clipped"] and seen["unclipped"], f"LARC: both sides of min(lambda, lr) should occur, saw {seen}"

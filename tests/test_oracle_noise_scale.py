@@ -12,6 +12,7 @@ a small and a big batch, the unbiased estimators
 
 averaged over many pairs, then divided. The oracle is the closed form, not the estimator.
 """
+
 import math
 
 import torch
@@ -21,10 +22,11 @@ from torch.utils.data import TensorDataset
 from utils import gradient_noise
 
 D = 10
-G_TRUE = torch.full((D,), 0.5, dtype=torch.float64)                 # |G|^2 = 2.5
-VARIANCES = torch.linspace(5.0, 20.0, D, dtype=torch.float64)        # tr(Sigma) = 125
-ROTATION = torch.linalg.qr(torch.randn(D, D, generator=torch.Generator().manual_seed(7),
-                                       dtype=torch.float64)).Q        # a non-diagonal Sigma
+G_TRUE = torch.full((D,), 0.5, dtype=torch.float64)  # |G|^2 = 2.5
+VARIANCES = torch.linspace(5.0, 20.0, D, dtype=torch.float64)  # tr(Sigma) = 125
+ROTATION = torch.linalg.qr(
+    torch.randn(D, D, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+).Q  # a non-diagonal Sigma
 SIGMA = ROTATION @ torch.diag(VARIANCES) @ ROTATION.T
 
 
@@ -49,22 +51,24 @@ def test_closed_form_of_the_synthetic_problem():
     # the per-example gradient of l_i = a_i . theta is a_i, whatever theta is
     theta = nn.Linear(D, 1, bias=False).double()
     x = a[:3]
-    grads = [torch.autograd.grad(theta(x[i:i + 1]).sum(), theta.weight)[0].flatten() for i in range(3)]
+    grads = [torch.autograd.grad(theta(x[i : i + 1]).sum(), theta.weight)[0].flatten() for i in range(3)]
     assert torch.allclose(torch.stack(grads), x)
 
 
 def test_two_batch_estimator_recovers_b_simple_within_10_percent():
-    true_b = float(SIGMA.trace() / (G_TRUE @ G_TRUE))               # 125 / 2.5 = 50
+    true_b = float(SIGMA.trace() / (G_TRUE @ G_TRUE))  # 125 / 2.5 = 50
     assert math.isclose(true_b, 50.0, rel_tol=1e-9)
     torch.manual_seed(0)
     model = nn.Linear(D, 1, bias=False)
-    small, big = gradient_noise.grad_sq_norms(model, _dataset(200_000, seed=2), b_small=16, b_big=256, draws=1500,
-                                   seed=3, loss_fn=_mean_output, device="cpu")
+    small, big = gradient_noise.grad_sq_norms(
+        model, _dataset(200_000, seed=2), b_small=16, b_big=256, draws=1500, seed=3, loss_fn=_mean_output, device="cpu"
+    )
     est = gradient_noise.noise_scale(small, big, 16, 256)
     assert abs(est.G2 / 2.5 - 1) < 0.1, f"|G|^2 estimated {est.G2:.3f}, true 2.5"
     assert abs(est.tr_sigma / 125.0 - 1) < 0.1, f"tr(Sigma) estimated {est.tr_sigma:.2f}, true 125"
     assert abs(est.b_simple / true_b - 1) < 0.1, (
-        f"B_simple estimated {est.b_simple:.2f}, the closed form tr(Sigma)/|G|^2 is {true_b:.2f}")
+        f"B_simple estimated {est.b_simple:.2f}, the closed form tr(Sigma)/|G|^2 is {true_b:.2f}"
+    )
     # the one-step estimates are unbiased, not each right: single pairs scatter widely
     G2, trS = gradient_noise.two_batch_estimates(small, big, 16, 256)
     assert float(trS.std()) > 0.2 * 125.0, "single pairs should be noisy; averaging is what makes it work"

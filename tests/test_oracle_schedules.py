@@ -6,6 +6,7 @@ optimizer whose rate is the scaled peak, followed by the decay (``StepLR``/``Mul
 ``CosineAnnealingLR``, ``PolynomialLR``) through ``SequentialLR`` at the end of the warmup.
 Every step of a run must get the same rate from both, read from what ``fit`` actually used.
 """
+
 import warnings
 
 import pytest
@@ -16,8 +17,8 @@ from torch.optim import lr_scheduler as L
 from utils.schedules import goyal_schedule
 from utils.train import fit
 
-STEPS_PER_EPOCH, EPOCHS, WARMUP_EPOCHS = 4, 6, 2          # 24 steps, the first 8 of them warmup
-BASE_LR, BASE_BATCH, BATCH = 0.05, 32, 256                # k = 8: peak 0.4
+STEPS_PER_EPOCH, EPOCHS, WARMUP_EPOCHS = 4, 6, 2  # 24 steps, the first 8 of them warmup
+BASE_LR, BASE_BATCH, BATCH = 0.05, 32, 256  # k = 8: peak 0.4
 
 
 def torch_schedule(opt, decay: str, k: float, warmup: int, total: int, milestones=(), gamma=0.1, power=2.0):
@@ -48,13 +49,16 @@ def _run(scheduler_for):
     return hist.step_lr
 
 
-@pytest.mark.parametrize("decay,kw,torch_decay", [
-    ("constant", {}, "constant"),
-    ("cosine", {}, "cosine"),
-    ("poly", {"power": 2.0}, "poly"),
-    ("step", {"milestones": [12, 20], "gamma": 0.1}, "step"),
-    ("step", {"milestones": [16], "gamma": 0.5}, "steplr"),
-])
+@pytest.mark.parametrize(
+    "decay,kw,torch_decay",
+    [
+        ("constant", {}, "constant"),
+        ("cosine", {}, "cosine"),
+        ("poly", {"power": 2.0}, "poly"),
+        ("step", {"milestones": [12, 20], "gamma": 0.1}, "step"),
+        ("step", {"milestones": [16], "gamma": 0.5}, "steplr"),
+    ],
+)
 def test_warmup_and_linear_scaling_equal_torch_linearlr_then_decay(decay, kw, torch_decay):
     k = BATCH / BASE_BATCH
     ours = goyal_schedule(BASE_LR, BATCH, BASE_BATCH, STEPS_PER_EPOCH, EPOCHS, WARMUP_EPOCHS, decay, **kw)
@@ -63,9 +67,17 @@ def test_warmup_and_linear_scaling_equal_torch_linearlr_then_decay(decay, kw, to
 
     def torch_sched(opt):
         for g in opt.param_groups:
-            g["lr"] = BASE_LR * k                   # the linearly scaled rate; LinearLR starts at 1/k of it
-        return torch_schedule(opt, torch_decay, k, W, T, milestones=kw.get("milestones", ()),
-                              gamma=kw.get("gamma", 0.1), power=kw.get("power", 2.0))
+            g["lr"] = BASE_LR * k  # the linearly scaled rate; LinearLR starts at 1/k of it
+        return torch_schedule(
+            opt,
+            torch_decay,
+            k,
+            W,
+            T,
+            milestones=kw.get("milestones", ()),
+            gamma=kw.get("gamma", 0.1),
+            power=kw.get("power", 2.0),
+        )
 
     want = _run(torch_sched)
     got = _run(ours.scheduler)
@@ -73,5 +85,6 @@ def test_warmup_and_linear_scaling_equal_torch_linearlr_then_decay(decay, kw, to
     assert want[0] == pytest.approx(BASE_LR), "step 0 runs at the base (unscaled) rate"
     for t, (a, b) in enumerate(zip(got, want)):
         assert a == pytest.approx(b, rel=1e-9, abs=1e-12), (
-            f"step {t}: utils.schedules gives lr {a:.6g}, PyTorch's LinearLR + {torch_decay} gives {b:.6g}")
+            f"step {t}: utils.schedules gives lr {a:.6g}, PyTorch's LinearLR + {torch_decay} gives {b:.6g}"
+        )
     assert ours.rates() == pytest.approx(want, rel=1e-9, abs=1e-12), "WarmupDecay.rates() disagrees with the run"

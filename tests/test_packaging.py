@@ -1,11 +1,12 @@
 """The set-up files agree with each other, and labs/ is generated from solutions/."""
+
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-CONDA_NAMES = {"torch": "pytorch"}   # pip name -> conda-forge name
+CONDA_NAMES = {"torch": "pytorch"}  # pip name -> conda-forge name
 
 
 def _name(req: str) -> str:
@@ -37,13 +38,16 @@ def test_environment_yml_names_the_same_dependencies_as_pyproject():
     wanted = {CONDA_NAMES.get(_name(r), _name(r)) for r in proj["dependencies"]}
     wanted |= {_name(r) for r in proj["optional-dependencies"]["test"]}
     have = _environment_names() - {"python", "pip"}
-    assert wanted == have, (f"environment.yml and pyproject.toml disagree: only in pyproject {wanted - have}, "
-                            f"only in environment.yml {have - wanted}")
+    assert wanted == have, (
+        f"environment.yml and pyproject.toml disagree: only in pyproject {wanted - have}, "
+        f"only in environment.yml {have - wanted}"
+    )
 
 
 def test_cpu_constraint_pins_torch():
-    lines = [l.strip() for l in (ROOT / "constraints.txt").read_text().splitlines()
-             if l.strip() and not l.startswith("#")]
+    lines = [
+        l.strip() for l in (ROOT / "constraints.txt").read_text().splitlines() if l.strip() and not l.startswith("#")
+    ]
     assert "torch==2.13.0" in lines
 
 
@@ -53,14 +57,16 @@ def test_ci_runs_the_readme_command():
 
 
 def test_labs_are_up_to_date_with_solutions():
-    r = subprocess.run([sys.executable, "-m", "utils.authoring", "--check"], cwd=ROOT,
-                       capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-m", "utils.authoring", "--check"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, f"labs/ is stale: run `make labs` and commit labs/\n{r.stdout}{r.stderr}"
 
 
 def test_notebooks_are_small_and_labs_clean():
     import json
-    for p in list(ROOT.glob("notebooks/*.ipynb")) + list(ROOT.glob("solutions/*.ipynb")) + list(ROOT.glob("labs/*.ipynb")):
+
+    for p in (
+        list(ROOT.glob("notebooks/*.ipynb")) + list(ROOT.glob("solutions/*.ipynb")) + list(ROOT.glob("labs/*.ipynb"))
+    ):
         assert p.stat().st_size < 2 * 2**20, f"{p} is over 2 MB: clear heavy outputs"
     for p in ROOT.glob("labs/*.ipynb"):
         nb = json.loads(p.read_text())

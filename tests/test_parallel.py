@@ -3,6 +3,7 @@ and with PyTorch) against a single process, and checkpoints that resume exactly.
 
 The workers are module-level functions of this file: spawned processes import them by name.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -14,25 +15,33 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from utils import data, parallel, ddp_train, models
+from utils import data, ddp_train, models, parallel
 from utils.train import fit
 
-W, B, STEPS = 2, 8, 4          # world size, per-rank batch, optimizer steps of the DDP comparison
+W, B, STEPS = 2, 8, 4  # world size, per-rank batch, optimizer steps of the DDP comparison
 
 
 # ---------------------------------------------------------------------------- workers
 
+
 def collectives_worker(sizes):
     ctx = parallel.setup()
-    out = {"rank": ctx.rank, "world": ctx.world_size, "backend": ctx.backend, "pid": os.getpid(),
-           "threads": torch.get_num_threads(), "ring": [], "ref": []}
+    out = {
+        "rank": ctx.rank,
+        "world": ctx.world_size,
+        "backend": ctx.backend,
+        "pid": os.getpid(),
+        "threads": torch.get_num_threads(),
+        "ring": [],
+        "ref": [],
+    }
     for n in sizes:
         x = torch.arange(n, dtype=torch.float32) * (ctx.rank + 1) + 10 * ctx.rank
         ref = x.clone()
         dist.all_reduce(ref)
         out["ref"].append(ref)
         out["ring"].append(parallel.ring_all_reduce(x.clone()))
-    m = torch.full((2, 3), float(ctx.rank)).t()               # not contiguous
+    m = torch.full((2, 3), float(ctx.rank)).t()  # not contiguous
     out["noncontig"] = parallel.ring_all_reduce(m)
     return out
 
@@ -41,13 +50,13 @@ def raising_worker():
     ctx = parallel.setup()
     if ctx.rank == 1:
         raise ValueError("boom from the second rank")
-    dist.barrier()               # rank 0 waits for a peer that is gone
+    dist.barrier()  # rank 0 waits for a peer that is gone
 
 
 def hanging_worker():
     ctx = parallel.setup()
     if ctx.rank == 0:
-        dist.all_reduce(torch.ones(3))    # rank 1 never joins: a hang
+        dist.all_reduce(torch.ones(3))  # rank 1 never joins: a hang
     time.sleep(600)
 
 
@@ -57,7 +66,8 @@ def rank_worker(x):
 
 def stuck_at_exit_worker():
     import atexit
-    atexit.register(time.sleep, 600)    # the result is sent, then the process never exits
+
+    atexit.register(time.sleep, 600)  # the result is sent, then the process never exits
     return int(os.environ["RANK"])
 
 
@@ -76,7 +86,7 @@ def ddp_worker():
     ds = _dataset()
     init = {k: v.clone() for k, v in _model(100 + ctx.rank).state_dict().items()}
 
-    hand = _model(100 + ctx.rank)                  # by hand: broadcast, then average gradients
+    hand = _model(100 + ctx.rank)  # by hand: broadcast, then average gradients
     for p in hand.parameters():
         dist.broadcast(p.data, src=0)
     opt = torch.optim.SGD(hand.parameters(), lr=0.1, momentum=0.9)
@@ -88,14 +98,14 @@ def ddp_worker():
         parallel.average_gradients(hand)
         opt.step()
 
-    net = parallel.ddp(_model(100 + ctx.rank), ctx)     # torch DDP broadcasts rank 0's weights itself
+    net = parallel.ddp(_model(100 + ctx.rank), ctx)  # torch DDP broadcasts rank 0's weights itself
     opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
-    fit(net, data.make_loader(ds, B, rank=ctx.rank, world_size=ctx.world_size, seed=5), opt,
-        epochs=1, progress=False)
+    fit(net, data.make_loader(ds, B, rank=ctx.rank, world_size=ctx.world_size, seed=5), opt, epochs=1, progress=False)
     return {"init": init, "hand": hand.state_dict(), "ddp": net.module.state_dict()}
 
 
 # ---------------------------------------------------------------------------- helpers
+
 
 def _children():
     """PIDs of this process's live children (multiprocessing's and any other)."""
@@ -125,12 +135,14 @@ def _no_children(what):
 
 # ---------------------------------------------------------------------------- tests
 
+
 def test_launch_returns_every_rank_and_ring_equals_all_reduce():
     sizes = [1, 7, 1000]
     res = parallel.launch(collectives_worker, 3, sizes, timeout=120)
     assert [r["rank"] for r in res] == [0, 1, 2], "launch must return the results in rank order"
-    assert all(r["world"] == 3 and r["backend"] == "gloo" for r in res), \
+    assert all(r["world"] == 3 and r["backend"] == "gloo" for r in res), (
         "on a machine without 3 GPUs launch must choose gloo and a world of nprocs"
+    )
     assert len({r["pid"] for r in res}) == 3, "each rank must be its own process"
     assert all(r["threads"] == 1 for r in res), "each rank should run one torch thread by default"
     for r in res:
@@ -148,8 +160,9 @@ def test_raising_rank_is_named_with_traceback_and_cleaned_up():
     e = err.value
     assert not isinstance(e, parallel.LaunchTimeout), "a raising rank must not be reported as a timeout"
     assert e.rank == 1 and "rank 1" in str(e), f"the error must name rank 1, got: {e}"
-    assert "boom from the second rank" in str(e) and "raising_worker" in e.remote_traceback, \
+    assert "boom from the second rank" in str(e) and "raising_worker" in e.remote_traceback, (
         "the error must carry the rank's message and traceback"
+    )
     assert took < 45, f"the failure took {took:.0f} s to surface: stop waiting once a rank fails"
     _no_children("a failed launch")
 
@@ -201,9 +214,10 @@ def test_nccl_refused_without_enough_gpus():
 
 def test_hand_ddp_and_torch_ddp_match_single_process():
     res = parallel.launch(ddp_worker, W, timeout=120)
-    assert any(not torch.equal(res[0]["init"][k], res[1]["init"][k]) for k in res[0]["init"]), \
+    assert any(not torch.equal(res[0]["init"][k], res[1]["init"][k]) for k in res[0]["init"]), (
         "the ranks should start from different weights (different seeds) for this test to mean anything"
-    oracle = _model(100)                                            # rank 0's initial weights
+    )
+    oracle = _model(100)  # rank 0's initial weights
     opt = torch.optim.SGD(oracle.parameters(), lr=0.1, momentum=0.9)
     fit(oracle, data.make_loader(_dataset(), W * B, seed=5), opt, epochs=1, progress=False)
     want = oracle.state_dict()
@@ -212,7 +226,8 @@ def test_hand_ddp_and_torch_ddp_match_single_process():
             for k, v in want.items():
                 assert torch.allclose(r[kind][k], v, rtol=1e-4, atol=1e-5), (
                     f"{kind} DDP on rank {r['rank']} differs from one process on the concatenated batch "
-                    f"in {k}: max diff {(r[kind][k] - v).abs().max():.2e}")
+                    f"in {k}: max diff {(r[kind][k] - v).abs().max():.2e}"
+                )
 
 
 def test_checkpoint_resume_is_exact(tmp_path, monkeypatch):
@@ -222,10 +237,11 @@ def test_checkpoint_resume_is_exact(tmp_path, monkeypatch):
     full = ddp_train.train(cfg)["state"]
     ck = str(tmp_path / "run.pt")
     with pytest.raises(RuntimeError, match="injected failure"):
-        ddp_train.train(cfg, ckpt=ck, fail_at_step=6, fail_rank=0, fail_mode="raise")   # dies in epoch 2
+        ddp_train.train(cfg, ckpt=ck, fail_at_step=6, fail_rank=0, fail_mode="raise")  # dies in epoch 2
     saved = torch.load(ck, weights_only=True)
-    assert saved["epoch"] == 1 and saved["step"] == 4 and saved["sampler_epoch"] == 1, \
+    assert saved["epoch"] == 1 and saved["step"] == 4 and saved["sampler_epoch"] == 1, (
         f"the checkpoint should hold the end of epoch 1 (step 4), got epoch {saved['epoch']} step {saved['step']}"
+    )
     assert not [p for p in os.listdir(tmp_path) if ".tmp" in p], "a temporary file was left next to the checkpoint"
     res = ddp_train.train(cfg, ckpt=ck)
     assert res["start_epoch"] == 1
@@ -235,7 +251,9 @@ def test_checkpoint_resume_is_exact(tmp_path, monkeypatch):
 
 def test_rng_state_roundtrip():
     import random
+
     import numpy as np
+
     s = parallel.rng_state()
     a = (torch.rand(3), np.random.rand(3), random.random())
     parallel.set_rng_state(s)
@@ -269,8 +287,10 @@ def ring_without_all_gather(tensor):
     for s in range(world - 1):
         send_i, recv_i = (rank - s) % world, (rank - s - 1) % world
         buf = torch.empty_like(chunks[recv_i])
-        ops = [dist.P2POp(dist.isend, chunks[send_i], (rank + 1) % world),
-               dist.P2POp(dist.irecv, buf, (rank - 1) % world)]
+        ops = [
+            dist.P2POp(dist.isend, chunks[send_i], (rank + 1) % world),
+            dist.P2POp(dist.irecv, buf, (rank - 1) % world),
+        ]
         for req in dist.batch_isend_irecv(ops):
             req.wait()
         chunks[recv_i] += buf
@@ -286,12 +306,12 @@ def shard_right(n, batch_size, rank, world_size, epoch, seed):
     s = DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=seed)
     s.set_epoch(epoch)
     idx = list(s)
-    return [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
+    return [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
 
 
 def shard_without_set_epoch(n, batch_size, rank, world_size, epoch, seed):
     idx = list(DistributedSampler(range(n), num_replicas=world_size, rank=rank, seed=seed))
-    return [idx[i:i + batch_size] for i in range(0, len(idx), batch_size)]
+    return [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
 
 
 def shard_seed_per_rank(n, batch_size, rank, world_size, epoch, seed):
@@ -313,8 +333,15 @@ def save_in_place(path, model, optimizer, epoch, rank):
         torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, path)
 
 
-@pytest.mark.parametrize("check", [checks.check_ring_all_reduce, checks.check_average_gradients,
-                                   checks.check_shard_batches, checks.check_save_on_rank0])
+@pytest.mark.parametrize(
+    "check",
+    [
+        checks.check_ring_all_reduce,
+        checks.check_average_gradients,
+        checks.check_shard_batches,
+        checks.check_save_on_rank0,
+    ],
+)
 def test_checks_fail_on_the_placeholder(check):
     with pytest.raises(CheckFailed, match="not implemented"):
         check(placeholder)
@@ -346,7 +373,7 @@ def test_shard_and_save_checks():
 def killed_worker():
     ctx = parallel.setup()
     if ctx.rank == 1:
-        os.kill(os.getpid(), 9)           # a lost node: no Python exception at all
+        os.kill(os.getpid(), 9)  # a lost node: no Python exception at all
     dist.barrier()
 
 

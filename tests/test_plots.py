@@ -1,4 +1,5 @@
 """Tick labels a reader reads at a glance: plain numbers on log axes, whole numbers on counts."""
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -11,7 +12,11 @@ def _labels(ax, axis):
     ax.figure.canvas.draw()
     ticks = ax.get_xticklabels() if axis == "x" else ax.get_yticklabels()
     lo, hi = sorted(ax.get_xlim() if axis == "x" else ax.get_ylim())
-    return [t.get_text() for t in ticks if t.get_text() and lo <= (t.get_position()[0] if axis == "x" else t.get_position()[1]) <= hi]
+    return [
+        t.get_text()
+        for t in ticks
+        if t.get_text() and lo <= (t.get_position()[0] if axis == "x" else t.get_position()[1]) <= hi
+    ]
 
 
 def test_batch_sizes_on_a_log_axis_read_as_numbers():

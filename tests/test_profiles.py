@@ -6,6 +6,7 @@ No download: digits is bundled; Fashion-MNIST and CIFAR-10 are replaced by split
 image shape and the requested length whose images are one stand-in image broadcast (no memory),
 behind the real ``data.load`` (so its size check is the one under test).
 """
+
 from __future__ import annotations
 
 import json
@@ -33,13 +34,16 @@ TRAIN = {"fashion_mnist": 60_000, "cifar10": 50_000}
 
 def _broadcast_loader(name):
     """A loader of the real shape and the requested length (one stand-in image, broadcast)."""
+
     def load(n_train=None, n_val=None, seed=0, **kw):
         img, _ = data.standin_images(10, SHAPE[name], seed=seed)
         one = torch.as_tensor(img[:1], dtype=torch.float32) / 255
 
         def split(n):
             return TensorDataset(one.expand(n, *SHAPE[name]), torch.arange(n) % data.NUM_CLASSES)
+
         return data.Splits(split(n_train or TRAIN[name]), split(n_val or HELD_OUT[name]), name)
+
     return load
 
 
@@ -84,7 +88,7 @@ def test_every_notebook_load_gives_the_splits_it_asks_for_and_trains_a_step(name
         assert splits.shape == SHAPE[dataset], what
         assert n_train + n_val <= TOTAL[dataset], what
         assert batch <= n_train, f"{what}: batch {batch} larger than the training split"
-        if dataset == "digits":            # the real images: finite, every class in both splits
+        if dataset == "digits":  # the real images: finite, every class in both splits
             for part in (splits.train, splits.val):
                 assert torch.isfinite(part.tensors[0]).all(), what
                 assert set(part.tensors[1].tolist()) == set(range(10)), what
@@ -111,7 +115,7 @@ def test_stage1_sweeps_fit_their_data(name):
     assert max(cfg.sgd_target_batch_sizes) <= cfg.n_train and max(cfg.sgd_batch_sizes) <= cfg.n_train
     assert cfg.noise_b_small < cfg.noise_b_big <= cfg.n_train
     assert cfg.sgd_base_lr <= cfg.sgd_max_lr
-    assert 0.1 < cfg.sgd_target_acc < 1            # above chance, reachable
+    assert 0.1 < cfg.sgd_target_acc < 1  # above chance, reachable
     assert cfg.sgd_epochs >= 1 and cfg.sgd_max_steps >= 1
 
 
@@ -141,7 +145,7 @@ def test_ddp_runs_shard_without_padding(name):
     """Every process count of 03 gets whole batches of distinct images (DistributedSampler pads
     otherwise, and the notebook's single-process/N-process comparison would not be like for like)."""
     cfg = config.profile(name)
-    counts = sorted({*cfg.ddp_scaling_nprocs, cfg.ddp_nprocs or 2, 2})       # 2: torchrun restart demo
+    counts = sorted({*cfg.ddp_scaling_nprocs, cfg.ddp_nprocs or 2, 2})  # 2: torchrun restart demo
     b, n = cfg.ddp_batch_size, cfg.ddp_n_train
     assert n % (max(counts) * b) == 0, f"ddp_n_train {n} not divisible by {max(counts)} x {b}"
     ds = TensorDataset(torch.arange(n).float()[:, None], torch.zeros(n, dtype=torch.long))
@@ -156,8 +160,15 @@ def test_ddp_runs_shard_without_padding(name):
     steps_per_epoch = n // (2 * b)
     fail_step = (cfg.ddp_epochs - 1) * steps_per_epoch + steps_per_epoch // 2 + 1
     assert steps_per_epoch >= 2 and fail_step <= cfg.ddp_epochs * steps_per_epoch, "crash inside the run"
-    run_cfg = ddp_train.make_config(dataset=cfg.dataset, n_train=n, n_val=cfg.ddp_n_val, width=cfg.ddp_cnn_width,
-                                    epochs=cfg.ddp_epochs, batch_size=b, lr=cfg.ddp_lr)
+    run_cfg = ddp_train.make_config(
+        dataset=cfg.dataset,
+        n_train=n,
+        n_val=cfg.ddp_n_val,
+        width=cfg.ddp_cnn_width,
+        epochs=cfg.ddp_epochs,
+        batch_size=b,
+        lr=cfg.ddp_lr,
+    )
     data.check_sizes(run_cfg.dataset, run_cfg.n_train, run_cfg.n_val)
     assert cfg.ddp_bucket_caps_mb == tuple(sorted(cfg.ddp_bucket_caps_mb))
 
@@ -166,7 +177,7 @@ def test_ddp_train_defaults_fit_their_dataset():
     c = ddp_train.make_config()
     splits = data.load(c.dataset, c.n_train, c.n_val)
     assert (len(splits.train), len(splits.val)) == (c.n_train, c.n_val)
-    assert c.n_train % (2 * c.batch_size) == 0          # make two-node: 2 processes
+    assert c.n_train % (2 * c.batch_size) == 0  # make two-node: 2 processes
 
 
 @pytest.mark.parametrize("name", config.PROFILE_NAMES)
@@ -177,10 +188,15 @@ def test_stage4_sweep_bases_inside_their_sweeps(name):
     assert max(sweep) <= cfg.n_train
     assert all(b % cfg.lb_ghost_batch == 0 for b in sweep), "ghost BN splits every batch evenly"
     assert cfg.lb_warmup_epochs < cfg.lb_epochs
-    assert cfg.lb_smith_batch * cfg.lb_smith_factor ** 2 <= cfg.n_train, "grown twice, still fits the data"
+    assert cfg.lb_smith_batch * cfg.lb_smith_factor**2 <= cfg.n_train, "grown twice, still fits the data"
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(8, cfg.lb_mlp_width),
-                                torch.nn.BatchNorm1d(cfg.lb_mlp_width), torch.nn.ReLU(), torch.nn.Linear(cfg.lb_mlp_width, 10))
+    model = torch.nn.Sequential(
+        torch.nn.Flatten(),
+        torch.nn.Linear(8, cfg.lb_mlp_width),
+        torch.nn.BatchNorm1d(cfg.lb_mlp_width),
+        torch.nn.ReLU(),
+        torch.nn.Linear(cfg.lb_mlp_width, 10),
+    )
     _step(model, torch.randn(cfg.lb_ghost_batch, 8), torch.arange(cfg.lb_ghost_batch) % 10)
 
 
@@ -190,7 +206,10 @@ def test_stage5_splits_divide(name):
     assert all(cfg.shard_batch % n == 0 for n in cfg.shard_nprocs)
     assert all(cfg.pp_batch % m == 0 for m in cfg.pp_micro_batches)
     assert cfg.pp_depth % 2 == 0, "two pipeline stages"
-    assert all(cfg.act_ckpt_depth % s == 0 for s in cfg.act_ckpt_segments) and max(cfg.act_ckpt_segments) <= cfg.act_ckpt_depth
+    assert (
+        all(cfg.act_ckpt_depth % s == 0 for s in cfg.act_ckpt_segments)
+        and max(cfg.act_ckpt_segments) <= cfg.act_ckpt_depth
+    )
     assert (4 * cfg.tp_width) % 2 == 0 and cfg.tp_batch >= 1
     assert 2 in cfg.shard_nprocs
 
@@ -201,17 +220,18 @@ def test_stage6_profiler_schedule_and_buckets(name):
     wait, warmup, active = cfg.prof_steps
     assert wait >= 1 and active >= 1 and warmup >= 1 or name == "smoke"
     small, large = cfg.prof_bucket_caps_mb
-    layer_mb = cfg.prof_ddp_width ** 2 * 4 / 2 ** 20
+    layer_mb = cfg.prof_ddp_width**2 * 4 / 2**20
     assert small < large and large >= cfg.prof_ddp_depth * layer_mb, "the large cap holds every gradient"
 
 
 @pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.name)
 def test_grader_specs_fit_their_dataset_and_train_a_step(spec_path):
     from utils.grader import spec as grader_spec
+
     s = grader_spec.load_spec(spec_path)
     total = TOTAL[s.dataset]
     held = s.n_val or HELD_OUT.get(s.dataset, data.DIGITS_DEFAULT_N_VAL)
-    if s.heldout == "secret_split":        # drawn from train + held out together
+    if s.heldout == "secret_split":  # drawn from train + held out together
         train = s.n_train or total - held
         assert held + train <= total
     else:
@@ -233,7 +253,7 @@ def test_every_size_a_notebook_reads_is_a_row():
     used -= {"name", "summary", "keys", "items", "as_dict"}
     missing = sorted(k for k in used if k not in config.TABLE)
     assert not missing, f"notebooks read sizes that utils/config.py does not have: {missing}"
-    assert "n_train" in used and "ddp_n_train" in used        # the scan found the notebooks
+    assert "n_train" in used and "ddp_n_train" in used  # the scan found the notebooks
 
 
 def test_profiles_grow_from_smoke_to_gpu():

@@ -1,5 +1,6 @@
 """utils.profiling: traces are written, parsed and drawn; counts agree with the profiler's own
 table; the phases and the DDP bucket mechanism show up as they must."""
+
 import functools
 import os
 
@@ -9,7 +10,8 @@ import torch
 
 matplotlib.use("Agg")
 
-from utils import data, parallel, models, profiling as P  # noqa: E402
+from utils import data, models, parallel  # noqa: E402
+from utils import profiling as P
 from utils.train import Callback  # noqa: E402
 
 
@@ -41,7 +43,7 @@ def test_trace_written_parsed_and_consistent_with_key_averages(small, tmp_path):
     assert os.path.basename(trace).startswith("rank0.") and trace.endswith(".pt.trace.json")
     assert os.path.dirname(trace) == str(tmp_path / "one")
     steps = P.profiler_steps(events)
-    assert len(steps) == 3, [e["name"] for e in steps]          # the active steps of (1, 1, 3)
+    assert len(steps) == 3, [e["name"] for e in steps]  # the active steps of (1, 1, 3)
     # our JSON parse against the profiler's own aggregation of the same run
     table = {k.key: k.count for k in prof.key_averages()}
     counts = P.op_counts(events)
@@ -54,7 +56,7 @@ def test_trace_written_parsed_and_consistent_with_key_averages(small, tmp_path):
     for phase in ("data", "forward", "backward", "optimizer"):
         assert t[phase] > 0, (phase, t)
     assert sum(t[p] for p in P.PHASES) + t["other"] >= t["step"] * 0.999
-    assert t["communication"] == 0                              # one process: no collectives
+    assert t["communication"] == 0  # one process: no collectives
 
 
 def test_item_in_the_loop_is_visible_and_fit_has_none(small, tmp_path):
@@ -89,11 +91,15 @@ def test_interval_helpers_by_hand():
 def test_ddp_bucket_cap_sets_allreduces_per_step(tmp_path):
     """Two gloo ranks: small buckets mean one all-reduce per bucket, launched during backward;
     one big bucket, one all-reduce after it. DDP's own bucket account is the oracle."""
-    res = parallel.launch(functools.partial(P.ddp_profile_worker, str(tmp_path), (0.25, 100.0), depth=3,
-                                        steps=(1, 1, 2)), 2, stream=False, timeout=300)
+    res = parallel.launch(
+        functools.partial(P.ddp_profile_worker, str(tmp_path), (0.25, 100.0), depth=3, steps=(1, 1, 2)),
+        2,
+        stream=False,
+        timeout=300,
+    )
     assert len(res) == 2
     small, big = res[0]
-    assert os.path.exists(res[1][0]["trace"])                   # every rank writes its own trace
+    assert os.path.exists(res[1][0]["trace"])  # every rank writes its own trace
     rs, rb = P.overlap_report(P.load_trace(small["trace"])), P.overlap_report(P.load_trace(big["trace"]))
     assert len(big["bucket_sizes"]) == 1 and len(small["bucket_sizes"]) == 3
     assert rs["allreduce_per_step"] == len(small["bucket_sizes"])

@@ -1,5 +1,6 @@
 """A run stopped early on purpose (a callback sets state.stop) ends with a green notebook
 progress bar, not the red one tqdm.notebook shows for an interrupted loop."""
+
 import pytest
 import torch
 from torch import nn
@@ -28,10 +29,11 @@ def test_an_early_stop_leaves_a_green_bar(monkeypatch):
     monkeypatch.setattr(train, "tqdm", Recorded)
     torch.manual_seed(0)
     x, y = torch.randn(64, 4), torch.randint(0, 2, (64,))
-    loader = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 64, 8)]
+    loader = [(x[i : i + 8], y[i : i + 8]) for i in range(0, 64, 8)]
     model = nn.Linear(4, 2)
-    h = train.fit(model, loader, torch.optim.SGD(model.parameters(), lr=0.1), epochs=3, progress=True,
-                  callbacks=[StopAfter(5)])
+    h = train.fit(
+        model, loader, torch.optim.SGD(model.parameters(), lr=0.1), epochs=3, progress=True, callbacks=[StopAfter(5)]
+    )
     assert h.steps == 5
     (bar,) = bars
     widget = bar.container.children[-2]

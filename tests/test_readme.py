@@ -17,6 +17,7 @@ the block has activated an environment first (``conda activate``) or the line is
 ``[gpu]`` (the GPU server's own Python). ``sbatch`` lines need a cluster: they are tagged
 ``[server]`` and their job script must exist.
 """
+
 import importlib.util
 import os
 import re
@@ -54,8 +55,9 @@ COMMANDS = readme_commands((ROOT / "README.md").read_text())
 def fresh_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "LAB_PROFILE", "PYTHONPATH")}
     venv_bin = str(ROOT / ".venv" / "bin")
-    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
-                                  if p and os.path.realpath(p) != os.path.realpath(venv_bin))
+    env["PATH"] = os.pathsep.join(
+        p for p in env.get("PATH", "").split(os.pathsep) if p and os.path.realpath(p) != os.path.realpath(venv_bin)
+    )
     return env
 
 
@@ -81,15 +83,16 @@ def test_each_command_works_from_a_fresh_shell(line, tags, activated):
     if "<" in line.split("#")[0]:
         assert tags, f"a line with a <placeholder> cannot be run: tag it [slow], [server] or [gpu]: {line}"
     if not tags:
-        r = subprocess.run(["bash", "-c", line], cwd=ROOT, env=fresh_env(), capture_output=True, text=True,
-                           timeout=300)
+        r = subprocess.run(["bash", "-c", line], cwd=ROOT, env=fresh_env(), capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, f"`{line}` exited {r.returncode}:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
         return
     # Not run here: check that what it names exists.
     if prog == "make":
         targets = [w for w in words[1:] if "=" not in w and not w.startswith("-")]
         assigns = [w for w in words[1:] if "=" in w]
-        r = subprocess.run(["make", "-n", *targets, *assigns], cwd=ROOT, env=fresh_env(), capture_output=True, text=True)
+        r = subprocess.run(
+            ["make", "-n", *targets, *assigns], cwd=ROOT, env=fresh_env(), capture_output=True, text=True
+        )
         assert r.returncode == 0, f"`make -n {' '.join(targets)}`: {r.stderr.strip()}"
         for a in assigns:
             value = a.split("=", 1)[1]
@@ -107,8 +110,14 @@ def test_each_command_works_from_a_fresh_shell(line, tags, activated):
     for i, w in enumerate(words[1:], 1):
         if words[i - 1] == "-m":
             assert importlib.util.find_spec(w) is not None, f"module {w} not found"
-        elif (not w.startswith("-") and "<" not in w and "@" not in w and words[i - 1] not in OUTPUT_FLAGS
-              and ("/" in w or re.search(r"\.(py|toml|yml|yaml|ipynb)$", w)) and ":" not in w):
+        elif (
+            not w.startswith("-")
+            and "<" not in w
+            and "@" not in w
+            and words[i - 1] not in OUTPUT_FLAGS
+            and ("/" in w or re.search(r"\.(py|toml|yml|yaml|ipynb)$", w))
+            and ":" not in w
+        ):
             assert (ROOT / w).exists(), f"{line}: {w} does not exist"
 
 
@@ -119,10 +128,22 @@ def test_the_two_node_example_runs():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    r = subprocess.run(["make", "-s", "two-node", f"TWO_NODE_PORT={port}",
-                        "TWO_NODE_ARGS=--epochs 1 --n-train 256 --n-val 64 --width 8"],
-                       cwd=ROOT, env=fresh_env(), capture_output=True, text=True, timeout=240)
+    r = subprocess.run(
+        [
+            "make",
+            "-s",
+            "two-node",
+            f"TWO_NODE_PORT={port}",
+            "TWO_NODE_ARGS=--epochs 1 --n-train 256 --n-val 64 --width 8",
+        ],
+        cwd=ROOT,
+        env=fresh_env(),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert r.returncode == 0, f"make two-node exited {r.returncode}:\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
     assert re.search(r"rank 0 of 2 \(gloo\): 4 steps from epoch 0", r.stdout), r.stdout
-    assert "node-rank" not in subprocess.run(["make", "-n", "two-node"], cwd=ROOT, capture_output=True,
-                                             text=True).stdout
+    assert (
+        "node-rank" not in subprocess.run(["make", "-n", "two-node"], cwd=ROOT, capture_output=True, text=True).stdout
+    )

@@ -1,5 +1,6 @@
 """Scaling rules and per-iteration schedules against their formulas; the schedule inside fit;
 and the phenomenon itself at the largest batch of the smoke sweep."""
+
 import math
 
 import pytest
@@ -14,10 +15,10 @@ from utils.train import fit
 
 def test_scaling_rules():
     # lr_for_batch(base_lr, base_batch, batch, rule, max_lr): the lab's argument order
-    assert lr_for_batch(0.1, 256, 8192) == pytest.approx(3.2)             # Goyal et al.: 0.1 * k
+    assert lr_for_batch(0.1, 256, 8192) == pytest.approx(3.2)  # Goyal et al.: 0.1 * k
     assert lr_for_batch(0.1, 256, 1024, "sqrt") == pytest.approx(0.2)
     assert lr_for_batch(0.1, 256, 1024, "none") == 0.1
-    assert lr_for_batch(0.05, 16, 8, "linear") == pytest.approx(0.025)    # smaller batch: smaller rate
+    assert lr_for_batch(0.05, 16, 8, "linear") == pytest.approx(0.025)  # smaller batch: smaller rate
     assert lr_for_batch(0.01, 16, 64) == pytest.approx(0.04)
     assert lr_for_batch(0.01, 16, 64, "sqrt") == pytest.approx(0.02)
     assert lr_for_batch(0.01, 16, 1024, max_lr=0.1) == pytest.approx(0.1)  # capped
@@ -48,7 +49,7 @@ def test_cosine_decay():
     s = WarmupDecay(0.0, 1.0, 4, 14, "cosine", min_lr=0.1)
     assert s.lr(0) == 0.0 and s.lr(2) == pytest.approx(0.5)
     assert s.lr(4) == pytest.approx(1.0), "the decay starts at the peak"
-    assert s.lr(9) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi * 0.5)) / 2)   # middle: 0.55
+    assert s.lr(9) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi * 0.5)) / 2)  # middle: 0.55
     assert s.lr(13) == pytest.approx(0.1 + 0.9 * (1 + math.cos(math.pi * 0.9)) / 2)  # last step of the run
     assert s.lr(14) == pytest.approx(0.1) and s.lr(50) == pytest.approx(0.1), "after total_steps: min_lr"
 
@@ -57,7 +58,7 @@ def test_poly_decay():
     s = WarmupDecay(0.2, 2.0, 5, 25, "poly", power=2.0)
     assert s.lr(0) == pytest.approx(0.2)
     assert s.lr(5) == pytest.approx(2.0)
-    assert s.lr(15) == pytest.approx(2.0 * 0.5 ** 2)
+    assert s.lr(15) == pytest.approx(2.0 * 0.5**2)
     assert s.lr(24) == pytest.approx(2.0 * (1 - 19 / 20) ** 2)
     assert s.lr(25) == 0.0
 
@@ -69,14 +70,17 @@ def test_step_decay():
     assert s.lr(15) == pytest.approx(0.01) and s.lr(19) == pytest.approx(0.01)
 
 
-@pytest.mark.parametrize("kw,msg", [
-    (dict(start_lr=0.1, peak_lr=0.0, warmup_steps=1, total_steps=2), "peak_lr"),
-    (dict(start_lr=-0.1, peak_lr=1.0, warmup_steps=1, total_steps=2), "start_lr"),
-    (dict(start_lr=0.1, peak_lr=1.0, warmup_steps=5, total_steps=2), "total_steps"),
-    (dict(start_lr=0.1, peak_lr=1.0, warmup_steps=1.5, total_steps=2), "warmup_steps"),
-    (dict(start_lr=0.1, peak_lr=1.0, warmup_steps=1, total_steps=2, decay="linear"), "decay"),
-    (dict(start_lr=0.1, peak_lr=1.0, warmup_steps=1, total_steps=2, decay="step"), "milestones"),
-])
+@pytest.mark.parametrize(
+    "kw,msg",
+    [
+        (dict(start_lr=0.1, peak_lr=0.0, warmup_steps=1, total_steps=2), "peak_lr"),
+        (dict(start_lr=-0.1, peak_lr=1.0, warmup_steps=1, total_steps=2), "start_lr"),
+        (dict(start_lr=0.1, peak_lr=1.0, warmup_steps=5, total_steps=2), "total_steps"),
+        (dict(start_lr=0.1, peak_lr=1.0, warmup_steps=1.5, total_steps=2), "warmup_steps"),
+        (dict(start_lr=0.1, peak_lr=1.0, warmup_steps=1, total_steps=2, decay="linear"), "decay"),
+        (dict(start_lr=0.1, peak_lr=1.0, warmup_steps=1, total_steps=2, decay="step"), "milestones"),
+    ],
+)
 def test_bad_arguments(kw, msg):
     with pytest.raises(ValueError, match=msg):
         WarmupDecay(**kw)
@@ -94,7 +98,7 @@ def test_fit_runs_each_step_at_the_formula_rate():
     model = nn.Linear(4, 2)
     data = [(torch.randn(8, 4), torch.randint(0, 2, (8,))) for _ in range(5)]
     sched = WarmupDecay(0.01, 0.1, 4, 10, "cosine")
-    opt = torch.optim.SGD(model.parameters(), lr=123.0, momentum=0.9)   # overwritten with the peak
+    opt = torch.optim.SGD(model.parameters(), lr=123.0, momentum=0.9)  # overwritten with the peak
     hist = fit(model, data, opt, epochs=2, scheduler=sched.scheduler(opt), progress=False)
     assert hist.step_lr == pytest.approx(sched.rates(10)), "fit must see lr(t) at step t"
 
@@ -107,15 +111,24 @@ def _mlp(shape, width):
 def _sweep_run(cfg, splits, batch, rule, warmup_epochs, seed=0):
     """One run of the notebook's sweep: SGD with momentum, the rule's rate, warmup, cosine decay."""
     from utils.optim import lars_param_groups
+
     torch.manual_seed(seed)
     model = _mlp(splits.shape, cfg.lb_mlp_width)
     loader = data.make_loader(splits.train, batch, seed=seed)
     peak = lr_for_batch(cfg.lb_base_lr, cfg.lb_base_batch, batch, rule)
-    sched = WarmupDecay(min(cfg.lb_base_lr, peak), peak, round(warmup_epochs * len(loader)),
-                        cfg.lb_epochs * len(loader), "cosine")
+    sched = WarmupDecay(
+        min(cfg.lb_base_lr, peak), peak, round(warmup_epochs * len(loader)), cfg.lb_epochs * len(loader), "cosine"
+    )
     opt = torch.optim.SGD(lars_param_groups(model, cfg.lb_weight_decay), lr=peak, momentum=0.9)
-    return fit(model, loader, opt, epochs=cfg.lb_epochs, scheduler=sched.scheduler(opt),
-               val_loader=data.make_loader(splits.val, 512, shuffle=False), progress=False)
+    return fit(
+        model,
+        loader,
+        opt,
+        epochs=cfg.lb_epochs,
+        scheduler=sched.scheduler(opt),
+        val_loader=data.make_loader(splits.val, 512, shuffle=False),
+        progress=False,
+    )
 
 
 def test_linear_scaling_with_warmup_beats_the_naive_rate_at_the_largest_batch():
@@ -128,10 +141,12 @@ def test_linear_scaling_with_warmup_beats_the_naive_rate_at_the_largest_batch():
     warm = _sweep_run(cfg, splits, batch, "linear", cfg.lb_warmup_epochs)
     assert warm.val_acc > naive.val_acc, (
         f"at batch {batch}: linear scaling + warmup reached {warm.val_acc:.3f}, the naive rate "
-        f"{naive.val_acc:.3f}; check the lb_* rows of utils/config.py and utils.schedules")
+        f"{naive.val_acc:.3f}; check the lb_* rows of utils/config.py and utils.schedules"
+    )
 
 
 # ---- self-checks of lab4
+
 
 def _placeholder(*args, **kwargs):
     raise NotImplementedError("Exercise: write this part (see the hint above)")
@@ -139,6 +154,7 @@ def _placeholder(*args, **kwargs):
 
 def test_check_warmup_lr():
     from utils.checks import CheckFailed, check_warmup_lr
+
     check_warmup_lr(lambda t, base, peak, W: base + (peak - base) * t / W if t < W else peak)
     with pytest.raises(CheckFailed, match="not implemented"):
         check_warmup_lr(_placeholder)
@@ -150,6 +166,7 @@ def test_check_warmup_lr():
 
 def test_check_lr_for_batch():
     from utils.checks import CheckFailed, check_lr_for_batch
+
     check_lr_for_batch(lambda lr, b0, b, rule: lr_for_batch(lr, b0, b, rule))
     with pytest.raises(CheckFailed, match="not implemented"):
         check_lr_for_batch(_placeholder)

@@ -1,5 +1,6 @@
 """SLURM: the variable translation of utils.parallel.env against hand-computed cases, and the job
 templates run for real on a local one-node SLURM (cluster/slurm_check.py) when it can start."""
+
 import os
 import shutil
 import subprocess
@@ -13,19 +14,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "cluster"))
 import slurm_check  # noqa: E402
 
-
 # --- host lists and tasks per node: hand-expanded (the same strings `scontrol show hostnames` expands) ---
 
-@pytest.mark.parametrize("spec, hosts", [
-    ("vm", ["vm"]),
-    ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
-    ("a[1-2],b3", ["a1", "a2", "b3"]),
-    ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),
-    ("n[9-11]", ["n9", "n10", "n11"]),
-    ("x,y[3]", ["x", "y3"]),
-    ("node[007-009]", ["node007", "node008", "node009"]),
-    ("gpu-[1,3],cpu-a", ["gpu-1", "gpu-3", "cpu-a"]),
-])
+
+@pytest.mark.parametrize(
+    "spec, hosts",
+    [
+        ("vm", ["vm"]),
+        ("node[01-03,07]", ["node01", "node02", "node03", "node07"]),
+        ("a[1-2],b3", ["a1", "a2", "b3"]),
+        ("r[1-2]n[01-02]", ["r1n01", "r1n02", "r2n01", "r2n02"]),
+        ("n[9-11]", ["n9", "n10", "n11"]),
+        ("x,y[3]", ["x", "y3"]),
+        ("node[007-009]", ["node007", "node008", "node009"]),
+        ("gpu-[1,3],cpu-a", ["gpu-1", "gpu-3", "cpu-a"]),
+    ],
+)
 def test_expand_hostlist(spec, hosts):
     assert denv.expand_hostlist(spec) == hosts
 
@@ -36,9 +40,15 @@ def test_expand_hostlist_rejects_bad_input(bad):
         denv.expand_hostlist(bad)
 
 
-@pytest.mark.parametrize("spec, counts", [
-    ("2", [2]), ("2(x3)", [2, 2, 2]), ("2(x3),1", [2, 2, 2, 1]), ("4,2(x2)", [4, 2, 2]),
-])
+@pytest.mark.parametrize(
+    "spec, counts",
+    [
+        ("2", [2]),
+        ("2(x3)", [2, 2, 2]),
+        ("2(x3),1", [2, 2, 2, 1]),
+        ("4,2(x2)", [4, 2, 2]),
+    ],
+)
 def test_expand_tasks_per_node(spec, counts):
     assert denv.expand_tasks_per_node(spec) == counts
 
@@ -50,9 +60,14 @@ def test_expand_tasks_per_node_rejects_bad_input():
 
 # --- rendezvous_env: which variables win, and what SLURM's translate to ---
 
-SLURM_STEP = {   # task 5 of `srun -N 3 -n 7` on node[01-03]: tasks per node 3,2,2; task 5 is node03's first
-    "SLURM_JOB_ID": "123456", "SLURM_STEP_ID": "0", "SLURM_PROCID": "5", "SLURM_NTASKS": "7",
-    "SLURM_LOCALID": "0", "SLURM_NODEID": "2", "SLURM_TASKS_PER_NODE": "3,2(x2)",
+SLURM_STEP = {  # task 5 of `srun -N 3 -n 7` on node[01-03]: tasks per node 3,2,2; task 5 is node03's first
+    "SLURM_JOB_ID": "123456",
+    "SLURM_STEP_ID": "0",
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "7",
+    "SLURM_LOCALID": "0",
+    "SLURM_NODEID": "2",
+    "SLURM_TASKS_PER_NODE": "3,2(x2)",
     "SLURM_JOB_NODELIST": "node[01-03]",
 }
 
@@ -66,8 +81,15 @@ def test_slurm_step_translates():
 
 def test_step_tasks_per_node_wins_over_the_jobs():
     # the job has 4 tasks per node, this srun step only 1 per node
-    e = denv.rendezvous_env({**SLURM_STEP, "SLURM_STEP_TASKS_PER_NODE": "1(x3)", "SLURM_TASKS_PER_NODE": "4(x3)",
-                             "SLURM_PROCID": "2", "SLURM_NTASKS": "3"})
+    e = denv.rendezvous_env(
+        {
+            **SLURM_STEP,
+            "SLURM_STEP_TASKS_PER_NODE": "1(x3)",
+            "SLURM_TASKS_PER_NODE": "4(x3)",
+            "SLURM_PROCID": "2",
+            "SLURM_NTASKS": "3",
+        }
+    )
     assert (e.rank, e.world_size, e.local_world_size) == (2, 3, 1)
 
 
@@ -78,8 +100,17 @@ def test_explicit_master_addr_and_port_win():
 
 def test_torchrun_variables_win_over_slurm():
     # `srun torchrun`: SLURM describes the one torchrun task per node, torchrun the ranks
-    e = denv.rendezvous_env({**SLURM_STEP, "RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
-                             "LOCAL_WORLD_SIZE": "4", "MASTER_ADDR": "node01", "MASTER_PORT": "41000"})
+    e = denv.rendezvous_env(
+        {
+            **SLURM_STEP,
+            "RANK": "3",
+            "WORLD_SIZE": "8",
+            "LOCAL_RANK": "1",
+            "LOCAL_WORLD_SIZE": "4",
+            "MASTER_ADDR": "node01",
+            "MASTER_PORT": "41000",
+        }
+    )
     assert (e.rank, e.world_size, e.local_rank, e.local_world_size, e.source) == (3, 8, 1, 4, "torchrun")
 
 
@@ -109,6 +140,7 @@ def test_bad_slurm_value_says_which_variable():
 
 # --- the real thing ---
 
+
 def test_hostlist_matches_scontrol(tmp_path):
     """Our parser against SLURM's own: ``scontrol show hostnames`` needs a slurm.conf, no controller."""
     scontrol = shutil.which("scontrol")
@@ -130,7 +162,12 @@ def test_templates_on_a_local_slurm():
     if reason:
         print(f"SKIPPED: {reason}")
         pytest.skip(reason)
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "cluster", "slurm_check.py")], capture_output=True,
-                       text=True, timeout=900, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "cluster", "slurm_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, f"make slurm-check failed:\n{r.stdout[-4000:]}\n{r.stderr[-4000:]}"
     assert "all checks passed" in r.stdout

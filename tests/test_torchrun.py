@@ -1,5 +1,6 @@
 """The training worker under torchrun, as separate programs: two nodes on one machine, and a
 crashed rank recovered by ``--max-restarts`` from the checkpoint. CPU and gloo only."""
+
 from __future__ import annotations
 
 import os
@@ -13,8 +14,20 @@ import torch
 from utils.parallel import free_port, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
-ARGS = ["-m", "utils.ddp_train", "--n-train", "256", "--n-val", "64", "--width", "8", "--epochs", "2",
-        "--batch-size", "32"]                     # 4 steps per epoch per rank with 2 ranks
+ARGS = [
+    "-m",
+    "utils.ddp_train",
+    "--n-train",
+    "256",
+    "--n-val",
+    "64",
+    "--width",
+    "8",
+    "--epochs",
+    "2",
+    "--batch-size",
+    "32",
+]  # 4 steps per epoch per rank with 2 ranks
 
 
 def _env():
@@ -37,12 +50,27 @@ def two_nodes(tmp_path_factory):
     """Two torchrun launches (one per 'node'), meeting at a c10d rendezvous on 127.0.0.1."""
     out = tmp_path_factory.mktemp("two_nodes")
     port = free_port()
-    procs = [subprocess.Popen(
-        _torchrun("--nnodes=2", f"--node-rank={r}", "--nproc-per-node=1", "--rdzv-backend=c10d",
-                  f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-nodes-test",
-                  *ARGS, "--out", str(out / "final_{rank}.pt")),
-        cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            _torchrun(
+                "--nnodes=2",
+                f"--node-rank={r}",
+                "--nproc-per-node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=two-nodes-test",
+                *ARGS,
+                "--out",
+                str(out / "final_{rank}.pt"),
+            ),
+            cwd=ROOT,
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(2)
+    ]
     logs = []
     try:
         for p in procs:
@@ -64,15 +92,34 @@ def test_two_nodes_end_with_identical_weights(two_nodes):
 
 def test_max_restarts_recovers_a_killed_rank_exactly(two_nodes, tmp_path):
     ckpt = tmp_path / "ckpt.pt"
-    p = torchrun(["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.2",
-                  *ARGS, "--ckpt", ckpt, "--fail-at-step", "6", "--fail-rank", "1",
-                  "--out", tmp_path / "final_{rank}.pt"], cwd=ROOT, env=_env(), timeout=150)
+    p = torchrun(
+        [
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            "--monitor-interval=0.2",
+            *ARGS,
+            "--ckpt",
+            ckpt,
+            "--fail-at-step",
+            "6",
+            "--fail-rank",
+            "1",
+            "--out",
+            tmp_path / "final_{rank}.pt",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        timeout=150,
+    )
     log = p.stdout
     assert p.returncode == 0, f"torchrun did not recover from the injected failure:\n{log[-3000:]}"
     assert "injected failure at step 6" in log, "the failure was not injected: check FailAt in utils/ddp_train.py"
-    assert "resumed from" in log and "epoch 1, step 4" in log, \
+    assert "resumed from" in log and "epoch 1, step 4" in log, (
         f"the restarted ranks did not resume from the end-of-epoch-1 checkpoint:\n{log[-2000:]}"
+    )
     final = [torch.load(tmp_path / f"final_{r}.pt", weights_only=True) for r in range(2)]
     assert _same(final[0], final[1]), "after the restart the ranks disagree"
-    assert _same(final[0], two_nodes[0]), \
+    assert _same(final[0], two_nodes[0]), (
         "the recovered run must end with exactly the weights of the uninterrupted run (same world size)"
+    )

@@ -1,4 +1,3 @@
-
 import pytest
 import torch
 from torch import nn
@@ -12,8 +11,14 @@ def test_lecture_cnn_reaches_90_percent_on_digits_in_smoke_profile():
     torch.manual_seed(0)
     s = data.load("digits", n_train=cfg.n_train, n_val=cfg.n_val)
     net = models.net_for(s.shape, cfg.cnn_width)
-    hist = train.fit(net, data.make_loader(s.train, cfg.batch_size), torch.optim.Adam(net.parameters(), cfg.lr),
-                     epochs=cfg.epochs, val_loader=data.make_loader(s.val, 512, shuffle=False), progress=False)
+    hist = train.fit(
+        net,
+        data.make_loader(s.train, cfg.batch_size),
+        torch.optim.Adam(net.parameters(), cfg.lr),
+        epochs=cfg.epochs,
+        val_loader=data.make_loader(s.val, 512, shuffle=False),
+        progress=False,
+    )
     assert hist.val_acc >= 0.90, f"lecture CNN reached only {hist.val_acc:.3f} on digits"
     assert len(hist.epochs) == cfg.epochs and hist.images == cfg.epochs * cfg.n_train
     assert hist.step_loss[-1] < hist.step_loss[0]
@@ -44,10 +49,15 @@ def test_one_step_equals_hand_computed_sgd_step():
 def test_gradient_accumulation_equals_the_big_batch():
     ds = _tiny_problem(32)
     a, b = _model(), _model()
-    train.fit(a, data.make_loader(ds, 8, shuffle=False), torch.optim.SGD(a.parameters(), 0.1), steps=2,
-              grad_accum=2, progress=False)
-    train.fit(b, data.make_loader(ds, 16, shuffle=False), torch.optim.SGD(b.parameters(), 0.1), steps=2,
-              progress=False)
+    train.fit(
+        a,
+        data.make_loader(ds, 8, shuffle=False),
+        torch.optim.SGD(a.parameters(), 0.1),
+        steps=2,
+        grad_accum=2,
+        progress=False,
+    )
+    train.fit(b, data.make_loader(ds, 16, shuffle=False), torch.optim.SGD(b.parameters(), 0.1), steps=2, progress=False)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=1e-6), "2 micro-batches of 8 must equal one batch of 16"
 
@@ -67,12 +77,21 @@ def test_steps_limit_and_stop_at_accuracy():
     torch.manual_seed(0)
     net = models.net_for(s.shape, 16)
     val = data.make_loader(s.val, 512, shuffle=False)
-    hist = train.fit(net, data.make_loader(s.train, 32), torch.optim.Adam(net.parameters(), 3e-3), epochs=50,
-                     val_loader=val, eval_every=5, callbacks=[train.StopAtAccuracy(0.8)], progress=False)
+    hist = train.fit(
+        net,
+        data.make_loader(s.train, 32),
+        torch.optim.Adam(net.parameters(), 3e-3),
+        epochs=50,
+        val_loader=val,
+        eval_every=5,
+        callbacks=[train.StopAtAccuracy(0.8)],
+        progress=False,
+    )
     reached = hist.steps_to(0.8)
     assert reached is not None and hist.steps == reached, "the run must stop at the first evaluation >= target"
-    hist = train.fit(net, data.make_loader(s.train, 32), torch.optim.SGD(net.parameters(), 0.01), steps=7,
-                     progress=False)
+    hist = train.fit(
+        net, data.make_loader(s.train, 32), torch.optim.SGD(net.parameters(), 0.01), steps=7, progress=False
+    )
     assert hist.steps == 7 and len(hist.step_loss) == 7
 
 
@@ -91,9 +110,16 @@ def test_evaluate_matches_manual_computation_and_restores_mode():
 def test_bf16_autocast_and_channels_last_run_on_cpu():
     s = data.load("digits", n_train=128)
     net = models.net_for(s.shape, 8)
-    hist = train.fit(net, data.make_loader(s.train, 32), torch.optim.SGD(net.parameters(), 0.05), epochs=1,
-                     amp_dtype=torch.bfloat16, channels_last=True, val_loader=data.make_loader(s.val, 128),
-                     progress=False)
+    hist = train.fit(
+        net,
+        data.make_loader(s.train, 32),
+        torch.optim.SGD(net.parameters(), 0.05),
+        epochs=1,
+        amp_dtype=torch.bfloat16,
+        channels_last=True,
+        val_loader=data.make_loader(s.val, 128),
+        progress=False,
+    )
     assert hist.steps == 4 and all(torch.isfinite(torch.tensor(hist.step_loss)))
 
 
@@ -113,5 +139,6 @@ def test_history_roundtrip(tmp_path):
     h = train.fit(m, data.make_loader(ds, 8), torch.optim.SGD(m.parameters(), 0.1), epochs=1, progress=False)
     h.save(tmp_path / "h.json")
     import json
+
     d = json.loads((tmp_path / "h.json").read_text())
     assert d["steps"] == 2 and len(d["step_loss"]) == 2 and d["images_per_s"] > 0

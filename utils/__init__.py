@@ -2,4 +2,5 @@
 
 Modules and what each owns: docs/DESIGN.md (its module table).
 """
+
 __version__ = "0.1.0"

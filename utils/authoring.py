@@ -21,6 +21,7 @@ Outputs and execution counts are cleared everywhere. ``python -m utils.authoring
 labs/; ``--check`` writes nothing and exits 1 when labs/ differs from what it would write.
 labs/assessment/ is hand-written and left alone.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -97,7 +98,9 @@ def strip_solutions(source: str, where: str = "cell") -> str:
             t = hint_tier(line, f"{where}, line {n}")
             if t is not None:
                 if t and t < tier:
-                    raise AuthoringError(f"{where}, line {n}: HINT {t} after HINT {tier}; give the tiers in order 1, 2, 3")
+                    raise AuthoringError(
+                        f"{where}, line {n}: HINT {t} after HINT {tier}; give the tiers in order 1, 2, 3"
+                    )
                 tier = max(tier, t)
                 hints.append(stripped)
         else:
@@ -108,7 +111,7 @@ def strip_solutions(source: str, where: str = "cell") -> str:
 
 
 def student_copy(nb: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
-    nb = nbformat.from_dict(nb)   # deep copy
+    nb = nbformat.from_dict(nb)  # deep copy
     kept = []
     for i, cell in enumerate(nb.cells):
         had_key = KEY_BEGIN in cell.source

@@ -6,19 +6,20 @@ at every batch size (:func:`sweep_fixed_epochs`), and steps to a target accuracy
 :func:`fit_critical_batch` fits McCandlish et al.'s S(B) = S_min (1 + B_crit / B). The rate for
 each batch comes from the caller (e.g. :func:`utils.schedules.lr_for_batch`).
 """
+
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 import numpy as np
 import torch
 
 from . import data as _data
-from . import plots as _plots
 from . import models as _models
+from . import plots as _plots
 from . import train as _train
 from .device import get_device
 
@@ -37,10 +38,18 @@ def _cnn_run(splits, batch_size, lr, *, momentum, width, seed, device, desc, **f
     return model, hist
 
 
-def sweep_fixed_epochs(splits: _data.Splits, batch_sizes: Iterable[int], lr_fn: Callable[[int], float], *,
-                       epochs: int, momentum: float = 0.9, width: int = 32, seed: int = 0,
-                       device: torch.device | str | None = None,
-                       progress: bool = True) -> list[dict]:
+def sweep_fixed_epochs(
+    splits: _data.Splits,
+    batch_sizes: Iterable[int],
+    lr_fn: Callable[[int], float],
+    *,
+    epochs: int,
+    momentum: float = 0.9,
+    width: int = 32,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+) -> list[dict]:
     """Train the lecture CNN once per batch size for the same number of epochs (the same number
     of images). Per batch size: steps, lr, time per epoch (median, s), images/s (training only)
     and the final validation accuracy."""
@@ -48,19 +57,46 @@ def sweep_fixed_epochs(splits: _data.Splits, batch_sizes: Iterable[int], lr_fn: 
     rows = []
     for B in batch_sizes:
         lr = lr_fn(B)
-        _, h = _cnn_run(splits, B, lr, momentum=momentum, width=width, seed=seed, device=device,
-                        epochs=epochs, progress=progress, desc=f"B={B}")
-        rows.append({"batch_size": B, "lr": lr, "steps": h.steps,
-                     "time_per_epoch_s": float(np.median([e["time_s"] for e in h.epochs])),
-                     "images_per_s": h.images_per_s, "val_acc": h.val_acc})
+        _, h = _cnn_run(
+            splits,
+            B,
+            lr,
+            momentum=momentum,
+            width=width,
+            seed=seed,
+            device=device,
+            epochs=epochs,
+            progress=progress,
+            desc=f"B={B}",
+        )
+        rows.append(
+            {
+                "batch_size": B,
+                "lr": lr,
+                "steps": h.steps,
+                "time_per_epoch_s": float(np.median([e["time_s"] for e in h.epochs])),
+                "images_per_s": h.images_per_s,
+                "val_acc": h.val_acc,
+            }
+        )
     return rows
 
 
-def sweep_steps_to_target(splits: _data.Splits, batch_sizes: Iterable[int], lr_fn: Callable[[int], float], *,
-                          target_acc: float, max_steps: int, eval_images: int = 32, momentum: float = 0.9,
-                          width: int = 32, seed: int = 0, device: torch.device | str | None = None,
-                          progress: bool = True,
-                          keep_models: bool = False) -> list[dict] | tuple[list[dict], dict[int, torch.nn.Module]]:
+def sweep_steps_to_target(
+    splits: _data.Splits,
+    batch_sizes: Iterable[int],
+    lr_fn: Callable[[int], float],
+    *,
+    target_acc: float,
+    max_steps: int,
+    eval_images: int = 32,
+    momentum: float = 0.9,
+    width: int = 32,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    progress: bool = True,
+    keep_models: bool = False,
+) -> list[dict] | tuple[list[dict], dict[int, torch.nn.Module]]:
     """Train the lecture CNN at each batch size until the validation accuracy first reaches
     ``target_acc`` (or ``max_steps``). Evaluation every ``max(1, eval_images // B)`` steps, so a
     small batch is evaluated about every ``eval_images`` training images and a big one every step.
@@ -72,12 +108,30 @@ def sweep_steps_to_target(splits: _data.Splits, batch_sizes: Iterable[int], lr_f
     for B in batch_sizes:
         lr = lr_fn(B)
         every = max(1, eval_images // B)
-        model, h = _cnn_run(splits, B, lr, momentum=momentum, width=width, seed=seed, device=device,
-                            steps=max_steps, eval_every=every, progress=progress, desc=f"B={B}",
-                            callbacks=[_train.StopAtAccuracy(target_acc)])
+        model, h = _cnn_run(
+            splits,
+            B,
+            lr,
+            momentum=momentum,
+            width=width,
+            seed=seed,
+            device=device,
+            steps=max_steps,
+            eval_every=every,
+            progress=progress,
+            desc=f"B={B}",
+            callbacks=[_train.StopAtAccuracy(target_acc)],
+        )
         s = h.steps_to(target_acc)
-        rows.append({"batch_size": B, "lr": lr, "steps_to_target": s, "eval_every": every,
-                     "images": None if s is None else s * B})
+        rows.append(
+            {
+                "batch_size": B,
+                "lr": lr,
+                "steps_to_target": s,
+                "eval_every": every,
+                "images": None if s is None else s * B,
+            }
+        )
         if keep_models:
             models[B] = model
     return (rows, models) if keep_models else rows
@@ -92,14 +146,18 @@ def fit_critical_batch(batch_sizes: Sequence[float], steps: Sequence[float]) -> 
         raise ValueError("need at least two batch sizes that reached the target")
     A = np.stack([np.ones_like(B), 1.0 / B], 1) / S[:, None]
     (s_min, k), *_ = np.linalg.lstsq(A, np.ones_like(S), rcond=None)
-    if s_min <= 0:                     # no floor visible: every B was still in perfect scaling
+    if s_min <= 0:  # no floor visible: every B was still in perfect scaling
         return float("nan"), float("inf")
     return float(s_min), float(max(k, 0.0) / s_min)
 
 
-def plot_steps_to_target(rows: list[dict], b_simple: float | None = None, ax: Axes | None = None,
-                         regime_factor: float = 4.0,
-                         title: str = "Steps to target accuracy vs batch size") -> tuple[Figure, dict[str, float]]:
+def plot_steps_to_target(
+    rows: list[dict],
+    b_simple: float | None = None,
+    ax: Axes | None = None,
+    regime_factor: float = 4.0,
+    title: str = "Steps to target accuracy vs batch size",
+) -> tuple[Figure, dict[str, float]]:
     """Log-log steps-to-target with the perfect-scaling line from the smallest batch, the fitted
     S_min (1 + B_crit/B), the three regimes shaded (perfect scaling below B_crit/regime_factor,
     no further gain above B_crit*regime_factor, diminishing returns between) and B_simple marked.
@@ -117,8 +175,13 @@ def plot_steps_to_target(rows: list[dict], b_simple: float | None = None, ax: Ax
         ax.axvspan(lo, max(lo, a), color="tab:green", alpha=0.08, label="perfect scaling")
         ax.axvspan(max(lo, a), min(hi, c), color="tab:orange", alpha=0.08, label="diminishing returns")
         ax.axvspan(min(hi, c), hi, color="tab:red", alpha=0.08, label="no further gain")
-        ax.loglog(grid, s_min * (1 + b_crit / grid), "-", color="gray",
-                  label=f"fit $S_{{min}}(1+B_{{crit}}/B)$, $B_{{crit}}$={b_crit:.0f}")
+        ax.loglog(
+            grid,
+            s_min * (1 + b_crit / grid),
+            "-",
+            color="gray",
+            label=f"fit $S_{{min}}(1+B_{{crit}}/B)$, $B_{{crit}}$={b_crit:.0f}",
+        )
     ax.loglog(grid, S[0] * B[0] / grid, "k:", label="perfect scaling (steps ∝ 1/B)")
     ax.loglog(B, S, "o", color="tab:blue", ms=7, label="measured")
     for r in rows:
@@ -149,7 +212,7 @@ def plot_fixed_epoch_sweep(rows: list[dict], title: str = "Fixed epoch budget: w
         ax.set_xscale("log", base=2)
         ax.grid(alpha=0.3, which="both")
     for ax in axes[:2]:
-        ax.set_yscale("log")            # throughput spans orders of magnitude on a GPU
+        ax.set_yscale("log")  # throughput spans orders of magnitude on a GPU
         _plots.plain_ticks(ax, "y")
     for ax in axes:
         _plots.plain_ticks(ax, "x", B)

@@ -19,6 +19,7 @@ measured) is :mod:`utils.memory`.
 :class:`SimulatedGPU` is a stand-in for an asynchronous accelerator (work queued to a thread)
 that shows on any machine why a host timer without synchronisation lies.
 """
+
 from __future__ import annotations
 
 import copy
@@ -38,14 +39,27 @@ from .data import EpochLoader
 from .device import autocast, resolve_amp_dtype, synchronize
 from .optim import make_optimizer
 
-__all__ = ["Timing", "time_fn", "Throughput", "train_throughput", "inference_throughput",
-           "measure_throughput", "TimedLoader", "SlowDataset", "SimulatedGPU", "format_table",
-           "count_syncs", "amp_step_costs", "quartiles"]
+__all__ = [
+    "Timing",
+    "time_fn",
+    "Throughput",
+    "train_throughput",
+    "inference_throughput",
+    "measure_throughput",
+    "TimedLoader",
+    "SlowDataset",
+    "SimulatedGPU",
+    "format_table",
+    "count_syncs",
+    "amp_step_costs",
+    "quartiles",
+]
 
 
 # ----------------------------------------------------------------------------------------
 # Timing
 # ----------------------------------------------------------------------------------------
+
 
 def quartiles(xs: Iterable[float]) -> tuple[float, float, float]:
     """(q25, median, q75) of ``xs``, linear interpolation (one value gives itself three times): the
@@ -62,11 +76,12 @@ def quartiles(xs: Iterable[float]) -> tuple[float, float, float]:
 @dataclass
 class Timing:
     """Seconds per call, one entry per timed repeat, and how they were taken."""
+
     seconds: list
     warmup: int
     number: int
-    method: str                   # "cuda events" or "perf_counter"
-    warmup_seconds: list = field(default_factory=list)   # each warm-up call, for showing its cost
+    method: str  # "cuda events" or "perf_counter"
+    warmup_seconds: list = field(default_factory=list)  # each warm-up call, for showing its cost
 
     @property
     def median(self) -> float:
@@ -90,12 +105,21 @@ class Timing:
         return max(self.seconds)
 
     def __repr__(self):
-        return (f"Timing(median {self.median * 1e3:.3f} ms, IQR {self.iqr * 1e3:.3f} ms, "
-                f"{len(self.seconds)} repeats x {self.number} calls, {self.method})")
+        return (
+            f"Timing(median {self.median * 1e3:.3f} ms, IQR {self.iqr * 1e3:.3f} ms, "
+            f"{len(self.seconds)} repeats x {self.number} calls, {self.method})"
+        )
 
 
-def time_fn(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10, number: int = 1,
-            device: torch.device | str | None = None, sync: Callable[[], Any] | None = None) -> Timing:
+def time_fn(
+    fn: Callable[[], Any],
+    *,
+    warmup: int = 3,
+    repeats: int = 10,
+    number: int = 1,
+    device: torch.device | str | None = None,
+    sync: Callable[[], Any] | None = None,
+) -> Timing:
     """Time ``fn()`` (no arguments): seconds per call, per repeat, as a :class:`Timing`.
 
     device: where ``fn`` queues its work. On ``cuda`` (``cuda:N``) the repeats are timed with
@@ -111,17 +135,18 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10, number
     device = torch.device(device) if device is not None else None
     use_events = sync is None and device is not None and device.type == "cuda"
     if sync is None:
+
         def sync():
             synchronize(device) if device is not None else None
 
     warm = []
     for _ in range(warmup):
-        sync()                                       # sync point: the warm-up call's own time
+        sync()  # sync point: the warm-up call's own time
         t0 = time.perf_counter()
         fn()
-        sync()                                       # sync point
+        sync()  # sync point
         warm.append(time.perf_counter() - t0)
-    sync()                                           # sync point: nothing left queued before timing
+    sync()  # sync point: nothing left queued before timing
 
     seconds = []
     if use_events:
@@ -135,14 +160,14 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10, number
                 for _ in range(number):
                     fn()
                 end.record(stream)
-                end.synchronize()                    # sync point: wait for this repeat's work
-                seconds.append(start.elapsed_time(end) / 1e3 / number)   # elapsed_time is in ms
+                end.synchronize()  # sync point: wait for this repeat's work
+                seconds.append(start.elapsed_time(end) / 1e3 / number)  # elapsed_time is in ms
     else:
         for _ in range(repeats):
             t0 = time.perf_counter()
             for _ in range(number):
                 fn()
-            sync()                                   # sync point: the work, not just its launch
+            sync()  # sync point: the work, not just its launch
             seconds.append((time.perf_counter() - t0) / number)
     return Timing(seconds, warmup, number, "cuda events" if use_events else "perf_counter", warm)
 
@@ -151,20 +176,22 @@ def time_fn(fn: Callable[[], Any], *, warmup: int = 3, repeats: int = 10, number
 # Throughput
 # ----------------------------------------------------------------------------------------
 
+
 @dataclass
 class Throughput:
     """Images/s of one configuration: one entry per timed repeat, with what was measured."""
-    mode: str                     # "train" (forward, backward, optimizer step) or "inference"
+
+    mode: str  # "train" (forward, backward, optimizer step) or "inference"
     model: str
     device: str
     batch_size: int
-    dtype: str                    # fp32, or the autocast dtype
+    dtype: str  # fp32, or the autocast dtype
     channels_last: bool
     compiled: bool
-    steps: int                    # steps per timed repeat
-    images_per_s: list            # one per repeat
-    step_s: float                 # median seconds per step
-    first_step_s: float           # the first (cold) step: allocation, autotuning, compilation
+    steps: int  # steps per timed repeat
+    images_per_s: list  # one per repeat
+    step_s: float  # median seconds per step
+    first_step_s: float  # the first (cold) step: allocation, autotuning, compilation
     method: str
 
     @property
@@ -182,18 +209,33 @@ class Throughput:
         return d
 
     def __repr__(self):
-        return (f"Throughput({self.mode} {self.model} on {self.device}, batch {self.batch_size}, {self.dtype}"
-                f"{', channels_last' if self.channels_last else ''}{', compiled' if self.compiled else ''}: "
-                f"{self.median:,.0f} images/s, IQR {self.iqr:,.0f})")
+        return (
+            f"Throughput({self.mode} {self.model} on {self.device}, batch {self.batch_size}, {self.dtype}"
+            f"{', channels_last' if self.channels_last else ''}{', compiled' if self.compiled else ''}: "
+            f"{self.median:,.0f} images/s, IQR {self.iqr:,.0f})"
+        )
 
 
-def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train",
-                       device: torch.device | str | None = None, input_shape: tuple[int, ...] = (3, 32, 32),
-                       num_classes: int = 10, amp_dtype: torch.dtype | str | None = None,
-                       channels_last: bool = False, compile: bool = False,
-                       optimizer: str | Callable[..., torch.optim.Optimizer] = "sgd",
-                       momentum: float = 0.9, warmup: int = 3, repeats: int = 10, steps: int | None = None,
-                       min_repeat_s: float = 0.1, max_steps: int = 50, name: str | None = None) -> Throughput:
+def measure_throughput(
+    model: nn.Module,
+    batch_size: int,
+    *,
+    mode: str = "train",
+    device: torch.device | str | None = None,
+    input_shape: tuple[int, ...] = (3, 32, 32),
+    num_classes: int = 10,
+    amp_dtype: torch.dtype | str | None = None,
+    channels_last: bool = False,
+    compile: bool = False,
+    optimizer: str | Callable[..., torch.optim.Optimizer] = "sgd",
+    momentum: float = 0.9,
+    warmup: int = 3,
+    repeats: int = 10,
+    steps: int | None = None,
+    min_repeat_s: float = 0.1,
+    max_steps: int = 50,
+    name: str | None = None,
+) -> Throughput:
     """Images/s of ``model`` (a copy: yours is not moved or changed) on one random batch.
 
     mode: "train" (forward, loss, backward, optimizer step) or "inference" (forward, no grad).
@@ -237,16 +279,28 @@ def measure_throughput(model: nn.Module, batch_size: int, *, mode: str = "train"
             with torch.no_grad(), autocast(device, amp_dtype):
                 run(x)
 
-    first = time_fn(step, warmup=0, repeats=1, device=device)   # the cold step, timed on its own
+    first = time_fn(step, warmup=0, repeats=1, device=device)  # the cold step, timed on its own
     if steps is None:
         one = time_fn(step, warmup=max(warmup - 1, 0), repeats=1, device=device).median
         steps = max(1, min(max_steps, math.ceil(min_repeat_s / max(one, 1e-6))))
-        warmup = 0                                   # the warm-up calls just happened
+        warmup = 0  # the warm-up calls just happened
     else:
         warmup = max(warmup - 1, 0)
     t = time_fn(step, warmup=warmup, repeats=repeats, number=steps, device=device)
-    return Throughput(mode, name, str(device), batch_size, dtype_name, channels_last, compile, steps,
-                      [batch_size / s for s in t.seconds], t.median, first.seconds[0], t.method)
+    return Throughput(
+        mode,
+        name,
+        str(device),
+        batch_size,
+        dtype_name,
+        channels_last,
+        compile,
+        steps,
+        [batch_size / s for s in t.seconds],
+        t.median,
+        first.seconds[0],
+        t.method,
+    )
 
 
 def train_throughput(model: nn.Module, batch_size: int, **kw: Any) -> Throughput:
@@ -263,6 +317,7 @@ def inference_throughput(model: nn.Module, batch_size: int, **kw: Any) -> Throug
 # Input pipeline
 # ----------------------------------------------------------------------------------------
 
+
 class TimedLoader(EpochLoader):
     """Wraps a loader and adds up the host time spent waiting for each batch (``wait_s``).
 
@@ -275,7 +330,7 @@ class TimedLoader(EpochLoader):
         self.loader = loader
         self.wait_s = 0.0
         self.batches = 0
-        self.waits = []               # seconds waited for each batch (a median ignores a hiccup)
+        self.waits = []  # seconds waited for each batch (a median ignores a hiccup)
 
     def reset(self) -> None:
         self.wait_s, self.batches, self.waits = 0.0, 0, []
@@ -308,7 +363,7 @@ class SlowDataset(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         t_end = time.perf_counter() + self.cost_s
-        while time.perf_counter() < t_end:             # busy work, as a decoder would do
+        while time.perf_counter() < t_end:  # busy work, as a decoder would do
             pass
         return self.dataset[i]
 
@@ -316,6 +371,7 @@ class SlowDataset(torch.utils.data.Dataset):
 # ----------------------------------------------------------------------------------------
 # An asynchronous device, simulated
 # ----------------------------------------------------------------------------------------
+
 
 class SimulatedGPU:
     """A stand-in for an asynchronous accelerator, on any machine.
@@ -331,7 +387,7 @@ class SimulatedGPU:
     """
 
     def __init__(self, launch_s: float = 0.0):
-        self.launch_s = launch_s                   # host cost of one launch
+        self.launch_s = launch_s  # host cost of one launch
         self.launches = 0
         self.syncs = 0
         self._q: queue.Queue = queue.Queue()
@@ -376,10 +432,12 @@ class SimulatedGPU:
 # Mixed precision: what fp16's GradScaler costs in host synchronisations
 # ----------------------------------------------------------------------------------------
 
+
 def count_syncs(fn: Callable[[], Any]) -> int:
     """How many times ``fn()`` made the host wait for the GPU (``.item()``, ``.cpu()``, a
     blocking copy...): CUDA's sync debug mode reports each one; we count the reports. CUDA only."""
     import warnings
+
     if not torch.cuda.is_available():
         raise RuntimeError("count_syncs needs a CUDA GPU: there is nothing to synchronise with on a CPU")
     before = torch.cuda.get_sync_debug_mode()
@@ -393,8 +451,15 @@ def count_syncs(fn: Callable[[], Any]) -> int:
     return sum("synchroniz" in str(w.message).lower() for w in caught)
 
 
-def amp_step_costs(model: nn.Module, batch_size: int = 256, *, device: torch.device | str = "cuda",
-                   input_shape: tuple[int, ...] = (3, 32, 32), steps: int = 20, repeats: int = 5) -> dict[str, dict]:
+def amp_step_costs(
+    model: nn.Module,
+    batch_size: int = 256,
+    *,
+    device: torch.device | str = "cuda",
+    input_shape: tuple[int, ...] = (3, 32, 32),
+    steps: int = 20,
+    repeats: int = 5,
+) -> dict[str, dict]:
     """fp16 with ``GradScaler`` against bf16 without one, on a CUDA ``device``: host syncs per
     step and median seconds per step (:func:`time_fn`), plus the steps when fp16 is run *without*
     the scaler's check (for the timing only: unsafe to train with).
@@ -417,7 +482,7 @@ def amp_step_costs(model: nn.Module, batch_size: int = 256, *, device: torch.dev
         with torch.autocast("cuda", dtype=torch.float16):
             loss = nn.functional.cross_entropy(net(x), y)
         scaler.scale(loss).backward()
-        scaler.step(opt)                              # sync point: reads found_inf with .item()
+        scaler.step(opt)  # sync point: reads found_inf with .item()
         scaler.update()
         opt.zero_grad(set_to_none=True)
 
@@ -436,12 +501,13 @@ def amp_step_costs(model: nn.Module, batch_size: int = 256, *, device: torch.dev
         opt.zero_grad(set_to_none=True)
 
     from .device import bf16_supported
+
     variants = [("fp16 + GradScaler", fp16_scaled), ("fp16, no scaler", fp16_unscaled)]
-    if bf16_supported(device):                        # pre-Ampere GPUs only emulate bf16
+    if bf16_supported(device):  # pre-Ampere GPUs only emulate bf16
         variants.append(("bf16", bf16))
     out = {}
     for name, fn in variants:
-        fn()                                          # warm-up (cuDNN autotuning, allocation)
+        fn()  # warm-up (cuDNN autotuning, allocation)
         torch.cuda.synchronize(device)
         syncs = count_syncs(lambda fn=fn: [fn() for _ in range(steps)]) / steps
         t = time_fn(fn, warmup=1, repeats=repeats, number=steps, device=device)
@@ -452,6 +518,7 @@ def amp_step_costs(model: nn.Module, batch_size: int = 256, *, device: torch.dev
 # ----------------------------------------------------------------------------------------
 # Tables
 # ----------------------------------------------------------------------------------------
+
 
 def format_table(rows: Iterable[dict], columns: Sequence[tuple[str, str, str]]) -> str:
     """A plain-text table of dicts ``rows``; ``columns`` is a list of (key, header, format)."""

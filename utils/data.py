@@ -19,6 +19,7 @@ Loaders: :class:`DeviceLoader` keeps the whole dataset on the device and serves 
 shard by rank exactly as ``DistributedSampler`` does (same permutation, same padding), and
 both need ``set_epoch(epoch)`` to reshuffle, as ``DistributedSampler`` does (``fit`` calls it).
 """
+
 from __future__ import annotations
 
 import gzip
@@ -45,29 +46,37 @@ NUM_CLASSES = 10
 # Downloads: verified and atomic
 # ----------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class RemoteFile:
-    name: str               # file name in the data directory
-    urls: tuple[str, ...]   # mirrors, tried in order
+    name: str  # file name in the data directory
+    urls: tuple[str, ...]  # mirrors, tried in order
     md5: str
 
 
 FASHION_MNIST_FILES = tuple(
-    RemoteFile(name, (
-        "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/" + name,
-        "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/" + name,
-    ), md5)
+    RemoteFile(
+        name,
+        (
+            "http://fashion-mnist.s3-website.eu-central-1.amazonaws.com/" + name,
+            "https://raw.githubusercontent.com/zalandoresearch/fashion-mnist/master/data/fashion/" + name,
+        ),
+        md5,
+    )
     for name, md5 in [
         ("train-images-idx3-ubyte.gz", "8d4fb7e6c68d591d4c3dfef9ec88bf0d"),
         ("train-labels-idx1-ubyte.gz", "25c81989df183df01b3e8a0aad5dffbe"),
         ("t10k-images-idx3-ubyte.gz", "bef4ecab320f06d8554ea6380940ec79"),
         ("t10k-labels-idx1-ubyte.gz", "bb300cfdad3c16e7a12a480ee83cd310"),
-    ])
+    ]
+)
 
 CIFAR10_FILES = (
-    RemoteFile("cifar-10-python.tar.gz",
-               ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",),
-               "c58f30108f718f92721af3b95e74349a"),
+    RemoteFile(
+        "cifar-10-python.tar.gz",
+        ("https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz",),
+        "c58f30108f718f92721af3b95e74349a",
+    ),
 )
 
 
@@ -90,13 +99,14 @@ def md5sum(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
 
 
 def _by_hand(files, directory: Path) -> str:
-    return "\n".join(f"  {f.name}  (md5 {f.md5})  from {f.urls[0]}" for f in files) + \
-        f"\nDownload them on a machine with internet access and place them in {directory}/ " \
+    return (
+        "\n".join(f"  {f.name}  (md5 {f.md5})  from {f.urls[0]}" for f in files)
+        + f"\nDownload them on a machine with internet access and place them in {directory}/ "
         "(or set DATA_DIR to the folder that holds them)."
+    )
 
 
-def fetch(remote: RemoteFile, directory: str | os.PathLike, *, download: bool = True,
-          timeout: float = 60.0) -> Path:
+def fetch(remote: RemoteFile, directory: str | os.PathLike, *, download: bool = True, timeout: float = 60.0) -> Path:
     """Return the verified local copy of ``remote``, downloading it if needed.
 
     The download goes to ``NAME.part`` and is renamed only after its MD5 matches, so a file
@@ -110,10 +120,10 @@ def fetch(remote: RemoteFile, directory: str | os.PathLike, *, download: bool = 
         raise DatasetUnavailable(
             f"{final} exists but its MD5 is {md5sum(final)}, not {remote.md5}: the file is corrupt "
             f"or a different version. Delete it to download again, or replace it by hand:\n"
-            + _by_hand([remote], directory))
+            + _by_hand([remote], directory)
+        )
     if not download:
-        raise DatasetUnavailable(f"{final} is missing and downloading is off:\n"
-                                 + _by_hand([remote], directory))
+        raise DatasetUnavailable(f"{final} is missing and downloading is off:\n" + _by_hand([remote], directory))
     directory.mkdir(parents=True, exist_ok=True)
     part = directory / f"{remote.name}.part{os.getpid()}"
     errors = []
@@ -125,14 +135,15 @@ def fetch(remote: RemoteFile, directory: str | os.PathLike, *, download: bool = 
             if got != remote.md5:
                 errors.append(f"{url}: MD5 {got} does not match {remote.md5}")
                 continue
-            os.replace(part, final)        # atomic on one file system
+            os.replace(part, final)  # atomic on one file system
             return final
         except (urllib.error.URLError, OSError, ValueError) as e:
             errors.append(f"{url}: {e}")
         finally:
             part.unlink(missing_ok=True)
-    raise DatasetUnavailable(f"could not download {remote.name} ({'; '.join(errors)}).\n"
-                             + _by_hand([remote], directory))
+    raise DatasetUnavailable(
+        f"could not download {remote.name} ({'; '.join(errors)}).\n" + _by_hand([remote], directory)
+    )
 
 
 # ----------------------------------------------------------------------------------------
@@ -150,13 +161,13 @@ def read_idx(path: str | os.PathLike) -> np.ndarray:
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in _IDX_DTYPES:
         raise ValueError(f"{path} is not an IDX file (bad magic number {raw[:4].hex()})")
     ndim = raw[3]
-    shape = tuple(int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(ndim))
+    shape = tuple(int.from_bytes(raw[4 + 4 * i : 8 + 4 * i], "big") for i in range(ndim))
     dtype = np.dtype(_IDX_DTYPES[raw[2]])
     offset = 4 + 4 * ndim
     expected = offset + int(np.prod(shape)) * dtype.itemsize
     if len(raw) != expected:
         raise ValueError(f"{path}: header says {shape} ({expected} bytes) but the file has {len(raw)}")
-    return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(shape).copy()   # writable
+    return np.frombuffer(raw, dtype=dtype, offset=offset).reshape(shape).copy()  # writable
 
 
 def read_cifar10(archive: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -184,6 +195,7 @@ def read_cifar10(archive: str | os.PathLike) -> tuple[np.ndarray, np.ndarray, np
 # Datasets
 # ----------------------------------------------------------------------------------------
 
+
 @dataclass
 class Splits:
     train: TensorDataset
@@ -197,8 +209,10 @@ class Splits:
         return tuple(self.train.tensors[0].shape[1:])
 
     def __repr__(self):
-        return (f"Splits({self.name}: train {len(self.train)}, val {len(self.val)}, "
-                f"image {self.shape}, {self.num_classes} classes)")
+        return (
+            f"Splits({self.name}: train {len(self.train)}, val {len(self.val)}, "
+            f"image {self.shape}, {self.num_classes} classes)"
+        )
 
 
 def _subset(x, y, n, seed):
@@ -215,17 +229,21 @@ def _to_splits(name, x_tr, y_tr, x_va, y_va) -> Splits:
     mean = x_tr.mean(dims, keepdim=True)
     std = x_tr.std(dims, keepdim=True).clamp_min(1e-6)
     norm = lambda x: ((x - mean) / std).contiguous()  # noqa: E731
-    return Splits(TensorDataset(norm(x_tr), torch.as_tensor(y_tr, dtype=torch.int64)),
-                  TensorDataset(norm(x_va), torch.as_tensor(y_va, dtype=torch.int64)), name)
+    return Splits(
+        TensorDataset(norm(x_tr), torch.as_tensor(y_tr, dtype=torch.int64)),
+        TensorDataset(norm(x_va), torch.as_tensor(y_va, dtype=torch.int64)),
+        name,
+    )
 
 
 def load_digits(n_train: int | None = None, n_val: int | None = 397, seed: int = 0) -> Splits:
     """scikit-learn's 8x8 digits: a fixed shuffled split, ``n_val`` held out, the rest for training."""
     from sklearn.datasets import load_digits as _sk
+
     d = _sk()
-    x = d.images.astype(np.float32)[:, None]          # (1797, 1, 8, 8), values 0..16
+    x = d.images.astype(np.float32)[:, None]  # (1797, 1, 8, 8), values 0..16
     y = d.target.astype(np.int64)
-    order = np.random.default_rng(1234).permutation(len(y))   # fixed: val never leaks into train
+    order = np.random.default_rng(1234).permutation(len(y))  # fixed: val never leaks into train
     n_val = n_val or DIGITS_DEFAULT_N_VAL
     va, tr = order[:n_val], order[n_val:]
     x_tr, y_tr = _subset(x[tr], y[tr], n_train, seed)
@@ -241,8 +259,10 @@ def load_fashion_mnist(n_train=None, n_val=None, seed=0, root=None, download=Tru
         try:
             paths = [fetch(f, d, download=download) for f in FASHION_MNIST_FILES]
         except DatasetUnavailable as e:
-            raise DatasetUnavailable(f"Fashion-MNIST is not available: {str(e).splitlines()[0]}\n"
-                                     "All four files:\n" + _by_hand(FASHION_MNIST_FILES, d)) from None
+            raise DatasetUnavailable(
+                f"Fashion-MNIST is not available: {str(e).splitlines()[0]}\n"
+                "All four files:\n" + _by_hand(FASHION_MNIST_FILES, d)
+            ) from None
     xtr, ytr, xte, yte = (read_idx(p) for p in paths)
     x_tr, y_tr = _subset(xtr[:, None], ytr.astype(np.int64), n_train, seed)
     x_va, y_va = _subset(xte[:, None], yte.astype(np.int64), n_val, seed + 1)
@@ -264,8 +284,7 @@ def load_cifar10(n_train=None, n_val=None, seed=0, root=None, download=True) -> 
 def synthetic(n: int, shape=(3, 32, 32), num_classes: int = NUM_CLASSES, seed: int = 0) -> TensorDataset:
     """Random images and labels of any shape, for throughput work where content doesn't matter."""
     g = torch.Generator().manual_seed(seed)
-    return TensorDataset(torch.randn(n, *shape, generator=g),
-                         torch.randint(0, num_classes, (n,), generator=g))
+    return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, num_classes, (n,), generator=g))
 
 
 DATASETS = {"digits": load_digits, "fashion_mnist": load_fashion_mnist, "cifar10": load_cifar10}
@@ -284,7 +303,7 @@ def check_sizes(name: str, n_train: int | None, n_val: int | None) -> None:
         if n is not None and n < 0:
             raise ValueError(f"{what} = {n:,} is negative: {fix}")
     n_tr, n_va = DATASET_SIZES[name]
-    if n_va is None:        # one pool
+    if n_va is None:  # one pool
         val = n_val or DIGITS_DEFAULT_N_VAL
         if n_train and n_train + val > n_tr:
             raise ValueError(f"n_train + n_val = {n_train + val:,} but {name} has {n_tr:,} images: {fix}")
@@ -311,11 +330,10 @@ def load(name: str, n_train: int | None = None, n_val: int | None = None, seed: 
 # Stand-ins: learnable synthetic look-alikes, for machines without the internet
 # ----------------------------------------------------------------------------------------
 
-STANDIN_ENV = "LAB_DATA"                # LAB_DATA=standin switches them on; unset or "real": real data
+STANDIN_ENV = "LAB_DATA"  # LAB_DATA=standin switches them on; unset or "real": real data
 STANDIN_COMMAND = "python -m utils.data standins"
 STANDIN_NAMES = {"fashion_mnist": "Fashion-MNIST", "cifar10": "CIFAR-10"}
-STANDIN_FILES = {"fashion_mnist": tuple(f.name for f in FASHION_MNIST_FILES),
-                 "cifar10": (CIFAR10_FILES[0].name,)}
+STANDIN_FILES = {"fashion_mnist": tuple(f.name for f in FASHION_MNIST_FILES), "cifar10": (CIFAR10_FILES[0].name,)}
 CIFAR10_LABEL_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
@@ -326,8 +344,10 @@ def use_standins() -> bool:
         return False
     if v == "standin":
         return True
-    raise ValueError(f"{STANDIN_ENV}={v!r}: use {STANDIN_ENV}=standin for the synthetic stand-ins "
-                     f"(made by `{STANDIN_COMMAND}`), or leave it unset for the real datasets")
+    raise ValueError(
+        f"{STANDIN_ENV}={v!r}: use {STANDIN_ENV}=standin for the synthetic stand-ins "
+        f"(made by `{STANDIN_COMMAND}`), or leave it unset for the real datasets"
+    )
 
 
 def standin_dir(root: str | os.PathLike | None = None) -> Path:
@@ -336,8 +356,7 @@ def standin_dir(root: str | os.PathLike | None = None) -> Path:
 
 
 def standin_notice(name: str) -> str:
-    return (f"{STANDIN_NAMES[name]}: STAND-IN data (synthetic, made by `{STANDIN_COMMAND}`), "
-            f"not the real images")
+    return f"{STANDIN_NAMES[name]}: STAND-IN data (synthetic, made by `{STANDIN_COMMAND}`), not the real images"
 
 
 def _standin_paths(name: str, root=None) -> list[Path]:
@@ -349,7 +368,8 @@ def _standin_paths(name: str, root=None) -> list[Path]:
             f"{STANDIN_ENV}=standin but the {STANDIN_NAMES[name]} stand-in is missing from {d}/ "
             f"({', '.join(missing)}): run `{STANDIN_COMMAND}`"
             + (f" --root {data_dir(root)}" if root or os.environ.get("DATA_DIR") else "")
-            + f", or unset {STANDIN_ENV} for the real data")
+            + f", or unset {STANDIN_ENV} for the real data"
+        )
     return paths
 
 
@@ -371,12 +391,13 @@ def _class_templates(rng, shape, shift: int) -> np.ndarray:
         big /= big.max()
         for dy in range(2 * shift + 1):
             for dx in range(2 * shift + 1):
-                out[k, dy, dx] = big[:, dy:dy + h, dx:dx + w]
+                out[k, dy, dx] = big[:, dy : dy + h, dx : dx + w]
     return out
 
 
-def standin_images(n: int, shape, seed: int, *, shift: int = 3, blend: float = 0.45, noise: float = 0.25,
-                   templates_seed: int = 20) -> tuple[np.ndarray, np.ndarray]:
+def standin_images(
+    n: int, shape, seed: int, *, shift: int = 3, blend: float = 0.45, noise: float = 0.25, templates_seed: int = 20
+) -> tuple[np.ndarray, np.ndarray]:
     """``n`` uint8 images of ``shape`` (C, H, W) and balanced int64 labels 0..9.
 
     Image = (1 - a) * template[label] + a * template[other] (a uniform in [0, blend]), shifted by up
@@ -389,7 +410,7 @@ def standin_images(n: int, shape, seed: int, *, shift: int = 3, blend: float = 0
     s = 2 * shift + 1
     for lo in range(0, n, 5000):
         m = min(n, lo + 5000) - lo
-        yb = y[lo:lo + m]
+        yb = y[lo : lo + m]
         other = (yb + rng.integers(1, NUM_CLASSES, m)) % NUM_CLASSES
         dy, dx = rng.integers(0, s, m), rng.integers(0, s, m)
         a = rng.uniform(0, blend, m).astype(np.float32)[:, None, None, None]
@@ -397,7 +418,7 @@ def standin_images(n: int, shape, seed: int, *, shift: int = 3, blend: float = 0
         contrast = rng.uniform(0.5, 1.0, (m, 1, 1, 1)).astype(np.float32)
         background = rng.uniform(0.0, 0.3, (m, shape[0], 1, 1)).astype(np.float32)
         img = background + contrast * img + noise * rng.standard_normal(img.shape, dtype=np.float32)
-        x[lo:lo + m] = np.clip(img * 255, 0, 255).astype(np.uint8)
+        x[lo : lo + m] = np.clip(img * 255, 0, 255).astype(np.uint8)
     return x, y
 
 
@@ -431,8 +452,9 @@ def write_standins(root: str | os.PathLike | None = None, *, which=("fashion_mni
         d.mkdir(parents=True, exist_ok=True)
         xtr, ytr = standin_images(60_000, (1, 28, 28), seed=1)
         xte, yte = standin_images(10_000, (1, 28, 28), seed=2)
-        for name, a in zip(STANDIN_FILES["fashion_mnist"], (xtr[:, 0], ytr.astype(np.uint8),
-                                                            xte[:, 0], yte.astype(np.uint8))):
+        for name, a in zip(
+            STANDIN_FILES["fashion_mnist"], (xtr[:, 0], ytr.astype(np.uint8), xte[:, 0], yte.astype(np.uint8))
+        ):
             _write_atomic(d / name, lambda f, a=a: _gzip_to(f, _idx_bytes(a)))
             out.append(d / name)
     if "cifar10" in which:
@@ -440,45 +462,67 @@ def write_standins(root: str | os.PathLike | None = None, *, which=("fashion_mni
         d.mkdir(parents=True, exist_ok=True)
         xtr, ytr = standin_images(50_000, (3, 32, 32), seed=3)
         xte, yte = standin_images(10_000, (3, 32, 32), seed=4)
-        batches = [(f"data_batch_{i + 1}", xtr[i * 10_000:(i + 1) * 10_000], ytr[i * 10_000:(i + 1) * 10_000])
-                   for i in range(5)] + [("test_batch", xte, yte)]
-        meta = {b"label_names": [n.encode() for n in CIFAR10_LABEL_NAMES], b"num_cases_per_batch": 10_000,
-                b"num_vis": 3072}
+        batches = [
+            (f"data_batch_{i + 1}", xtr[i * 10_000 : (i + 1) * 10_000], ytr[i * 10_000 : (i + 1) * 10_000])
+            for i in range(5)
+        ] + [("test_batch", xte, yte)]
+        meta = {
+            b"label_names": [n.encode() for n in CIFAR10_LABEL_NAMES],
+            b"num_cases_per_batch": 10_000,
+            b"num_vis": 3072,
+        }
 
         def write(f):
-            with gzip.GzipFile(fileobj=f, mode="wb", compresslevel=1, mtime=0, filename="") as g, \
-                    tarfile.open(fileobj=g, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            with (
+                gzip.GzipFile(fileobj=f, mode="wb", compresslevel=1, mtime=0, filename="") as g,
+                tarfile.open(fileobj=g, mode="w", format=tarfile.USTAR_FORMAT) as tar,
+            ):
+
                 def add(name, obj):
                     raw = pickle.dumps(obj, protocol=2)
                     info = tarfile.TarInfo(f"cifar-10-batches-py/{name}")
                     info.size, info.mtime, info.mode = len(raw), 0, 0o644
                     tar.addfile(info, io.BytesIO(raw))
+
                 add("batches.meta", meta)
                 for name, x, y in batches:
-                    add(name, {b"batch_label": f"STAND-IN {name}".encode(), b"labels": y.tolist(),
-                               b"data": x.reshape(len(y), -1), b"filenames": [b"standin_%05d.png" % i
-                                                                            for i in range(len(y))]})
+                    add(
+                        name,
+                        {
+                            b"batch_label": f"STAND-IN {name}".encode(),
+                            b"labels": y.tolist(),
+                            b"data": x.reshape(len(y), -1),
+                            b"filenames": [b"standin_%05d.png" % i for i in range(len(y))],
+                        },
+                    )
+
         _write_atomic(d / CIFAR10_FILES[0].name, write)
         out.append(d / CIFAR10_FILES[0].name)
     readme = standin_dir(root) / "README.txt"
-    readme.write_text(f"Synthetic STAND-INS for Fashion-MNIST and CIFAR-10, made by `{STANDIN_COMMAND}`:\n"
-                      "class templates + blending + shifts + noise, NOT the real images. Used only with "
-                      f"{STANDIN_ENV}=standin.\n")
+    readme.write_text(
+        f"Synthetic STAND-INS for Fashion-MNIST and CIFAR-10, made by `{STANDIN_COMMAND}`:\n"
+        "class templates + blending + shifts + noise, NOT the real images. Used only with "
+        f"{STANDIN_ENV}=standin.\n"
+    )
     return out
 
 
 def main(argv=None) -> int:
     import argparse
+
     ap = argparse.ArgumentParser(prog="python -m utils.data", description="dataset tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
-    st = sub.add_parser("standins", help=f"write the synthetic stand-ins into DIR/standin/ (used only with "
-                                         f"{STANDIN_ENV}=standin)")
+    st = sub.add_parser(
+        "standins", help=f"write the synthetic stand-ins into DIR/standin/ (used only with {STANDIN_ENV}=standin)"
+    )
     st.add_argument("--root", default=None, help="data directory (default: $DATA_DIR, else ~/.cache/scaling-labs)")
     args = ap.parse_args(argv)
     for p in write_standins(args.root):
         print(p)
-    print(f"stand-ins written; use them with {STANDIN_ENV}=standin"
-          + (f" DATA_DIR={data_dir(args.root)}" if args.root else ""))
+    print(
+        f"stand-ins written; use them with {STANDIN_ENV}=standin"
+        + (f" DATA_DIR={data_dir(args.root)}" if args.root else "")
+    )
     return 0
 
 
@@ -486,8 +530,10 @@ def main(argv=None) -> int:
 # Loaders
 # ----------------------------------------------------------------------------------------
 
-def shard_indices(n: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = True,
-                  rank: int = 0, world_size: int = 1) -> torch.Tensor:
+
+def shard_indices(
+    n: int, *, epoch: int = 0, seed: int = 0, shuffle: bool = True, rank: int = 0, world_size: int = 1
+) -> torch.Tensor:
     """The indices ``DistributedSampler(num_replicas=world_size, rank=rank)`` yields for ``epoch``:
     one permutation seeded by ``seed + epoch``, padded by wrapping to a multiple of
     ``world_size``, then every ``world_size``-th index from ``rank``."""
@@ -519,7 +565,8 @@ class EpochLoader:
     and, in a wrapper (``self.loader`` set), passes ``epoch + self.epoch_offset`` on to the
     wrapped loader with :func:`set_epoch` (the loader, else its sampler or batch sampler).
     ``len`` of a wrapper is its loader's."""
-    loader = None          # the wrapped loader; None in a loader that owns its order
+
+    loader = None  # the wrapped loader; None in a loader that owns its order
     epoch = 0
     epoch_offset = 0
 
@@ -539,31 +586,46 @@ class DeviceLoader(EpochLoader):
     when the dataset fits in device memory.
     """
 
-    def __init__(self, dataset: TensorDataset, batch_size: int, *, shuffle: bool = True,
-                 drop_last: bool = False, device=None, rank: int = 0, world_size: int = 1,
-                 seed: int = 0):
+    def __init__(
+        self,
+        dataset: TensorDataset,
+        batch_size: int,
+        *,
+        shuffle: bool = True,
+        drop_last: bool = False,
+        device=None,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+    ):
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
         x, y = dataset.tensors
         self.device = torch.device(device) if device is not None else x.device
-        self.x, self.y = x.to(self.device), y.to(self.device)   # the one copy
+        self.x, self.y = x.to(self.device), y.to(self.device)  # the one copy
         self.batch_size, self.shuffle, self.drop_last = batch_size, shuffle, drop_last
         self.rank, self.world_size, self.seed, self.epoch = rank, world_size, seed, 0
         self.dataset = dataset
 
     def indices(self) -> torch.Tensor:
-        return shard_indices(len(self.y), epoch=self.epoch, seed=self.seed, shuffle=self.shuffle,
-                             rank=self.rank, world_size=self.world_size)
+        return shard_indices(
+            len(self.y),
+            epoch=self.epoch,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
 
     def __len__(self):
-        n = math.ceil(len(self.y) / self.world_size)     # shard size, as DistributedSampler pads
+        n = math.ceil(len(self.y) / self.world_size)  # shard size, as DistributedSampler pads
         return n // self.batch_size if self.drop_last else math.ceil(n / self.batch_size)
 
     def __iter__(self):
         idx = self.indices().to(self.device)
         stop = len(idx) - len(idx) % self.batch_size if self.drop_last else len(idx)
         for start in range(0, stop, self.batch_size):
-            b = idx[start:start + self.batch_size]
+            b = idx[start : start + self.batch_size]
             yield self.x[b], self.y[b]
 
 
@@ -572,7 +634,7 @@ def usable_cores() -> int:
     ``--cpus-per-task``), which can be far fewer than ``os.cpu_count()`` on a shared server."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
-    except (AttributeError, OSError):          # not Linux
+    except (AttributeError, OSError):  # not Linux
         return max(1, os.cpu_count() or 1)
 
 
@@ -597,22 +659,34 @@ def _check_shm(dataset, batch_size: int, workers: int, prefetch: int = 2) -> Non
     try:
         sample = dataset[0]
         item = sum(t.numel() * t.element_size() for t in sample if isinstance(t, torch.Tensor))
-    except Exception:                         # noqa: BLE001 - an unusual dataset: no estimate
+    except Exception:  # noqa: BLE001 - an unusual dataset: no estimate
         return
-    need = item * batch_size * workers * prefetch       # batches in flight through shared memory
+    need = item * batch_size * workers * prefetch  # batches in flight through shared memory
     if need > free:
         raise RuntimeError(
             f"{SHM_DIR} has {free / 2**20:,.0f} MiB free, but {workers} DataLoader workers keep about "
             f"{need / 2**20:,.0f} MiB of batches in it ({prefetch} batches of {batch_size} x "
             f"{item / 2**10:,.1f} KiB each per worker). In Docker, start the container with a bigger "
             f"--shm-size (e.g. --shm-size=8g) or --ipc=host; or use fewer workers, num_workers=0, or "
-            f"kind='device' (no workers at all).")
+            f"kind='device' (no workers at all)."
+        )
 
 
-def make_loader(dataset: TensorDataset, batch_size: int, *, kind: str = "device", shuffle: bool = True,
-                device=None, rank: int = 0, world_size: int = 1, seed: int = 0,
-                num_workers: int = 0, pin_memory: bool | None = None, drop_last: bool = False,
-                multiprocessing_context: str | None = None):
+def make_loader(
+    dataset: TensorDataset,
+    batch_size: int,
+    *,
+    kind: str = "device",
+    shuffle: bool = True,
+    device=None,
+    rank: int = 0,
+    world_size: int = 1,
+    seed: int = 0,
+    num_workers: int = 0,
+    pin_memory: bool | None = None,
+    drop_last: bool = False,
+    multiprocessing_context: str | None = None,
+):
     """A loader of either kind, sharded for ``rank`` of ``world_size``.
 
     ``kind="device"``: :class:`DeviceLoader`. ``kind="dataloader"``: ``DataLoader`` over a
@@ -631,8 +705,16 @@ def make_loader(dataset: TensorDataset, batch_size: int, *, kind: str = "device"
     * a clear error, before any worker starts, when /dev/shm is too small for the batches.
     """
     if kind == "device":
-        return DeviceLoader(dataset, batch_size, shuffle=shuffle, drop_last=drop_last, device=device,
-                            rank=rank, world_size=world_size, seed=seed)
+        return DeviceLoader(
+            dataset,
+            batch_size,
+            shuffle=shuffle,
+            drop_last=drop_last,
+            device=device,
+            rank=rank,
+            world_size=world_size,
+            seed=seed,
+        )
     if kind != "dataloader":
         raise ValueError(f"unknown loader kind {kind!r}; use 'device' or 'dataloader'")
     sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle, seed=seed)
@@ -643,13 +725,22 @@ def make_loader(dataset: TensorDataset, batch_size: int, *, kind: str = "device"
     if workers > 0:
         tensors = getattr(dataset, "tensors", None) or getattr(getattr(dataset, "dataset", None), "tensors", ())
         if any(isinstance(t, torch.Tensor) and t.device.type != "cpu" for t in tensors):
-            raise ValueError("this dataset's tensors are on the GPU, so DataLoader workers would have to use "
-                             "CUDA in child processes; use kind='device' (batches are slices on the GPU, no "
-                             "workers needed) or num_workers=0")
+            raise ValueError(
+                "this dataset's tensors are on the GPU, so DataLoader workers would have to use "
+                "CUDA in child processes; use kind='device' (batches are slices on the GPU, no "
+                "workers needed) or num_workers=0"
+            )
         _check_shm(dataset, batch_size, workers)
-    return DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers,
-                      pin_memory=pin_memory, drop_last=drop_last, persistent_workers=workers > 0,
-                      multiprocessing_context=multiprocessing_context if workers > 0 else None)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        drop_last=drop_last,
+        persistent_workers=workers > 0,
+        multiprocessing_context=multiprocessing_context if workers > 0 else None,
+    )
 
 
 if __name__ == "__main__":

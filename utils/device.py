@@ -1,4 +1,5 @@
 """Choosing a device, and describing the hardware a result was measured on."""
+
 from __future__ import annotations
 
 import contextlib
@@ -7,7 +8,7 @@ import platform
 
 import torch
 
-_NULL = contextlib.nullcontext()      # reusable: entering it does nothing
+_NULL = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 def get_device(prefer: str | None = None) -> torch.device:
@@ -16,8 +17,10 @@ def get_device(prefer: str | None = None) -> torch.device:
     if prefer:
         dev = torch.device(prefer)
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError(f"device {prefer!r} was asked for but CUDA is not available here; "
-                               "use get_device() to fall back to the CPU")
+            raise RuntimeError(
+                f"device {prefer!r} was asked for but CUDA is not available here; "
+                "use get_device() to fall back to the CPU"
+            )
         return dev
     if torch.cuda.is_available():
         return torch.device("cuda")
@@ -36,12 +39,18 @@ def bf16_supported(device: torch.device | str | None = None) -> bool:
         return device.type == "cpu"
     try:
         return bool(torch.cuda.is_bf16_supported(including_emulation=False))
-    except TypeError:                         # torch < 2.5: no emulation argument
+    except TypeError:  # torch < 2.5: no emulation argument
         return bool(torch.cuda.is_bf16_supported())
 
 
-_AMP_DTYPES = {"fp32": None, "float32": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-               "fp16": torch.float16, "float16": torch.float16}
+_AMP_DTYPES = {
+    "fp32": None,
+    "float32": None,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+}
 
 
 def resolve_amp_dtype(amp: torch.dtype | str | None) -> tuple[torch.dtype | None, str]:
@@ -76,7 +85,7 @@ def synchronize(device: torch.device | str | None = None) -> None:
         torch.mps.synchronize()
 
 
-CUBLAS_WORKSPACE = ":4096:8"     # cuBLAS's deterministic workspace setting (see CUDA's docs)
+CUBLAS_WORKSPACE = ":4096:8"  # cuBLAS's deterministic workspace setting (see CUDA's docs)
 
 
 def set_deterministic() -> dict:
@@ -94,9 +103,11 @@ def set_deterministic() -> dict:
     a deterministic kernel raise (e.g. NLL loss on CUDA), where these settings suffice for the
     layers of this series. On the CPU these settings change nothing; CPU training repeats
     exactly anyway. Returns the settings as they were before."""
-    before = {"cudnn.deterministic": torch.backends.cudnn.deterministic,
-              "cudnn.benchmark": torch.backends.cudnn.benchmark,
-              "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG")}
+    before = {
+        "cudnn.deterministic": torch.backends.cudnn.deterministic,
+        "cudnn.benchmark": torch.backends.cudnn.benchmark,
+        "CUBLAS_WORKSPACE_CONFIG": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
@@ -117,6 +128,7 @@ def cpu_model() -> str:
 def _driver_version() -> str | None:
     try:
         import pynvml
+
         pynvml.nvmlInit()
         try:
             v = pynvml.nvmlSystemGetDriverVersion()
@@ -144,26 +156,31 @@ def describe_hardware() -> dict:
         info["driver"] = _driver_version()
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
-            info["gpus"].append({
-                "index": i,
-                "name": p.name,
-                "memory_gib": round(p.total_memory / 2**30, 1),
-                "capability": f"{p.major}.{p.minor}",
-                "multiprocessors": p.multi_processor_count,
-            })
+            info["gpus"].append(
+                {
+                    "index": i,
+                    "name": p.name,
+                    "memory_gib": round(p.total_memory / 2**30, 1),
+                    "capability": f"{p.major}.{p.minor}",
+                    "multiprocessors": p.multi_processor_count,
+                }
+            )
     return info
 
 
 def hardware_summary(info: dict | None = None) -> str:
     """A few printable lines for a notebook's setup cell."""
     info = info or describe_hardware()
-    lines = [f"CPU    {info['cpu']} ({info['cpu_cores']} cores, torch uses {info['torch_threads']} threads)",
-             f"torch  {info['torch']}  python {info['python']}  CUDA {info['cuda'] or '-'}"
-             f"  cuDNN {info['cudnn'] or '-'}"]
+    lines = [
+        f"CPU    {info['cpu']} ({info['cpu_cores']} cores, torch uses {info['torch_threads']} threads)",
+        f"torch  {info['torch']}  python {info['python']}  CUDA {info['cuda'] or '-'}  cuDNN {info['cudnn'] or '-'}",
+    ]
     if info["gpus"]:
         for g in info["gpus"]:
-            lines.append(f"GPU {g['index']}  {g['name']}, {g['memory_gib']} GiB, compute {g['capability']},"
-                         f" {g['multiprocessors']} SMs, driver {info['driver'] or 'unknown'}")
+            lines.append(
+                f"GPU {g['index']}  {g['name']}, {g['memory_gib']} GiB, compute {g['capability']},"
+                f" {g['multiprocessors']} SMs, driver {info['driver'] or 'unknown'}"
+            )
     else:
         lines.append("GPU    none (CUDA not available): runs use the CPU")
     return "\n".join(lines)

@@ -43,6 +43,7 @@ It fits one 10-minute session on one GPU with no datasets:
 It needs PyTorch, and nbclient + ipykernel for the notebooks: on a GPU server without Jupyter,
 install the Jupyter wheels you fetched for it (see README, "Before class") into ``.site``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -61,9 +62,11 @@ from typing import Any
 
 try:
     import torch
-except ImportError:             # GPU_PY (or python3) without PyTorch: say what to do, no traceback
-    sys.exit(f"gpu-check: {sys.executable} has no PyTorch. Run `make gpu-check` (it makes .venv when "
-             "python3 has no PyTorch), or point GPU_PY=/path/to/python at an interpreter that has it.")
+except ImportError:  # GPU_PY (or python3) without PyTorch: say what to do, no traceback
+    sys.exit(
+        f"gpu-check: {sys.executable} has no PyTorch. Run `make gpu-check` (it makes .venv when "
+        "python3 has no PyTorch), or point GPU_PY=/path/to/python at an interpreter that has it."
+    )
 
 ROOT = Path(__file__).resolve().parents[1]
 STATUSES = ("pass", "fail", "skip")
@@ -77,7 +80,7 @@ class Skip(Exception):
 @dataclass
 class CheckResult:
     name: str
-    status: str                   # pass | fail | skip
+    status: str  # pass | fail | skip
     seconds: float
     detail: str
 
@@ -85,7 +88,7 @@ class CheckResult:
 @dataclass
 class Check:
     name: str
-    fn: object                    # fn(ctx) -> detail string; raises Skip or fails by raising
+    fn: object  # fn(ctx) -> detail string; raises Skip or fails by raising
     what: str = ""
 
 
@@ -93,16 +96,18 @@ class Check:
 # Hardware
 # ----------------------------------------------------------------------------------------
 
+
 def hardware() -> dict:
     """utils.device.describe_hardware() plus NCCL's version and the CPU cores we may use."""
     from .device import describe_hardware
+
     info = describe_hardware()
     info["nccl"] = None
     if torch.cuda.is_available():
         try:
             v = torch.cuda.nccl.version()
             info["nccl"] = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception:                    # noqa: BLE001 - a build without NCCL
+        except Exception:  # noqa: BLE001 - a build without NCCL
             info["nccl"] = None
     try:
         info["usable_cores"] = len(os.sched_getaffinity(0))
@@ -121,12 +126,16 @@ def device_label(info: dict) -> str:
 
 
 def hardware_lines(info: dict) -> list[str]:
-    lines = [f"torch {info['torch']}  CUDA {info['cuda'] or '-'}  cuDNN {info['cudnn'] or '-'}  "
-             f"NCCL {info['nccl'] or '-'}  driver {info['driver'] or '-'}  python {info['python']}",
-             f"CPU {info['cpu']}: {info['cpu_cores']} cores, {info['usable_cores']} usable by this process"]
+    lines = [
+        f"torch {info['torch']}  CUDA {info['cuda'] or '-'}  cuDNN {info['cudnn'] or '-'}  "
+        f"NCCL {info['nccl'] or '-'}  driver {info['driver'] or '-'}  python {info['python']}",
+        f"CPU {info['cpu']}: {info['cpu_cores']} cores, {info['usable_cores']} usable by this process",
+    ]
     for g in info.get("gpus") or []:
-        lines.append(f"GPU {g['index']}: {g['name']}, compute capability {g['capability']}, "
-                     f"{g['memory_gib']} GiB, {g['multiprocessors']} SMs")
+        lines.append(
+            f"GPU {g['index']}: {g['name']}, compute capability {g['capability']}, "
+            f"{g['memory_gib']} GiB, {g['multiprocessors']} SMs"
+        )
     if not info.get("gpus"):
         lines.append("GPU: none visible (CUDA not available): CPU mode, notebooks in the smoke profile")
     return lines
@@ -135,6 +144,7 @@ def hardware_lines(info: dict) -> list[str]:
 # ----------------------------------------------------------------------------------------
 # Running checks and writing the report
 # ----------------------------------------------------------------------------------------
+
 
 def _write_json(path: Path, obj) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -146,12 +156,18 @@ class Report:
     def __init__(self, out: Path, info: dict, mode: str, profile: str):
         self.out, self.info, self.mode, self.profile = Path(out), info, mode, profile
         self.results: list[CheckResult] = []
-        self.extra: dict = {}                # profile_reason, offline, datasets_missing, budget_s
+        self.extra: dict = {}  # profile_reason, offline, datasets_missing, budget_s
         self.out.mkdir(parents=True, exist_ok=True)
 
     def as_dict(self) -> dict:
-        return {"device": device_label(self.info), "mode": self.mode, "profile": self.profile, **self.extra,
-                "hardware": self.info, "checks": [asdict(r) for r in self.results]}
+        return {
+            "device": device_label(self.info),
+            "mode": self.mode,
+            "profile": self.profile,
+            **self.extra,
+            "hardware": self.info,
+            "checks": [asdict(r) for r in self.results],
+        }
 
     def write(self) -> None:
         _write_json(self.out / "report.json", self.as_dict())
@@ -164,23 +180,33 @@ class Report:
         t0 = time.perf_counter()
         left = ctx.remaining()
         if left < MIN_START_S:
-            return self._record(check, "skip", t0, f"not run: the time budget (--budget-s {ctx.budget_s:g}) is "
-                                f"spent, {ctx.budget_s - left:.0f} s elapsed ({left:.0f} s left, a check starts "
-                                f"with at least {MIN_START_S:g} s)")
+            return self._record(
+                check,
+                "skip",
+                t0,
+                f"not run: the time budget (--budget-s {ctx.budget_s:g}) is "
+                f"spent, {ctx.budget_s - left:.0f} s elapsed ({left:.0f} s left, a check starts "
+                f"with at least {MIN_START_S:g} s)",
+            )
         print(f"[....] {check.name}", flush=True)
         try:
             detail, status = str(check.fn(ctx) or ""), "pass"
         except Skip as e:
             detail, status = str(e), "skip"
-        except BaseException as e:          # noqa: BLE001 - a failing check is a result, not a crash
+        except BaseException as e:  # noqa: BLE001 - a failing check is a result, not a crash
             if isinstance(e, KeyboardInterrupt):
                 raise
             if _is_timeout(e) and ctx.remaining() < BUDGET_MARGIN_S + 1:
-                return self._record(check, "skip", t0, f"stopped by the time budget (--budget-s {ctx.budget_s:g}) "
-                                    f"after {time.perf_counter() - t0:.0f} s: {type(e).__name__}")
+                return self._record(
+                    check,
+                    "skip",
+                    t0,
+                    f"stopped by the time budget (--budget-s {ctx.budget_s:g}) "
+                    f"after {time.perf_counter() - t0:.0f} s: {type(e).__name__}",
+                )
             tb = traceback.format_exc().strip().splitlines()
             detail, status = f"{type(e).__name__}: {e}\n" + "\n".join(tb[-12:]), "fail"
-            detail = ANSI.sub("", detail)            # a notebook's traceback comes coloured
+            detail = ANSI.sub("", detail)  # a notebook's traceback comes coloured
         return self._record(check, status, t0, detail)
 
     def _record(self, check: Check, status: str, t0: float, detail: str) -> CheckResult:
@@ -188,13 +214,14 @@ class Report:
         self.results.append(r)
         self.write()
         first = detail.strip().splitlines()[0] if detail.strip() else ""
-        print(f"[{status.upper():4s}] {check.name} ({r.seconds:.1f} s){': ' + first[:160] if first else ''}",
-              flush=True)
+        print(
+            f"[{status.upper():4s}] {check.name} ({r.seconds:.1f} s){': ' + first[:160] if first else ''}", flush=True
+        )
         return r
 
 
-MIN_START_S = 10.0        # a check starts only with this much of the budget left
-BUDGET_MARGIN_S = 5.0     # a timeout derived from the budget ends this long before it
+MIN_START_S = 10.0  # a check starts only with this much of the budget left
+BUDGET_MARGIN_S = 5.0  # a timeout derived from the budget ends this long before it
 
 
 def _is_timeout(e: BaseException) -> bool:
@@ -207,9 +234,17 @@ class BudgetSpent(Exception):
     """Raised by a check that finds too little of the budget left to go on."""
 
 
-def run_checks(checks: list[Check], out: str | os.PathLike, *, info: dict | None = None, mode: str | None = None,
-               profile: str | None = None, ctx_extra: dict[str, Any] | None = None,
-               budget_s: float | None = None, started: float | None = None) -> tuple[Report, int]:
+def run_checks(
+    checks: list[Check],
+    out: str | os.PathLike,
+    *,
+    info: dict | None = None,
+    mode: str | None = None,
+    profile: str | None = None,
+    ctx_extra: dict[str, Any] | None = None,
+    budget_s: float | None = None,
+    started: float | None = None,
+) -> tuple[Report, int]:
     """Run ``checks`` (a list of :class:`Check`), write ``out/report.json``, return (report, exit code).
     ``budget_s``: seconds for all of them (None: no limit), counted from ``started`` (a
     ``time.perf_counter()`` value; default now); see the module's docstring."""
@@ -220,8 +255,15 @@ def run_checks(checks: list[Check], out: str | os.PathLike, *, info: dict | None
     extra = dict(ctx_extra or {})
     report.extra = {k: extra.pop(k) for k in ("profile_reason", "offline", "datasets_missing") if k in extra}
     report.extra["budget_s"] = budget_s
-    ctx = Context(Path(out), mode, profile, info, budget_s=budget_s if budget_s is not None else float("inf"),
-                  t0=started if started is not None else time.perf_counter(), **{k: v for k, v in extra.items() if k in ("offline", "missing", "full_bench")})
+    ctx = Context(
+        Path(out),
+        mode,
+        profile,
+        info,
+        budget_s=budget_s if budget_s is not None else float("inf"),
+        t0=started if started is not None else time.perf_counter(),
+        **{k: v for k, v in extra.items() if k in ("offline", "missing", "full_bench")},
+    )
     report.write()
     for check in checks:
         report.run(check, ctx)
@@ -231,13 +273,13 @@ def run_checks(checks: list[Check], out: str | os.PathLike, *, info: dict | None
 @dataclass
 class Context:
     out: Path
-    mode: str                     # "gpu" or "cpu"
-    profile: str                  # the notebooks' LAB_PROFILE
+    mode: str  # "gpu" or "cpu"
+    profile: str  # the notebooks' LAB_PROFILE
     info: dict
-    budget_s: float = float("inf")    # seconds for the whole run
-    offline: bool = False             # no network: nothing may wait on a download
-    missing: tuple = ()               # datasets not on disk ("cifar10", "fashion_mnist")
-    full_bench: bool = False          # the benchmarks' full arguments (else quick)
+    budget_s: float = float("inf")  # seconds for the whole run
+    offline: bool = False  # no network: nothing may wait on a download
+    missing: tuple = ()  # datasets not on disk ("cifar10", "fashion_mnist")
+    full_bench: bool = False  # the benchmarks' full arguments (else quick)
     t0: float = field(default_factory=time.perf_counter)
 
     def remaining(self) -> float:
@@ -260,15 +302,17 @@ class Context:
 
     def need_gpus(self, n: int = 1, what: str = "this check") -> None:
         if self.n_gpus < n:
-            raise Skip(f"{what} needs {n} GPU(s); this machine shows {self.n_gpus}"
-                       + (" (CUDA not available)" if not torch.cuda.is_available() else ""))
+            raise Skip(
+                f"{what} needs {n} GPU(s); this machine shows {self.n_gpus}"
+                + (" (CUDA not available)" if not torch.cuda.is_available() else "")
+            )
 
 
 # ----------------------------------------------------------------------------------------
 # The checks
 # ----------------------------------------------------------------------------------------
 
-UNREACHABLE_PROXY = "http://127.0.0.1:9"    # the discard port: nothing listens, a connection is refused at once
+UNREACHABLE_PROXY = "http://127.0.0.1:9"  # the discard port: nothing listens, a connection is refused at once
 
 
 def _env_for_children(profile: str, offline: bool = False) -> dict:
@@ -292,6 +336,7 @@ def _env_for_children(profile: str, offline: bool = False) -> dict:
 def _normalised_code_cells(path: Path) -> list[str]:
     """The notebook's code cells, comments, blank lines and surrounding whitespace dropped."""
     import json as _json
+
     out = []
     for cell in _json.loads(path.read_text())["cells"]:
         if cell["cell_type"] != "code":
@@ -322,11 +367,13 @@ def solution_differs(solution: Path) -> bool:
 def notebook_paths() -> list[Path]:
     """Every demo, then the solutions whose code differs from their demo's (see solution_differs)."""
     return sorted((ROOT / "notebooks").glob("*.ipynb")) + [
-        p for p in sorted((ROOT / "solutions").glob("*.ipynb")) if solution_differs(p)]
+        p for p in sorted((ROOT / "solutions").glob("*.ipynb")) if solution_differs(p)
+    ]
 
 
-def execute_notebook(src: Path, dest: Path, profile: str, timeout: float = 1200, *, deadline: float | None = None,
-                     offline: bool = False) -> str:
+def execute_notebook(
+    src: Path, dest: Path, profile: str, timeout: float = 1200, *, deadline: float | None = None, offline: bool = False
+) -> str:
     """Run ``src`` top to bottom in a fresh kernel (nbclient), save it with outputs at ``dest``.
     Raises on the first failing cell, after saving what ran. ``timeout``: seconds per cell;
     ``deadline``: a ``time.perf_counter()`` value no cell may run past (the budget)."""
@@ -337,18 +384,25 @@ def execute_notebook(src: Path, dest: Path, profile: str, timeout: float = 1200,
         raise RuntimeError(
             f"cannot execute notebooks: {e}. On a server without Jupyter, install the wheels first: "
             "python3 -m pip install -q --no-index --no-deps --no-compile --target .site "
-            "<the folder of Jupyter wheels>/*.whl (see README, 'Before class')") from None
+            "<the folder of Jupyter wheels>/*.whl (see README, 'Before class')"
+        ) from None
     nb = nbformat.read(str(src), as_version=4)
     saved = dict(os.environ)
     os.environ.clear()
-    os.environ.update(_env_for_children(profile, offline))     # the kernel inherits this environment
+    os.environ.update(_env_for_children(profile, offline))  # the kernel inherits this environment
 
     def cell_timeout(cell):
         left = timeout if deadline is None else deadline - time.perf_counter()
         return max(1, int(min(timeout, left)))
-    client = nbclient.NotebookClient(nb, timeout=timeout, timeout_func=cell_timeout, kernel_name="python3",
-                                      resources={"metadata": {"path": str(src.parent)}},
-                                      extra_arguments=["--IPKernelApp.log_level=ERROR"])   # no TCP notice
+
+    client = nbclient.NotebookClient(
+        nb,
+        timeout=timeout,
+        timeout_func=cell_timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(src.parent)}},
+        extra_arguments=["--IPKernelApp.log_level=ERROR"],
+    )  # no TCP notice
     try:
         client.execute()
     finally:
@@ -356,8 +410,12 @@ def execute_notebook(src: Path, dest: Path, profile: str, timeout: float = 1200,
         os.environ.update(saved)
         dest.parent.mkdir(parents=True, exist_ok=True)
         nbformat.write(nb, str(dest))
-    stderr = sum(1 for c in nb.cells for o in c.get("outputs", [])
-                 if o.get("output_type") == "stream" and o.get("name") == "stderr")
+    stderr = sum(
+        1
+        for c in nb.cells
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "stream" and o.get("name") == "stderr"
+    )
     code = sum(c.cell_type == "code" for c in nb.cells)
     return f"{code} code cells ran in the {profile} profile; {stderr} stderr output(s); saved {dest}"
 
@@ -367,19 +425,29 @@ def _notebook_check(path: Path) -> Check:
 
     def fn(ctx):
         dest = ctx.out / "notebooks" / f"{rel.parent.name}__{rel.name}"
-        ctx.timeout(1200)                                    # BudgetSpent when too little is left
+        ctx.timeout(1200)  # BudgetSpent when too little is left
         if ctx.profile == "gpu" and ctx.missing and ctx.offline:
-            raise Skip(f"the gpu profile needs {', '.join(ctx.missing)}, missing, and this machine is offline "
-                       "(see the datasets check); LAB_PROFILE=smoke runs the notebooks without them")
+            raise Skip(
+                f"the gpu profile needs {', '.join(ctx.missing)}, missing, and this machine is offline "
+                "(see the datasets check); LAB_PROFILE=smoke runs the notebooks without them"
+            )
         return execute_notebook(path, dest, ctx.profile, 1200, deadline=ctx.deadline(), offline=ctx.offline)
+
     return Check(f"notebook {rel}", fn, "runs top to bottom (gpu profile on a GPU, smoke without)")
 
 
 def _run(cmd, ctx, timeout, log: Path) -> str:
     """Run ``cmd``; its timeout is ``timeout`` or what is left of the budget, whichever is less."""
     log.parent.mkdir(parents=True, exist_ok=True)
-    p = subprocess.run(cmd, cwd=ROOT, env=_env_for_children(ctx.profile, ctx.offline), stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True, timeout=ctx.timeout(timeout))
+    p = subprocess.run(
+        cmd,
+        cwd=ROOT,
+        env=_env_for_children(ctx.profile, ctx.offline),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=ctx.timeout(timeout),
+    )
     log.write_text(p.stdout)
     if p.returncode != 0:
         raise RuntimeError(f"{' '.join(map(str, cmd))} exited with {p.returncode}:\n{p.stdout[-2000:]}")
@@ -401,9 +469,12 @@ def _bench_args(name, ctx) -> list[str]:
 
 def check_bench_throughput(ctx: Context) -> str:
     out = ctx.out / "bench" / "throughput.json"
-    text = _run([sys.executable, "benchmarks/throughput.py", *_bench_args("throughput", ctx), "--out", str(out)],
-                ctx, 600,
-                ctx.out / "bench" / "throughput.txt")
+    text = _run(
+        [sys.executable, "benchmarks/throughput.py", *_bench_args("throughput", ctx), "--out", str(out)],
+        ctx,
+        600,
+        ctx.out / "bench" / "throughput.txt",
+    )
     res = json.loads(out.read_text())
     if not res.get("rows"):
         raise RuntimeError(f"{out} holds no rows")
@@ -412,14 +483,22 @@ def check_bench_throughput(ctx: Context) -> str:
 
 
 def check_bench_loop(ctx: Context) -> str:
-    text = _run([sys.executable, "benchmarks/train_loop_overhead.py", *_bench_args("train_loop_overhead", ctx)],
-                ctx, 600, ctx.out / "bench" / "train_loop_overhead.txt")
+    text = _run(
+        [sys.executable, "benchmarks/train_loop_overhead.py", *_bench_args("train_loop_overhead", ctx)],
+        ctx,
+        600,
+        ctx.out / "bench" / "train_loop_overhead.txt",
+    )
     return text.strip().splitlines()[-1] if text.strip() else ""
 
 
 def check_bench_optimizer(ctx: Context) -> str:
-    text = _run([sys.executable, "benchmarks/optimizer_step.py", *_bench_args("optimizer_step", ctx)], ctx, 600,
-                ctx.out / "bench" / "optimizer_step.txt")
+    text = _run(
+        [sys.executable, "benchmarks/optimizer_step.py", *_bench_args("optimizer_step", ctx)],
+        ctx,
+        600,
+        ctx.out / "bench" / "optimizer_step.txt",
+    )
     return text.strip().splitlines()[-1] if text.strip() else ""
 
 
@@ -436,12 +515,14 @@ def _same_replicas(res) -> bool:
 
 def check_ddp_nccl(ctx: Context) -> str:
     from . import ddp_train, parallel
+
     ctx.need_gpus(1, "DDP with NCCL")
     if not torch.distributed.is_nccl_available():
         raise Skip("this PyTorch build has no NCCL")
     n = ctx.n_gpus
-    res = parallel.launch(ddp_train.train, n, _ddp_cfg(n_train=64 * n * 4), backend="nccl", timeout=ctx.timeout(300),
-                          stream=False)
+    res = parallel.launch(
+        ddp_train.train, n, _ddp_cfg(n_train=64 * n * 4), backend="nccl", timeout=ctx.timeout(300), stream=False
+    )
     if not all(r["backend"] == "nccl" for r in res) or not _same_replicas(res):
         raise RuntimeError(f"backends {[r['backend'] for r in res]}, replicas identical: {_same_replicas(res)}")
     devs = sorted(r["device"] for r in res)
@@ -452,9 +533,11 @@ def check_ddp_nccl(ctx: Context) -> str:
 
 def check_ddp_gloo_shared_gpu(ctx: Context) -> str:
     from . import ddp_train, parallel
+
     ctx.need_gpus(1, "gloo ranks sharing one GPU")
-    res = parallel.launch(ddp_train.train, 2, _ddp_cfg(device="cuda:0"), backend="gloo", timeout=ctx.timeout(300),
-                          stream=False)
+    res = parallel.launch(
+        ddp_train.train, 2, _ddp_cfg(device="cuda:0"), backend="gloo", timeout=ctx.timeout(300), stream=False
+    )
     devs = [r["device"] for r in res]
     if devs != ["cuda:0", "cuda:0"] or not _same_replicas(res):
         raise RuntimeError(f"devices {devs}, replicas identical: {_same_replicas(res)}")
@@ -463,20 +546,25 @@ def check_ddp_gloo_shared_gpu(ctx: Context) -> str:
 
 def check_ddp_gloo_cpu(ctx: Context) -> str:
     from . import ddp_train, parallel
-    res = parallel.launch(ddp_train.train, 2, _ddp_cfg(device="cpu"), backend="gloo", timeout=ctx.timeout(300),
-                          stream=False)
+
+    res = parallel.launch(
+        ddp_train.train, 2, _ddp_cfg(device="cpu"), backend="gloo", timeout=ctx.timeout(300), stream=False
+    )
     if not _same_replicas(res):
         raise RuntimeError("the two replicas differ after training")
     losses = [e["train_loss"] for e in res[0]["history"]["epochs"]]
     if not losses[-1] < losses[0]:
         raise RuntimeError(f"the training loss did not go down: {losses}")
-    return (f"2 gloo ranks on the CPU, replicas identical, training loss {losses[0]:.3f} -> {losses[-1]:.3f} "
-            f"over {res[0]['history']['steps']} steps (a short run: it shows DDP trains, not how well)")
+    return (
+        f"2 gloo ranks on the CPU, replicas identical, training loss {losses[0]:.3f} -> {losses[-1]:.3f} "
+        f"over {res[0]['history']['steps']} steps (a short run: it shows DDP trains, not how well)"
+    )
 
 
 def ring_worker(sizes: list[int]) -> dict[str, Any]:
     """A rank: the hand ring against torch's all_reduce, on this rank's device."""
     from . import parallel
+
     ctx = parallel.setup()
     out = []
     for n in sizes:
@@ -491,7 +579,8 @@ def ring_worker(sizes: list[int]) -> dict[str, Any]:
 
 def check_ring(ctx: Context) -> str:
     from utils import parallel
-    from utils.gpucheck import ring_worker      # by its module name, also when this runs as __main__
+    from utils.gpucheck import ring_worker  # by its module name, also when this runs as __main__
+
     sizes = [1, 7, 1000, 1 << 20]
     if ctx.n_gpus >= 2 and torch.distributed.is_nccl_available():
         n, backend = ctx.n_gpus, "nccl"
@@ -509,8 +598,12 @@ def check_resume(ctx: Context) -> str:
     """Crash mid-run, resume from the checkpoint, compare with the uninterrupted run, bit for bit
     (utils.ddp_train sets cuDNN/cuBLAS to deterministic; utils.device.set_deterministic)."""
     from . import ddp_train
-    saved = {k: os.environ.pop(k) for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
-             if k in os.environ}
+
+    saved = {
+        k: os.environ.pop(k)
+        for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK")
+        if k in os.environ
+    }
     dev = "cuda" if ctx.n_gpus else "cpu"
     cfg = dict(n_train=256, n_val=64, batch_size=32, epochs=3, width=16, evaluate=False, device=dev)
     try:
@@ -535,11 +628,19 @@ def check_resume(ctx: Context) -> str:
 def _amp_fit(dev, amp_dtype):
     from . import data, models
     from .train import fit
+
     torch.manual_seed(0)
     ds = data.synthetic(256, shape=(3, 32, 32))
     net = models.Net(32)
-    h = fit(net, data.make_loader(ds, 64, device=dev), torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
-            epochs=2, device=dev, amp_dtype=amp_dtype, progress=False)
+    h = fit(
+        net,
+        data.make_loader(ds, 64, device=dev),
+        torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9),
+        epochs=2,
+        device=dev,
+        amp_dtype=amp_dtype,
+        progress=False,
+    )
     losses = h.step_loss
     if not all(map(lambda v: v == v and abs(v) < 1e4, losses)):
         raise RuntimeError(f"non-finite losses under {amp_dtype}: {losses}")
@@ -548,17 +649,21 @@ def _amp_fit(dev, amp_dtype):
 
 def check_amp_bf16(ctx: Context) -> str:
     from .device import bf16_supported
+
     dev = torch.device("cuda", 0) if ctx.n_gpus else torch.device("cpu")
     if not bf16_supported(dev):
         cap = ctx.info["gpus"][0]["capability"]
-        raise Skip(f"{ctx.info['gpus'][0]['name']} (compute capability {cap}) has no native bf16 "
-                   "(Ampere, 8.0, and newer do); notebook 02 leaves bf16 out there")
+        raise Skip(
+            f"{ctx.info['gpus'][0]['name']} (compute capability {cap}) has no native bf16 "
+            "(Ampere, 8.0, and newer do); notebook 02 leaves bf16 out there"
+        )
     h = _amp_fit(dev, torch.bfloat16)
     return f"bf16 autocast on {dev}: {h.steps} steps, loss {h.step_loss[0]:.3f} -> {h.step_loss[-1]:.3f}"
 
 
 def check_amp_fp16(ctx: Context) -> str:
     from . import bench, models
+
     ctx.need_gpus(1, "fp16 with GradScaler")
     dev = torch.device("cuda", 0)
     h = _amp_fit(dev, torch.float16)
@@ -572,6 +677,7 @@ def check_amp_fp16(ctx: Context) -> str:
 
 def check_monitor(ctx: Context) -> str:
     from . import monitor
+
     ctx.need_gpus(1, "GPU monitoring")
     dev = torch.device("cuda", 0)
     x = torch.randn(4096, 4096, device=dev)
@@ -591,7 +697,7 @@ def check_monitor(ctx: Context) -> str:
     return res.summary() + f"; mapping {res.devices}"
 
 
-GRADER_NPROCS = 2          # ranks of the GPU grading check: min(2, GPUs)
+GRADER_NPROCS = 2  # ranks of the GPU grading check: min(2, GPUs)
 
 
 def grader_spec_text(text: str, n_gpus: int, seed: int) -> str:
@@ -607,31 +713,55 @@ def grader_spec_text(text: str, n_gpus: int, seed: int) -> str:
 
 def check_grader(ctx: Context) -> str:
     import secrets
+
     out = ctx.out / "grader.json"
     if ctx.mode == "gpu":
         if ctx.n_gpus < 1:
             raise Skip("grading on the GPU needs at least 1 GPU")
         if "cifar10" in ctx.missing:
-            raise Skip("spec_gpu.toml grades on CIFAR-10, which is not on disk"
-                       + (" and this machine is offline" if ctx.offline else "") + " (see the datasets check)")
-        tmp = Path(tempfile.mkdtemp(prefix="gpucheck-spec-"))          # the secret seed stays out of OUT
+            raise Skip(
+                "spec_gpu.toml grades on CIFAR-10, which is not on disk"
+                + (" and this machine is offline" if ctx.offline else "")
+                + " (see the datasets check)"
+            )
+        tmp = Path(tempfile.mkdtemp(prefix="gpucheck-spec-"))  # the secret seed stays out of OUT
         spec = tmp / "spec_gpu_check.toml"
-        spec.write_text(grader_spec_text((ROOT / "labs" / "assessment" / "spec_gpu.toml").read_text(), ctx.n_gpus,
-                                         secrets.randbits(62) or 1))
+        spec.write_text(
+            grader_spec_text(
+                (ROOT / "labs" / "assessment" / "spec_gpu.toml").read_text(), ctx.n_gpus, secrets.randbits(62) or 1
+            )
+        )
         spec.chmod(0o600)
         label = f"a temporary copy of spec_gpu.toml (fresh secret seed, nprocs {min(GRADER_NPROCS, ctx.n_gpus)})"
     else:
         spec, tmp = ROOT / "labs" / "assessment" / "spec_ci.toml", None
         label = spec.name
     try:
-        _run([sys.executable, "-m", "utils.grader", "run", "solutions/assessment/assessment.py", "--spec", str(spec),
-              "--json", str(out)], ctx, 900, ctx.out / "grader.txt")
+        _run(
+            [
+                sys.executable,
+                "-m",
+                "utils.grader",
+                "run",
+                "solutions/assessment/assessment.py",
+                "--spec",
+                str(spec),
+                "--json",
+                str(out),
+            ],
+            ctx,
+            900,
+            ctx.out / "grader.txt",
+        )
     finally:
         if tmp is not None:
             import shutil
+
             shutil.rmtree(tmp, ignore_errors=True)
     rep = json.loads(out.read_text())
-    keys = [k for k in ("status", "accuracy", "target_val_acc", "time_s", "time_budget_s", "ranks_measured") if k in rep]
+    keys = [
+        k for k in ("status", "accuracy", "target_val_acc", "time_s", "time_budget_s", "ranks_measured") if k in rep
+    ]
     summary = f"reference solution graded with {label}: " + ", ".join(f"{k}={rep[k]}" for k in keys)
     if rep.get("status") != "passed":
         reasons = rep.get("reason") or "; ".join(map(str, rep.get("reasons") or []))
@@ -642,6 +772,7 @@ def check_grader(ctx: Context) -> str:
 def missing_datasets() -> list[str]:
     """The downloadable datasets not on disk (checked without downloading, in milliseconds)."""
     from . import data
+
     missing = []
     for name, loader in (("cifar10", data.load_cifar10), ("fashion_mnist", data.load_fashion_mnist)):
         try:
@@ -654,6 +785,7 @@ def missing_datasets() -> list[str]:
 def network_reachable(host: str = "www.cs.toronto.edu", port: int = 443, timeout: float = 2.0) -> bool:
     """Can this machine open a connection to the datasets' host, within ``timeout`` seconds?"""
     import socket
+
     try:
         with socket.create_connection((host, port), timeout=timeout):
             return True
@@ -663,15 +795,20 @@ def network_reachable(host: str = "www.cs.toronto.edu", port: int = 443, timeout
 
 def check_datasets(ctx: Context) -> str:
     from . import data
+
     data.load("digits", 64, 32)
     if not ctx.missing:
         return f"digits (bundled), cifar10 and fashion_mnist present in {data.data_dir()}"
-    where = "\n".join(f"{name}: put {', '.join(f.name for f in files)} in {data.data_dir() / name}/"
-                      for name, files in (("cifar10", data.CIFAR10_FILES), ("fashion_mnist", data.FASHION_MNIST_FILES))
-                      if name in ctx.missing)
-    msg = (f"{', '.join(ctx.missing)} not on disk{' and this machine is offline' if ctx.offline else ''}; the "
-           f"notebooks run in the {ctx.profile} profile. For the gpu profile:\n{where}\n(or set DATA_DIR; online, "
-           "python -c 'from utils import data; data.load_cifar10(); data.load_fashion_mnist()' downloads them)")
+    where = "\n".join(
+        f"{name}: put {', '.join(f.name for f in files)} in {data.data_dir() / name}/"
+        for name, files in (("cifar10", data.CIFAR10_FILES), ("fashion_mnist", data.FASHION_MNIST_FILES))
+        if name in ctx.missing
+    )
+    msg = (
+        f"{', '.join(ctx.missing)} not on disk{' and this machine is offline' if ctx.offline else ''}; the "
+        f"notebooks run in the {ctx.profile} profile. For the gpu profile:\n{where}\n(or set DATA_DIR; online, "
+        "python -c 'from utils import data; data.load_cifar10(); data.load_fashion_mnist()' downloads them)"
+    )
     if ctx.profile == "gpu":
         raise RuntimeError("the gpu-profile notebooks need these datasets: " + msg)
     raise Skip(msg)
@@ -687,8 +824,10 @@ def choose_profile(n_gpus: int, missing: Sequence[str], env: Mapping[str, str] |
     if missing:
         return "smoke", f"smoke sizes on the GPU: {', '.join(missing)} not on disk"
     if n_gpus < 2:
-        return "smoke", ("smoke sizes on the GPU: one GPU (the gpu profile's multi-rank runs and every notebook "
-                         "take 40+ minutes there; LAB_PROFILE=gpu runs them)")
+        return "smoke", (
+            "smoke sizes on the GPU: one GPU (the gpu profile's multi-rank runs and every notebook "
+            "take 40+ minutes there; LAB_PROFILE=gpu runs them)"
+        )
     return "gpu", f"{n_gpus} GPUs and the datasets on disk"
 
 
@@ -722,7 +861,7 @@ def select(checks: list[Check], only: str | None) -> list[Check]:
     return chosen
 
 
-DEFAULT_BUDGET_S = 500.0      # under 9 minutes: one 10-minute session holds it with the start-up
+DEFAULT_BUDGET_S = 500.0  # under 9 minutes: one 10-minute session holds it with the start-up
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -730,10 +869,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=Path("gpu-check"), help="folder for report.json, notebooks, logs")
     ap.add_argument("--only", help="comma-separated words: run only the checks whose names contain one")
     ap.add_argument("--list", action="store_true", help="list the checks and exit")
-    ap.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
-                    help=f"seconds for the whole run (default {DEFAULT_BUDGET_S:g}); what is left then is skipped")
-    ap.add_argument("--offline", action="store_true",
-                    help="no network: never wait on a download (detected when the datasets are missing)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=DEFAULT_BUDGET_S,
+        help=f"seconds for the whole run (default {DEFAULT_BUDGET_S:g}); what is left then is skipped",
+    )
+    ap.add_argument(
+        "--offline",
+        action="store_true",
+        help="no network: never wait on a download (detected when the datasets are missing)",
+    )
     ap.add_argument("--full-bench", action="store_true", help="the benchmarks' full arguments (minutes each)")
     args = ap.parse_args(argv)
     checks = select(all_checks(), args.only)
@@ -747,17 +893,34 @@ def main(argv: list[str] | None = None) -> int:
     missing = missing_datasets()
     offline = args.offline or (bool(missing) and not network_reachable())
     profile, why = choose_profile(n_gpus, missing)
-    print("\n".join(["== hardware ==", *hardware_lines(info),
-                     f"profile {profile} ({why}); datasets missing: {', '.join(missing) or 'none'}"
-                     f"{'; offline' if offline else ''}; budget {args.budget_s:g} s", "== checks =="]), flush=True)
-    extra = {"profile_reason": why, "offline": offline, "datasets_missing": missing, "missing": tuple(missing),
-             "full_bench": args.full_bench}
-    report, code = run_checks(checks, args.out, info=info, profile=profile, ctx_extra=extra,
-                              budget_s=args.budget_s, started=t0)
+    print(
+        "\n".join(
+            [
+                "== hardware ==",
+                *hardware_lines(info),
+                f"profile {profile} ({why}); datasets missing: {', '.join(missing) or 'none'}"
+                f"{'; offline' if offline else ''}; budget {args.budget_s:g} s",
+                "== checks ==",
+            ]
+        ),
+        flush=True,
+    )
+    extra = {
+        "profile_reason": why,
+        "offline": offline,
+        "datasets_missing": missing,
+        "missing": tuple(missing),
+        "full_bench": args.full_bench,
+    }
+    report, code = run_checks(
+        checks, args.out, info=info, profile=profile, ctx_extra=extra, budget_s=args.budget_s, started=t0
+    )
     counts = {s: sum(r.status == s for r in report.results) for s in STATUSES}
-    print(f"== {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped in "
-          f"{time.perf_counter() - t0:.0f} s (budget {args.budget_s:g} s); report: {args.out / 'report.json'} ==",
-          flush=True)
+    print(
+        f"== {counts['pass']} passed, {counts['fail']} failed, {counts['skip']} skipped in "
+        f"{time.perf_counter() - t0:.0f} s (budget {args.budget_s:g} s); report: {args.out / 'report.json'} ==",
+        flush=True,
+    )
     for r in report.failed:
         print(f"FAILED {r.name}:\n  " + r.detail.replace("\n", "\n  ")[:3000], flush=True)
     return code

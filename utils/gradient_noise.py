@@ -8,6 +8,7 @@
   linear problem, and on any model and dataset (:func:`measure_noise_scale`); a running
   estimate during training (:class:`NoiseScaleEMA`).
 """
+
 from __future__ import annotations
 
 import math
@@ -40,12 +41,13 @@ def dataset_noise_scale(x: torch.Tensor, y: torch.Tensor, w: float, b: float) ->
     g = per_example_grads(x, y, w, b)
     G = g.mean(0)
     trS = float(((g - G) ** 2).sum(1).mean())
-    G2 = float((G ** 2).sum())
+    G2 = float((G**2).sum())
     return G2, trS, trS / G2 if G2 > 0 else math.inf
 
 
-def gradient_variance(x: torch.Tensor, y: torch.Tensor, w: float, b: float, batch_sizes: Iterable[int],
-                      draws: int = 200, seed: int = 0) -> dict[str, Any]:
+def gradient_variance(
+    x: torch.Tensor, y: torch.Tensor, w: float, b: float, batch_sizes: Iterable[int], draws: int = 200, seed: int = 0
+) -> dict[str, Any]:
     """The variance E|g_B - G|^2 of the minibatch gradient for each batch size, measured over
     ``draws`` minibatches drawn with replacement (i.i.d. examples, as the 1/B theory assumes),
     next to the theory tr(Sigma)/B. Returns {"batch_sizes", "measured", "theory", "tr_sigma"}."""
@@ -56,7 +58,7 @@ def gradient_variance(x: torch.Tensor, y: torch.Tensor, w: float, b: float, batc
     measured = []
     for B in batch_sizes:
         idx = torch.randint(0, len(x), (draws, int(B)), generator=gen)
-        gB = g[idx].mean(1)                                   # (draws, 2)
+        gB = g[idx].mean(1)  # (draws, 2)
         measured.append(float(((gB - G) ** 2).sum(1).mean()))
     bs = [int(B) for B in batch_sizes]
     return {"batch_sizes": bs, "measured": measured, "theory": [trS / B for B in bs], "tr_sigma": trS}
@@ -68,8 +70,9 @@ def loglog_slope(xs: Iterable[float], ys: Iterable[float]) -> float:
     return float(np.polyfit(lx, ly, 1)[0])
 
 
-def plot_gradient_variance(result: dict, ax: Axes | None = None,
-                           title: str = "Minibatch gradient variance vs batch size") -> Figure:
+def plot_gradient_variance(
+    result: dict, ax: Axes | None = None, title: str = "Minibatch gradient variance vs batch size"
+) -> Figure:
     if ax is None:
         fig, ax = plt.subplots(figsize=(5.5, 4))
     bs = result["batch_sizes"]
@@ -84,13 +87,14 @@ def plot_gradient_variance(result: dict, ax: Axes | None = None,
 
 
 class NoiseScale(NamedTuple):
-    b_simple: float   # tr(Sigma) / |G|^2, in examples
-    G2: float         # |G|^2, the squared norm of the true gradient
-    tr_sigma: float   # tr(Sigma), the per-example gradient variance
+    b_simple: float  # tr(Sigma) / |G|^2, in examples
+    G2: float  # |G|^2, the squared norm of the true gradient
+    tr_sigma: float  # tr(Sigma), the per-example gradient variance
 
 
-def two_batch_estimates(sq_small: torch.Tensor | Sequence[float], sq_big: torch.Tensor | Sequence[float], b_small: int,
-                        b_big: int) -> tuple[torch.Tensor, torch.Tensor]:
+def two_batch_estimates(
+    sq_small: torch.Tensor | Sequence[float], sq_big: torch.Tensor | Sequence[float], b_small: int, b_big: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """McCandlish et al.'s unbiased per-pair estimates (|G|^2, tr(Sigma)) from the squared norms
     of a small-batch and a big-batch gradient, using E|G_B|^2 = |G|^2 + tr(Sigma) / B:
 
@@ -107,8 +111,9 @@ def two_batch_estimates(sq_small: torch.Tensor | Sequence[float], sq_big: torch.
     return G2, trS
 
 
-def noise_scale(sq_small: torch.Tensor | Sequence[float], sq_big: torch.Tensor | Sequence[float], b_small: int,
-                b_big: int) -> NoiseScale:
+def noise_scale(
+    sq_small: torch.Tensor | Sequence[float], sq_big: torch.Tensor | Sequence[float], b_small: int, b_big: int
+) -> NoiseScale:
     """B_simple from many (small, big) pairs: mean of the |G|^2 estimates and mean of the
     tr(Sigma) estimates, THEN the ratio (a mean of per-pair ratios is biased and unstable)."""
     G2, trS = two_batch_estimates(sq_small, sq_big, b_small, b_big)
@@ -137,13 +142,14 @@ class NoiseScaleEMA:
     def value(self) -> NoiseScale:
         if self.count == 0:
             raise ValueError("NoiseScaleEMA.value read before any update()")
-        corr = 1 - self.beta ** self.count
+        corr = 1 - self.beta**self.count
         G2, trS = self.G2 / corr, self.trS / corr
         return NoiseScale(trS / G2 if G2 > 0 else math.inf, G2, trS)
 
 
-def linear_grad_sq_norms(problem: LinearProblem, w: float, b: float, b_small: int, b_big: int,
-                         draws: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_grad_sq_norms(
+    problem: LinearProblem, w: float, b: float, b_small: int, b_big: int, draws: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Squared norms of small- and big-batch gradients on FRESH samples of the population
     (a data stream), so E|G_B|^2 = |G|^2 + tr(Sigma)/B holds exactly with the closed-form
     values of :meth:`LinearProblem.gradient_stats`. The small batch is the big batch's head."""
@@ -153,9 +159,17 @@ def linear_grad_sq_norms(problem: LinearProblem, w: float, b: float, b_small: in
     return (g[:, :b_small].mean(1) ** 2).sum(1), (g.mean(1) ** 2).sum(1)
 
 
-def grad_sq_norms(model: nn.Module, dataset: TensorDataset, b_small: int, b_big: int, draws: int, *, seed: int = 0,
-                  loss_fn: Callable[..., torch.Tensor] | None = None,
-                  device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def grad_sq_norms(
+    model: nn.Module,
+    dataset: TensorDataset,
+    b_small: int,
+    b_big: int,
+    draws: int,
+    *,
+    seed: int = 0,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """For ``draws`` random big batches (sampled with replacement from ``dataset``): the squared
     norm of the loss gradient over all parameters on the big batch and on its first ``b_small``
     examples. Returns two float64 CPU tensors of length ``draws``. The parameters are unchanged."""
@@ -171,7 +185,7 @@ def grad_sq_norms(model: nn.Module, dataset: TensorDataset, b_small: int, b_big:
 
     def sq_norm(x, y):
         grads = torch.autograd.grad(loss_fn(model(x), y), params)
-        return sum((g.double() ** 2).sum() for g in grads)    # stays on the device: no sync
+        return sum((g.double() ** 2).sum() for g in grads)  # stays on the device: no sync
 
     small, big = [], []
     try:
@@ -182,11 +196,19 @@ def grad_sq_norms(model: nn.Module, dataset: TensorDataset, b_small: int, b_big:
             big.append(sq_norm(x, y))
     finally:
         model.train(was_training)
-    return torch.stack(small).cpu(), torch.stack(big).cpu()      # sync point: once, at the end
+    return torch.stack(small).cpu(), torch.stack(big).cpu()  # sync point: once, at the end
 
 
-def measure_noise_scale(model: nn.Module, dataset: TensorDataset, b_small: int, b_big: int, draws: int, *,
-                        seed: int = 0, device: torch.device | str | None = None) -> NoiseScale:
+def measure_noise_scale(
+    model: nn.Module,
+    dataset: TensorDataset,
+    b_small: int,
+    b_big: int,
+    draws: int,
+    *,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> NoiseScale:
     """B_simple of ``model`` at its current parameters on ``dataset`` (two-batch estimator)."""
     s, g = grad_sq_norms(model, dataset, b_small, b_big, draws, seed=seed, device=device)
     return noise_scale(s, g, b_small, b_big)

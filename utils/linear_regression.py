@@ -5,6 +5,7 @@ over (w, b), full-batch GD / SGD / minibatch trajectories on that surface, and a
 sliders that redraws them. It works in float64 on the CPU (it is tiny and we compare with
 closed forms). The gradient noise of the same problem is in :mod:`utils.gradient_noise`.
 """
+
 from __future__ import annotations
 
 import math
@@ -28,6 +29,7 @@ class LinearProblem:
 
     ``x_mean != 0`` couples w and b, so the loss surface is a tilted ellipse rather than a
     circle and gradient descent visibly curves."""
+
     w_true: float = 2.0
     b_true: float = -1.0
     x_mean: float = 1.0
@@ -45,7 +47,7 @@ class LinearProblem:
 
     def _moments(self):
         m, s = self.x_mean, self.x_std
-        return (m, m * m + s * s, m ** 3 + 3 * m * s * s, m ** 4 + 6 * m * m * s * s + 3 * s ** 4)
+        return (m, m * m + s * s, m**3 + 3 * m * s * s, m**4 + 6 * m * m * s * s + 3 * s**4)
 
     def gradient_stats(self, w: float, b: float) -> tuple[float, float]:
         """(|G|^2, tr(Sigma)) of the per-example MSE gradient g = 2 r (x, 1), r = w x + b - y, over
@@ -53,13 +55,13 @@ class LinearProblem:
 
         With a = w - w_true, c = b - b_true, q = a x + c: E[r^2 | x] = q^2 + noise^2, so
         E|g|^2 = 4 E[(q^2 + noise^2)(x^2 + 1)] and G = 2 (E[q x], E[q])."""
-        a, c, v = w - self.w_true, b - self.b_true, self.noise ** 2
+        a, c, v = w - self.w_true, b - self.b_true, self.noise**2
         m1, m2, m3, m4 = self._moments()
         e_qx, e_q = a * m2 + c * m1, a * m1 + c
         e_q2x2 = a * a * m4 + 2 * a * c * m3 + c * c * m2
         e_q2 = a * a * m2 + 2 * a * c * m1 + c * c
-        g_sq = 4 * (e_q2x2 + e_q2 + v * (m2 + 1))          # E|g|^2
-        G2 = 4 * (e_qx ** 2 + e_q ** 2)
+        g_sq = 4 * (e_q2x2 + e_q2 + v * (m2 + 1))  # E|g|^2
+        G2 = 4 * (e_qx**2 + e_q**2)
         return G2, g_sq - G2
 
     def noise_scale(self, w: float, b: float) -> float:
@@ -117,11 +119,12 @@ def minibatches(n: int, batch_size: int, seed: int = 0) -> Iterator[torch.Tensor
     while True:
         perm = torch.randperm(n, generator=g)
         for start in range(0, n - batch_size + 1, batch_size):
-            yield perm[start:start + batch_size]
+            yield perm[start : start + batch_size]
 
 
-def sgd(x: torch.Tensor, y: torch.Tensor, w0: float, b0: float, lr: float, steps: int, batch_size: int,
-        seed: int = 0) -> torch.Tensor:
+def sgd(
+    x: torch.Tensor, y: torch.Tensor, w0: float, b0: float, lr: float, steps: int, batch_size: int, seed: int = 0
+) -> torch.Tensor:
     """Minibatch SGD on the MSE: each step takes the next batch of :func:`minibatches` and moves
     (w, b) against the gradient on that batch only. Returns the (steps + 1, 2) trajectory
     including the start. ``batch_size=1`` is plain SGD; ``batch_size=len(x)`` is full-batch GD."""
@@ -134,8 +137,12 @@ def sgd(x: torch.Tensor, y: torch.Tensor, w0: float, b0: float, lr: float, steps
     return torch.tensor(path, dtype=torch.float64)
 
 
-def loss_surface(x: torch.Tensor | Sequence[float], y: torch.Tensor | Sequence[float],
-                 w_grid: torch.Tensor | Sequence[float], b_grid: torch.Tensor | Sequence[float]) -> torch.Tensor:
+def loss_surface(
+    x: torch.Tensor | Sequence[float],
+    y: torch.Tensor | Sequence[float],
+    w_grid: torch.Tensor | Sequence[float],
+    b_grid: torch.Tensor | Sequence[float],
+) -> torch.Tensor:
     """MSE at every (w, b) of the grid: a (len(b_grid), len(w_grid)) tensor (rows are b), from
     the data's moments: mean((w x + b - y)^2) = w^2 Sxx + b^2 + Syy + 2 w b Sx - 2 w Sxy - 2 b Sy."""
     x, y = torch.as_tensor(x, dtype=torch.float64), torch.as_tensor(y, dtype=torch.float64)
@@ -145,8 +152,14 @@ def loss_surface(x: torch.Tensor | Sequence[float], y: torch.Tensor | Sequence[f
     return W * W * sxx + B * B + syy + 2 * W * B * sx - 2 * W * sxy - 2 * B * sy
 
 
-def plot_trajectories(x: torch.Tensor, y: torch.Tensor, paths: dict, ax: Axes | None = None,
-                      title: str = "MSE loss surface and trajectories", margin: float = 0.6) -> Figure:
+def plot_trajectories(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    paths: dict,
+    ax: Axes | None = None,
+    title: str = "MSE loss surface and trajectories",
+    margin: float = 0.6,
+) -> Figure:
     """Contours of the MSE over (w, b) with each {label: (T, 2) trajectory} drawn from its start
     (circle) to its end (square); the least-squares solution is a star. Returns the figure."""
     if ax is None:
@@ -174,20 +187,42 @@ def plot_trajectories(x: torch.Tensor, y: torch.Tensor, paths: dict, ax: Axes | 
     return fig
 
 
-def compare_trajectories(x: torch.Tensor, y: torch.Tensor, w0: float, b0: float, lr: float, steps: int, batch_size: int,
-                         seed: int = 0, sgd_fn: Callable[..., torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def compare_trajectories(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w0: float,
+    b0: float,
+    lr: float,
+    steps: int,
+    batch_size: int,
+    seed: int = 0,
+    sgd_fn: Callable[..., torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
     """{label: trajectory} for full-batch GD, SGD (batch 1) and minibatch ``batch_size``, all
     from (w0, b0) with the same rate and number of steps. ``sgd_fn`` defaults to :func:`sgd`."""
     sgd_fn = sgd_fn or sgd
     n = len(x)
-    return {f"full-batch GD (B={n})": sgd_fn(x, y, w0, b0, lr, steps, n, seed),
-            "SGD (B=1)": sgd_fn(x, y, w0, b0, lr, steps, 1, seed),
-            f"minibatch (B={batch_size})": sgd_fn(x, y, w0, b0, lr, steps, batch_size, seed)}
+    return {
+        f"full-batch GD (B={n})": sgd_fn(x, y, w0, b0, lr, steps, n, seed),
+        "SGD (B=1)": sgd_fn(x, y, w0, b0, lr, steps, 1, seed),
+        f"minibatch (B={batch_size})": sgd_fn(x, y, w0, b0, lr, steps, batch_size, seed),
+    }
 
 
-def trajectory_panel(x: torch.Tensor, y: torch.Tensor, w0: float, b0: float, *, lr: float = 0.1, steps: int = 60,
-                     batch_size: int = 16, seed: int = 0, sgd_fn: Callable[..., torch.Tensor] | None = None,
-                     max_steps: int | None = None, max_lr: float = 0.35) -> ipywidgets.HBox | None:
+def trajectory_panel(
+    x: torch.Tensor,
+    y: torch.Tensor,
+    w0: float,
+    b0: float,
+    *,
+    lr: float = 0.1,
+    steps: int = 60,
+    batch_size: int = 16,
+    seed: int = 0,
+    sgd_fn: Callable[..., torch.Tensor] | None = None,
+    max_steps: int | None = None,
+    max_lr: float = 0.35,
+) -> ipywidgets.HBox | None:
     """Draw the trajectories of :func:`compare_trajectories`, then attach sliders (batch size,
     learning rate, steps) that redraw the same figure in place.
 
@@ -208,21 +243,22 @@ def trajectory_panel(x: torch.Tensor, y: torch.Tensor, w0: float, b0: float, *, 
 
     draw(batch_size, lr, steps)
     handle = display(fig, display_id=True)
-    plt.close(fig)              # the inline backend must not show it a second time
+    plt.close(fig)  # the inline backend must not show it a second time
     try:
         import ipywidgets as widgets
     except ImportError:
         return None
-    sizes = sorted({2 ** k for k in range(int(math.log2(n)) + 1)} | {batch_size})
-    full = {"description_width": "initial"}     # the default width cuts "learning rate" to "learning..."
+    sizes = sorted({2**k for k in range(int(math.log2(n)) + 1)} | {batch_size})
+    full = {"description_width": "initial"}  # the default width cuts "learning rate" to "learning..."
     bs = widgets.SelectionSlider(options=sizes, value=batch_size, description="batch size", style=full)
-    lr_w = widgets.FloatSlider(value=lr, min=0.005, max=max_lr, step=0.005, description="learning rate",
-                               readout_format=".3f", style=full)
+    lr_w = widgets.FloatSlider(
+        value=lr, min=0.005, max=max_lr, step=0.005, description="learning rate", readout_format=".3f", style=full
+    )
     st = widgets.IntSlider(value=steps, min=1, max=max_steps or 4 * steps, description="steps", style=full)
 
     def on_change(_):
         draw(bs.value, lr_w.value, st.value)
-        if handle is not None:          # None outside IPython: nothing to update
+        if handle is not None:  # None outside IPython: nothing to update
             handle.update(fig)
 
     for w in (bs, lr_w, st):

@@ -23,6 +23,7 @@ so RSS hides most of what activation checkpointing saves.
 Activation checkpointing (:func:`activation_checkpointed_forward`) keeps only the inputs of each
 segment and recomputes the rest during backward: less memory for one more forward.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -40,10 +41,28 @@ from .device import autocast, resolve_amp_dtype
 from .models import mlp
 from .optim import make_optimizer
 
-__all__ = ["parameter_bytes", "buffer_bytes", "grad_bytes", "optimizer_state_bytes", "counted_state_bytes",
-           "activation_bytes", "MemoryPrediction", "predict_memory", "measure_memory", "format_bytes",
-           "block_mlp", "mlp_activation_bytes", "SavedTensors", "saved_bytes", "peak_bytes",
-           "budget", "measure_step", "activation_checkpointed_forward", "count_forwards", "OPTIMIZER_SETTINGS"]
+__all__ = [
+    "parameter_bytes",
+    "buffer_bytes",
+    "grad_bytes",
+    "optimizer_state_bytes",
+    "counted_state_bytes",
+    "activation_bytes",
+    "MemoryPrediction",
+    "predict_memory",
+    "measure_memory",
+    "format_bytes",
+    "block_mlp",
+    "mlp_activation_bytes",
+    "SavedTensors",
+    "saved_bytes",
+    "peak_bytes",
+    "budget",
+    "measure_step",
+    "activation_checkpointed_forward",
+    "count_forwards",
+    "OPTIMIZER_SETTINGS",
+]
 
 # The three optimizer settings of the budget: label -> (name for utils.optim.make_optimizer, momentum).
 # "sgd" keeps no state, "momentum" one buffer per parameter, "adam" two.
@@ -53,6 +72,7 @@ OPTIMIZER_SETTINGS = {"sgd": ("sgd", 0.0), "momentum": ("sgd", 0.9), "adam": ("a
 # ----------------------------------------------------------------------------------------
 # Bytes of any model: parameters, buffers, gradients, optimizer state, activations
 # ----------------------------------------------------------------------------------------
+
 
 def _unique(tensors):
     seen, out = set(), []
@@ -95,9 +115,13 @@ def _state_multiplier(kind: str, group: dict) -> int:
     raise ValueError(f"no state rule for optimizer {kind!r}; known: sgd, adam, adamw, rmsprop, adagrad")
 
 
-def optimizer_state_bytes(model_or_params: nn.Module | Iterable[torch.Tensor],
-                          optimizer: str | torch.optim.Optimizer = "adam", *, momentum: float = 0.0,
-                          amsgrad: bool = False) -> int:
+def optimizer_state_bytes(
+    model_or_params: nn.Module | Iterable[torch.Tensor],
+    optimizer: str | torch.optim.Optimizer = "adam",
+    *,
+    momentum: float = 0.0,
+    amsgrad: bool = False,
+) -> int:
     """Bytes of the optimizer's per-element state after its first step, exactly.
 
     ``optimizer``: a ``torch.optim`` instance (its param groups decide), or a name ("sgd",
@@ -154,9 +178,14 @@ def _saved_bytes(model: nn.Module, batch_size: int, input_shape, amp_dtype, num_
     return sum(seen.values())
 
 
-def activation_bytes(model: nn.Module, batch_size: int, input_shape: tuple[int, ...] = (3, 32, 32), *,
-                     amp_dtype: torch.dtype | str | None = None,
-                     num_classes: int = 10) -> int:
+def activation_bytes(
+    model: nn.Module,
+    batch_size: int,
+    input_shape: tuple[int, ...] = (3, 32, 32),
+    *,
+    amp_dtype: torch.dtype | str | None = None,
+    num_classes: int = 10,
+) -> int:
     """Estimate of the activations saved for backward at ``batch_size``.
 
     Runs two tiny forward passes (batch 2 and 4) on the model's device, counts the tensors
@@ -181,12 +210,13 @@ def activation_bytes(model: nn.Module, batch_size: int, input_shape: tuple[int, 
 @dataclass
 class MemoryPrediction:
     """Bytes training keeps on the device, by kind."""
+
     batch_size: int
     params: int
     buffers: int
     grads: int
     optimizer_state: int
-    activations: int                     # an estimate; the rest are exact
+    activations: int  # an estimate; the rest are exact
 
     @property
     def total(self) -> int:
@@ -198,16 +228,28 @@ class MemoryPrediction:
         return d
 
     def table(self) -> str:
-        rows = [("parameters", self.params), ("buffers", self.buffers), ("gradients", self.grads),
-                ("optimizer state", self.optimizer_state),
-                (f"activations (batch {self.batch_size}, estimate)", self.activations), ("total", self.total)]
+        rows = [
+            ("parameters", self.params),
+            ("buffers", self.buffers),
+            ("gradients", self.grads),
+            ("optimizer state", self.optimizer_state),
+            (f"activations (batch {self.batch_size}, estimate)", self.activations),
+            ("total", self.total),
+        ]
         w = max(len(r[0]) for r in rows)
         return "\n".join(f"{k:<{w}}  {format_bytes(v):>12}" for k, v in rows)
 
 
-def predict_memory(model: nn.Module, batch_size: int, input_shape: tuple[int, ...] = (3, 32, 32), *,
-                   optimizer: str | torch.optim.Optimizer = "adam", momentum: float = 0.0,
-                   amp_dtype: torch.dtype | str | None = None, num_classes: int = 10) -> MemoryPrediction:
+def predict_memory(
+    model: nn.Module,
+    batch_size: int,
+    input_shape: tuple[int, ...] = (3, 32, 32),
+    *,
+    optimizer: str | torch.optim.Optimizer = "adam",
+    momentum: float = 0.0,
+    amp_dtype: torch.dtype | str | None = None,
+    num_classes: int = 10,
+) -> MemoryPrediction:
     """What training ``model`` at ``batch_size`` keeps in device memory (see :class:`MemoryPrediction`)."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -217,15 +259,21 @@ def predict_memory(model: nn.Module, batch_size: int, input_shape: tuple[int, ..
         buffers=buffer_bytes(model),
         grads=grad_bytes(model),
         optimizer_state=optimizer_state_bytes(model, optimizer, momentum=momentum),
-        activations=activation_bytes(model, batch_size, input_shape, amp_dtype=amp_dtype,
-                                     num_classes=num_classes),
+        activations=activation_bytes(model, batch_size, input_shape, amp_dtype=amp_dtype, num_classes=num_classes),
     )
 
 
-def measure_memory(model: nn.Module, batch_size: int, input_shape: tuple[int, ...] = (3, 32, 32), *,
-                   device: torch.device | str | None = None,
-                   optimizer: str | Callable[..., torch.optim.Optimizer] = "adam", momentum: float = 0.0,
-                   amp_dtype: torch.dtype | str | None = None, num_classes: int = 10) -> dict | None:
+def measure_memory(
+    model: nn.Module,
+    batch_size: int,
+    input_shape: tuple[int, ...] = (3, 32, 32),
+    *,
+    device: torch.device | str | None = None,
+    optimizer: str | Callable[..., torch.optim.Optimizer] = "adam",
+    momentum: float = 0.0,
+    amp_dtype: torch.dtype | str | None = None,
+    num_classes: int = 10,
+) -> dict | None:
     """Measured bytes of two training steps of a copy of ``model`` on a CUDA ``device``:
     ``peak`` (``torch.cuda.max_memory_allocated`` over the steps) and ``resident`` (allocated
     after the second step, gradients still held), both above what was allocated before.
@@ -235,7 +283,7 @@ def measure_memory(model: nn.Module, batch_size: int, input_shape: tuple[int, ..
         return None
     amp_dtype, _ = resolve_amp_dtype(amp_dtype)
     net = copy.deepcopy(model).cpu()
-    torch.cuda.synchronize(device)                     # sync point: a clean baseline
+    torch.cuda.synchronize(device)  # sync point: a clean baseline
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
@@ -249,10 +297,12 @@ def measure_memory(model: nn.Module, batch_size: int, input_shape: tuple[int, ..
             loss = nn.functional.cross_entropy(net(x), y)
         loss.backward()
         opt.step()
-    torch.cuda.synchronize(device)                     # sync point: read the allocator's counters
-    out = {"peak": torch.cuda.max_memory_allocated(device) - base,
-           "resident": torch.cuda.memory_allocated(device) - base,
-           "inputs": _nbytes(x) + _nbytes(y)}
+    torch.cuda.synchronize(device)  # sync point: read the allocator's counters
+    out = {
+        "peak": torch.cuda.max_memory_allocated(device) - base,
+        "resident": torch.cuda.memory_allocated(device) - base,
+        "inputs": _nbytes(x) + _nbytes(y),
+    }
     del net, opt, x, y, loss
     torch.cuda.empty_cache()
     return out
@@ -266,7 +316,7 @@ def format_bytes(n: float | None) -> str:
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}"
         n /= 1024
-    return f"{n} B"   # pragma: no cover
+    return f"{n} B"  # pragma: no cover
 
 
 # ----------------------------------------------------------------------------------------
@@ -282,9 +332,15 @@ def block_mlp(width: int, depth: int, *, expand: int = 4, seed: int = 0) -> nn.S
     return mlp(width, depth, expand=expand, activation="gelu", seed=seed)
 
 
-def mlp_activation_bytes(width: int, depth: int, batch_size: int, *, expand: int = 4,
-                         amp_dtype: torch.dtype | str | None = None,
-                         segment: int | None = None) -> int:
+def mlp_activation_bytes(
+    width: int,
+    depth: int,
+    batch_size: int,
+    *,
+    expand: int = 4,
+    amp_dtype: torch.dtype | str | None = None,
+    segment: int | None = None,
+) -> int:
     """Bytes :func:`block_mlp` saves for backward in one forward (loss ``out.pow(2).mean()``).
 
     fp32: per block, the first Linear saves its input (``batch x width``), GELU its input and the
@@ -318,8 +374,7 @@ class SavedTensors:
     own hooks see the tensors, and this counter sees what the checkpoint keeps instead."""
 
     def __init__(self, model: nn.Module | None = None):
-        self.exclude = ({p.untyped_storage().data_ptr() for p in model.parameters()}
-                        if model is not None else set())
+        self.exclude = {p.untyped_storage().data_ptr() for p in model.parameters()} if model is not None else set()
         self.sizes: dict[int, int] = {}
         self._ctx = None
 
@@ -344,9 +399,13 @@ class SavedTensors:
         return sum(self.sizes.values())
 
 
-def saved_bytes(model: nn.Module, x: torch.Tensor, *,
-                forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
-                amp_dtype: torch.dtype | str | None = None) -> int:
+def saved_bytes(
+    model: nn.Module,
+    x: torch.Tensor,
+    *,
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    amp_dtype: torch.dtype | str | None = None,
+) -> int:
     """Bytes saved for backward by one forward of ``model`` on ``x`` (``forward(model, x)``
     instead of ``model(x)`` when given, e.g. :func:`activation_checkpointed_forward`)."""
     amp_dtype, _ = resolve_amp_dtype(amp_dtype)
@@ -374,21 +433,25 @@ def peak_bytes(fn: Callable[[], Any], device: torch.device | str | None = None) 
     counts, the model and optimizer too if ``fn`` creates them."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type == "cuda":
-        torch.cuda.synchronize(device)                 # sync point: a clean baseline
+        torch.cuda.synchronize(device)  # sync point: a clean baseline
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         fn()
-        torch.cuda.synchronize(device)                 # sync point: read the allocator's counters
+        torch.cuda.synchronize(device)  # sync point: read the allocator's counters
         return torch.cuda.max_memory_allocated(device) - base
     if device.type != "cpu":
         raise ValueError(f"peak_bytes measures cuda and cpu devices, not {device.type!r}")
     from torch.profiler import ProfilerActivity, profile
+
     with _quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU)
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
     current = peak = 0
-    for _, nbytes in events:                           # + allocation, - free
+    for _, nbytes in events:  # + allocation, - free
         current += nbytes
         peak = max(peak, current)
     return peak
@@ -400,8 +463,9 @@ def _optimizer_setting(label: str) -> tuple[str, float]:
     return OPTIMIZER_SETTINGS[label]
 
 
-def budget(width: int, depth: int, batch_size: int, optimizer: str = "adam", *,
-           amp_dtype: torch.dtype | str | None = None) -> dict[str, int]:
+def budget(
+    width: int, depth: int, batch_size: int, optimizer: str = "adam", *, amp_dtype: torch.dtype | str | None = None
+) -> dict[str, int]:
     """Predicted bytes of one training step of ``block_mlp(width, depth)``, by part.
 
     ``peak`` is the step's high-water mark: during backward the activations are still held
@@ -410,16 +474,27 @@ def budget(width: int, depth: int, batch_size: int, optimizer: str = "adam", *,
     as it goes, and ``zero_grad`` frees the gradients before the next forward)."""
     name, momentum = _optimizer_setting(optimizer)
     model = block_mlp(width, depth)
-    out = {"params": parameter_bytes(model), "grads": grad_bytes(model),
-           "optimizer": optimizer_state_bytes(model, name, momentum=momentum),
-           "activations": mlp_activation_bytes(width, depth, batch_size, amp_dtype=amp_dtype)}
+    out = {
+        "params": parameter_bytes(model),
+        "grads": grad_bytes(model),
+        "optimizer": optimizer_state_bytes(model, name, momentum=momentum),
+        "activations": mlp_activation_bytes(width, depth, batch_size, amp_dtype=amp_dtype),
+    }
     out["peak"] = sum(out.values())
     return out
 
 
-def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam", *,
-                 amp_dtype: torch.dtype | str | None = None, device: torch.device | str | None = None, steps: int = 2,
-                 forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None) -> dict[str, Any]:
+def measure_step(
+    width: int,
+    depth: int,
+    batch_size: int,
+    optimizer: str = "adam",
+    *,
+    amp_dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    steps: int = 2,
+    forward: Callable[[nn.Module, torch.Tensor], torch.Tensor] | None = None,
+) -> dict[str, Any]:
     """Measure :func:`budget`'s parts on ``device``: build the model and optimizer, run
     ``steps`` training steps, all inside :func:`peak_bytes`.
 
@@ -442,7 +517,7 @@ def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam
                 loss = forward(model, x).float().pow(2).mean()
             loss.backward()
             opt.step()
-            out["loss"].append(loss.item())          # sync point, outside the hot path
+            out["loss"].append(loss.item())  # sync point, outside the hot path
         out["saved"] = counter.bytes
         out["optimizer"] = counted_state_bytes(opt)
         del model, opt, x, loss
@@ -454,6 +529,7 @@ def measure_step(width: int, depth: int, batch_size: int, optimizer: str = "adam
 # ----------------------------------------------------------------------------------------
 # Activation checkpointing
 # ----------------------------------------------------------------------------------------
+
 
 def activation_checkpointed_forward(segment: int | None) -> Callable[[nn.Sequential, torch.Tensor], torch.Tensor]:
     """A ``forward(model, x)`` for a ``nn.Sequential`` that checkpoints every ``segment``
@@ -473,7 +549,7 @@ def activation_checkpointed_forward(segment: int | None) -> Callable[[nn.Sequent
             return model(x)
         blocks = list(model)
         for i in range(0, len(blocks), segment):
-            part = nn.Sequential(*blocks[i:i + segment])
+            part = nn.Sequential(*blocks[i : i + segment])
             x = checkpoint(part, x, use_reentrant=False)
         return x
 
@@ -497,6 +573,7 @@ class count_forwards:
     def _hook(self, i):
         def hook(module, inputs):
             self.calls[i] += 1
+
         return hook
 
     def __exit__(self, *exc):

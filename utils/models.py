@@ -1,13 +1,14 @@
 """Models used across the series: linear, the one MLP builder, the lecture CNN, a ResNet-9-style
 CIFAR net; norm layers."""
+
 from __future__ import annotations
 
 import math
 from typing import Any
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 
 def count_parameters(model: nn.Module, trainable_only: bool = True) -> int:
@@ -29,9 +30,18 @@ _ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh}
 _NORMS_1D = {"none": None, "batch": nn.BatchNorm1d, "layer": nn.LayerNorm}
 
 
-def mlp(width: int, depth: int, *, in_features: int | None = None, out_features: int | None = None,
-        expand: int | None = None, activation: str = "relu", norm: str = "none", flatten: bool = False,
-        seed: int | None = None) -> nn.Sequential:
+def mlp(
+    width: int,
+    depth: int,
+    *,
+    in_features: int | None = None,
+    out_features: int | None = None,
+    expand: int | None = None,
+    activation: str = "relu",
+    norm: str = "none",
+    flatten: bool = False,
+    seed: int | None = None,
+) -> nn.Sequential:
     """The course's one multilayer perceptron, flat enough that ``model[i]`` is the i-th layer.
 
     Layers (``expand=None``): ``depth`` Linear layers ``in_features -> width -> ... -> width ->
@@ -59,8 +69,10 @@ def mlp(width: int, depth: int, *, in_features: int | None = None, out_features:
             raise ValueError(f"expand must be >= 1, got {expand}")
         if in_features not in (None, width) or out_features not in (None, width) or norm != "none" or flatten:
             raise ValueError("a block MLP maps width to width: leave in_features, out_features, norm and flatten out")
-        layers = [nn.Sequential(nn.Linear(width, expand * width), act(), nn.Linear(expand * width, width))
-                  for _ in range(depth)]
+        layers = [
+            nn.Sequential(nn.Linear(width, expand * width), act(), nn.Linear(expand * width, width))
+            for _ in range(depth)
+        ]
     else:
         sizes = [in_features or width] + [width] * (depth - 1) + [out_features or width]
         layers = [nn.Flatten()] if flatten else []
@@ -92,8 +104,7 @@ class Net(nn.Module):
     than 20 pixels (digits are 8x8) get 'same' padding (2) so two 5x5 convolutions fit.
     """
 
-    def __init__(self, width: int = 128, in_channels: int = 3, num_classes: int = 10,
-                 image_size: int = 32):
+    def __init__(self, width: int = 128, in_channels: int = 3, num_classes: int = 10, image_size: int = 32):
         super().__init__()
         pad = 0 if image_size >= 20 else 2
         self.conv1 = nn.Conv2d(in_channels, width, 5, padding=pad)
@@ -157,8 +168,11 @@ def norm_layer(kind: str, channels: int, ghost_batch_size: int = 32) -> nn.Modul
 
 
 def _conv_block(c_in, c_out, norm, ghost, pool=False):
-    layers = [nn.Conv2d(c_in, c_out, 3, padding=1, bias=norm == "none"), norm_layer(norm, c_out, ghost),
-              nn.ReLU(inplace=True)]
+    layers = [
+        nn.Conv2d(c_in, c_out, 3, padding=1, bias=norm == "none"),
+        norm_layer(norm, c_out, ghost),
+        nn.ReLU(inplace=True),
+    ]
     if pool:
         layers.append(nn.MaxPool2d(2))
     return nn.Sequential(*layers)
@@ -167,8 +181,9 @@ def _conv_block(c_in, c_out, norm, ghost, pool=False):
 class Residual(nn.Module):
     def __init__(self, channels: int, norm: str, ghost: int):
         super().__init__()
-        self.body = nn.Sequential(_conv_block(channels, channels, norm, ghost),
-                                  _conv_block(channels, channels, norm, ghost))
+        self.body = nn.Sequential(
+            _conv_block(channels, channels, norm, ghost), _conv_block(channels, channels, norm, ghost)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x + self.body(x)
@@ -179,8 +194,15 @@ class ResNet9(nn.Module):
     global max-pool, linear. ``width`` is the prep layer's channels (64 in the original; stages
     use 1x, 2x, 4x, 8x), ``norm`` one of bn / ghost / group / none."""
 
-    def __init__(self, num_classes: int = 10, in_channels: int = 3, width: int = 64, norm: str = "bn",
-                 ghost_batch_size: int = 32, scale: float = 0.125):
+    def __init__(
+        self,
+        num_classes: int = 10,
+        in_channels: int = 3,
+        width: int = 64,
+        norm: str = "bn",
+        ghost_batch_size: int = 32,
+        scale: float = 0.125,
+    ):
         super().__init__()
         w1, w2, w3, w4 = width, 2 * width, 4 * width, 8 * width
         self.net = nn.Sequential(
@@ -194,7 +216,7 @@ class ResNet9(nn.Module):
             nn.Flatten(),
         )
         self.fc = nn.Linear(w4, num_classes, bias=False)
-        self.scale = scale     # Page's output scaling: keeps early logits small
+        self.scale = scale  # Page's output scaling: keeps early logits small
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc(self.net(x)) * self.scale

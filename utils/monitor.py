@@ -13,6 +13,7 @@ Where there is no NVIDIA GPU (or no driver), no thread is started and the result
 ``result.available`` is False and ``result.reason`` explains why. Sampling itself never
 synchronises the GPU: NVML reads the driver's counters from another thread.
 """
+
 from __future__ import annotations
 
 import os
@@ -46,13 +47,14 @@ class MonitorResult:
     """What a monitor saw. ``samples``: one dict per GPU per tick with ``t`` (seconds since
     start), ``gpu`` (the CUDA index, as in ``cuda:0``), ``name`` and the keys of :data:`FIELDS` (None where the GPU
     does not report a value)."""
+
     available: bool
     reason: str = ""
     interval: float = 0.0
     samples: list = field(default_factory=list)
-    gpus: list = field(default_factory=list)       # [(CUDA index, name)]
-    devices: list = field(default_factory=list)    # [{cuda, nvml, uuid, mig}]: the CUDA -> NVML mapping
-    errors: list = field(default_factory=list)     # sampling errors, at most a few
+    gpus: list = field(default_factory=list)  # [(CUDA index, name)]
+    devices: list = field(default_factory=list)  # [{cuda, nvml, uuid, mig}]: the CUDA -> NVML mapping
+    errors: list = field(default_factory=list)  # sampling errors, at most a few
 
     def series(self, key: str, gpu: int | None = None) -> tuple[list[float], list]:
         """(times, values) of ``key`` for one GPU (default: the first monitored)."""
@@ -86,8 +88,10 @@ def _load_nvml():
     try:
         import pynvml
     except ImportError:
-        return None, ("the nvidia-ml-py package is not installed (pip install nvidia-ml-py); "
-                      "without it there is nothing to read the GPU's counters with")
+        return None, (
+            "the nvidia-ml-py package is not installed (pip install nvidia-ml-py); "
+            "without it there is nothing to read the GPU's counters with"
+        )
     return pynvml, ""
 
 
@@ -104,7 +108,7 @@ def visible_entries(env: str | None = None) -> list[str] | None:
         if item.isdigit() or item.startswith(("GPU-", "MIG-")):
             out.append(item)
         else:
-            break                          # "-1", "", "none": CUDA sees nothing from here on
+            break  # "-1", "", "none": CUDA sees nothing from here on
     return out
 
 
@@ -117,9 +121,10 @@ def _torch_uuid(cuda_index: int) -> str | None:
     (the monitor never initialises CUDA itself). Exact whatever CUDA_DEVICE_ORDER says."""
     try:
         import torch
+
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             return str(torch.cuda.get_device_properties(cuda_index).uuid)
-    except Exception:                      # noqa: BLE001 - fall back to CUDA_VISIBLE_DEVICES
+    except Exception:  # noqa: BLE001 - fall back to CUDA_VISIBLE_DEVICES
         pass
     return None
 
@@ -152,13 +157,16 @@ def cuda_to_nvml(nvml: ModuleType, cuda_indices: Iterable[int] | None = None) ->
     out = []
     for c in cuda_indices:
         if not 0 <= c < len(entries):
-            raise ValueError(f"cuda:{c} does not exist: this process sees {len(entries)} CUDA device(s) "
-                             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+            raise ValueError(
+                f"cuda:{c} does not exist: this process sees {len(entries)} CUDA device(s) "
+                f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+            )
         entry = entries[c]
         tu = _torch_uuid(c)
         if tu:
-            entry = tu if tu.startswith(("GPU-", "MIG-")) else (
-                "MIG-" + tu if entry.startswith("MIG-") else "GPU-" + tu)
+            entry = (
+                tu if tu.startswith(("GPU-", "MIG-")) else ("MIG-" + tu if entry.startswith("MIG-") else "GPU-" + tu)
+            )
         if entry.startswith("MIG-"):
             h = nvml.nvmlDeviceGetHandleByUUID(entry)
             out.append({"cuda": c, "nvml": None, "uuid": entry, "mig": True, "handle": h})
@@ -170,12 +178,15 @@ def cuda_to_nvml(nvml: ModuleType, cuda_indices: Iterable[int] | None = None) ->
         else:
             matches = [i for i, u in enumerate(uuids()) if u.startswith(entry)]
             if len(matches) != 1:
-                raise ValueError(f"CUDA_VISIBLE_DEVICES entry {entry!r} matches {len(matches)} GPU(s) of "
-                                 f"this machine; NVML sees {uuids()}")
+                raise ValueError(
+                    f"CUDA_VISIBLE_DEVICES entry {entry!r} matches {len(matches)} GPU(s) of "
+                    f"this machine; NVML sees {uuids()}"
+                )
             i = matches[0]
         h = nvml.nvmlDeviceGetHandleByIndex(i)
-        out.append({"cuda": c, "nvml": i, "uuid": uuids()[i] if all_uuids is not None else None,
-                    "mig": False, "handle": h})
+        out.append(
+            {"cuda": c, "nvml": i, "uuid": uuids()[i] if all_uuids is not None else None, "mig": False, "handle": h}
+        )
     return out
 
 
@@ -192,8 +203,13 @@ class GPUMonitor:
     driver or GPU), ``start`` starts no thread and ``stop`` returns an unavailable result.
     """
 
-    def __init__(self, interval: float = 0.2, gpus: list[int] | None = None, nvml: ModuleType | None = None,
-                 max_samples: int = 100_000):
+    def __init__(
+        self,
+        interval: float = 0.2,
+        gpus: list[int] | None = None,
+        nvml: ModuleType | None = None,
+        max_samples: int = 100_000,
+    ):
         if interval <= 0:
             raise ValueError(f"interval must be > 0 seconds, got {interval}")
         self.interval, self.gpus, self.max_samples = interval, gpus, max_samples
@@ -213,7 +229,7 @@ class GPUMonitor:
     def running(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def start(self) -> "GPUMonitor":
+    def start(self) -> GPUMonitor:
         if self.running:
             raise RuntimeError("this monitor is already running; call stop() first")
         nvml, reason = (self._nvml, "") if self._nvml is not None else _load_nvml()
@@ -222,18 +238,22 @@ class GPUMonitor:
             return self
         try:
             nvml.nvmlInit()
-        except Exception as e:            # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
-            self.result.reason = (f"no NVIDIA GPU to monitor: NVML could not start ({e}). On a machine "
-                                  "with an NVIDIA GPU and driver this samples utilisation, memory, "
-                                  "power and clocks, as nvidia-smi --query-gpu ... --loop does.")
+        except Exception as e:  # NVMLError_LibraryNotFound, _DriverNotLoaded, ...
+            self.result.reason = (
+                f"no NVIDIA GPU to monitor: NVML could not start ({e}). On a machine "
+                "with an NVIDIA GPU and driver this samples utilisation, memory, "
+                "power and clocks, as nvidia-smi --query-gpu ... --loop does."
+            )
             return self
         try:
             devices = cuda_to_nvml(nvml, self.gpus)
             if not devices:
                 count = nvml.nvmlDeviceGetCount()
                 nvml.nvmlShutdown()
-                self.result.reason = (f"NVML started but this process sees no GPU to watch (NVML sees {count}; "
-                                      f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")
+                self.result.reason = (
+                    f"NVML started but this process sees no GPU to watch (NVML sees {count}; "
+                    f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+                )
                 return self
         except ValueError:
             nvml.nvmlShutdown()
@@ -266,14 +286,15 @@ class GPUMonitor:
                 v = fn(h, *args)
                 v = getattr(v, attr) if attr else v
                 return v * scale if scale != 1.0 else v
-            except Exception:                 # e.g. power not supported on this board
+            except Exception:  # e.g. power not supported on this board
                 return None
+
         return {
             "util_gpu": q(nvml.nvmlDeviceGetUtilizationRates, attr="gpu"),
             "util_mem": q(nvml.nvmlDeviceGetUtilizationRates, attr="memory"),
             "mem_used_mib": q(nvml.nvmlDeviceGetMemoryInfo, attr="used", scale=1 / 2**20),
             "mem_total_mib": q(nvml.nvmlDeviceGetMemoryInfo, attr="total", scale=1 / 2**20),
-            "power_w": q(nvml.nvmlDeviceGetPowerUsage, scale=1e-3),           # NVML reports mW
+            "power_w": q(nvml.nvmlDeviceGetPowerUsage, scale=1e-3),  # NVML reports mW
             "sm_clock_mhz": q(nvml.nvmlDeviceGetClockInfo, nvml.NVML_CLOCK_SM),
             "mem_clock_mhz": q(nvml.nvmlDeviceGetClockInfo, nvml.NVML_CLOCK_MEM),
             "temperature_c": q(nvml.nvmlDeviceGetTemperature, nvml.NVML_TEMPERATURE_GPU),
@@ -286,7 +307,7 @@ class GPUMonitor:
             for (i, h), (_, name) in zip(self._handles, self.result.gpus):
                 try:
                     s = {"t": t, "gpu": i, "name": name, **self._read(nvml, h)}
-                except Exception as e:     # keep sampling; remember the first few failures
+                except Exception as e:  # keep sampling; remember the first few failures
                     if len(self.result.errors) < 5:
                         self.result.errors.append(repr(e))
                     continue
@@ -307,7 +328,7 @@ class GPUMonitor:
                 pass
         return self.result
 
-    def __enter__(self) -> "GPUMonitor":
+    def __enter__(self) -> GPUMonitor:
         return self.start()
 
     def __exit__(self, *exc):
@@ -321,11 +342,15 @@ def monitor(fn: Callable[..., Any], *args: Any, interval: float = 0.2, **kwargs:
     return out, mon.result
 
 
-def plot(result: MonitorResult, keys: Sequence[str] = ("util_gpu", "mem_used_mib", "power_w", "sm_clock_mhz"),
-         title: str = "GPU counters over the run") -> Figure:
+def plot(
+    result: MonitorResult,
+    keys: Sequence[str] = ("util_gpu", "mem_used_mib", "power_w", "sm_clock_mhz"),
+    title: str = "GPU counters over the run",
+) -> Figure:
     """One panel per counter against time, one line per GPU. Without samples, a figure that
     says why (so a notebook cell still shows something meaningful on a CPU-only machine)."""
     import matplotlib.pyplot as plt
+
     if not result.available or not result.samples:
         fig, ax = plt.subplots(figsize=(8, 1.6))
         ax.axis("off")
@@ -352,4 +377,5 @@ def plot(result: MonitorResult, keys: Sequence[str] = ("util_gpu", "mem_used_mib
 
 def _wrap(text: str, width: int = 100) -> str:
     import textwrap
+
     return "\n".join(textwrap.wrap(text, width))

@@ -61,22 +61,28 @@ How this relates to two well-known implementations:
   skips both the scaling *and* the weight decay it took over from the optimizer; we apply
   ``d = g + wd * w`` with factor 1 there, as timm does.
 """
+
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
+OPTIMIZERS = ("sgd", "adam", "adamw")  # the names make_optimizer knows
 
-OPTIMIZERS = ("sgd", "adam", "adamw")   # the names make_optimizer knows
 
-
-def make_optimizer(name: str | Callable[[Iterable], Optimizer], params: Iterable, lr: float = 1e-3, *,
-                   momentum: float = 0.0,
-                   foreach: bool | None = None) -> Optimizer:
+def make_optimizer(
+    name: str | Callable[[Iterable], Optimizer],
+    params: Iterable,
+    lr: float = 1e-3,
+    *,
+    momentum: float = 0.0,
+    foreach: bool | None = None,
+) -> Optimizer:
     """The optimizer called ``name``, the one meaning of each name in the course:
 
     * ``"sgd"``: ``torch.optim.SGD`` with ``momentum`` (0 by default: plain SGD, no state; give
@@ -90,8 +96,10 @@ def make_optimizer(name: str | Callable[[Iterable], Optimizer], params: Iterable
     if callable(name):
         return name(params)
     if not isinstance(name, str):
-        raise TypeError(f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or a function params -> optimizer, "
-                        f"got {type(name).__name__}")
+        raise TypeError(
+            f"optimizer must be a name ({', '.join(OPTIMIZERS)}) or a function params -> optimizer, "
+            f"got {type(name).__name__}"
+        )
     kind = name.lower()
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, foreach=foreach)
@@ -100,8 +108,9 @@ def make_optimizer(name: str | Callable[[Iterable], Optimizer], params: Iterable
             raise ValueError(f"momentum={momentum} is for 'sgd'; {name!r} has its betas")
         cls = torch.optim.Adam if kind == "adam" else torch.optim.AdamW
         return cls(params, lr=lr, foreach=foreach)
-    raise ValueError(f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}, "
-                     "or pass a function params -> optimizer")
+    raise ValueError(
+        f"unknown optimizer {name!r}; use one of {', '.join(OPTIMIZERS)}, or pass a function params -> optimizer"
+    )
 
 
 def _check_number(name: str, value, *, low: float = 0.0, strict: bool = False) -> float:
@@ -131,15 +140,31 @@ class LARS(Optimizer):
         adapt: use the trust ratio (default for groups that do not say).
     """
 
-    def __init__(self, params: Iterable, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
-                 trust_coefficient: float = 0.001, eps: float = 1e-8, nesterov: bool = False,
-                 clip: bool = False, adapt: bool = True):
-        defaults = dict(lr=lr, momentum=momentum, weight_decay=weight_decay,
-                        trust_coefficient=trust_coefficient, eps=eps, nesterov=nesterov,
-                        clip=clip, adapt=adapt)
+    def __init__(
+        self,
+        params: Iterable,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-8,
+        nesterov: bool = False,
+        clip: bool = False,
+        adapt: bool = True,
+    ):
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            trust_coefficient=trust_coefficient,
+            eps=eps,
+            nesterov=nesterov,
+            clip=clip,
+            adapt=adapt,
+        )
         self._validate(defaults)
-        self._lists = {}                       # per group: the lists a step reuses (_group_lists)
-        super().__init__(params, defaults)     # calls add_param_group, which validates each group
+        self._lists = {}  # per group: the lists a step reuses (_group_lists)
+        super().__init__(params, defaults)  # calls add_param_group, which validates each group
 
     @staticmethod
     def _validate(group: dict) -> None:
@@ -157,13 +182,13 @@ class LARS(Optimizer):
             raise ValueError("nesterov=True needs momentum > 0")
 
     def add_param_group(self, param_group: dict) -> None:
-        self._validate({**self.defaults, **param_group})    # before the group is added
+        self._validate({**self.defaults, **param_group})  # before the group is added
         super().add_param_group(param_group)
         self._lists = {}
 
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
-        self._lists = {}                       # the state's tensors were replaced
+        self._lists = {}  # the state's tensors were replaced
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -189,9 +214,9 @@ class LARS(Optimizer):
             if any(g.is_sparse for g in grads):
                 raise RuntimeError("LARS does not support sparse gradients")
             kinds = {(p.device, p.dtype) for p in params}
-            if len(kinds) == 1:                         # the usual case: one list for the group
+            if len(kinds) == 1:  # the usual case: one list for the group
                 self._step_tensors(group, params, grads, 0)
-            else:       # stacked norms need one device; the 0-d scalars one dtype (see scalar())
+            else:  # stacked norms need one device; the 0-d scalars one dtype (see scalar())
                 for k, kind in enumerate(sorted(kinds, key=str)):
                     idx = [i for i, p in enumerate(params) if (p.device, p.dtype) == kind]
                     self._step_tensors(group, [params[i] for i in idx], [grads[i] for i in idx], k)
@@ -205,14 +230,17 @@ class LARS(Optimizer):
         key = (id(group), part)
         ids = (group["momentum"] != 0, group["adapt"], *map(id, params))
         cached = self._lists.get(key)
-        if (cached is not None and cached[0] == ids
-                and (not cached[1] or self.state[params[0]].get("momentum_buffer") is cached[1][0])):
+        if (
+            cached is not None
+            and cached[0] == ids
+            and (not cached[1] or self.state[params[0]].get("momentum_buffer") is cached[1][0])
+        ):
             return cached[1:]
         bufs = self._momentum_buffers(params) if group["momentum"] != 0 else []
         ratio = ratio_wd = ratios = ratios_wd = None
         if group["adapt"]:
             ratio = torch.ones(len(params), dtype=params[0].dtype, device=params[0].device)
-            ratios = ratio.unbind(0)                    # 0-d views, one per parameter
+            ratios = ratio.unbind(0)  # 0-d views, one per parameter
             ratio_wd = torch.empty_like(ratio)
             ratios_wd = ratio_wd.unbind(0)
             for p, r in zip(params, ratios):
@@ -233,8 +261,8 @@ class LARS(Optimizer):
             # is a kernel argument; a tensor there would need a copy.)
             return torch.tensor(v, dtype=params[0].dtype) if on_cpu else v
 
-        if not group["adapt"]:                          # SGD with momentum, as torch.optim.SGD
-            d = grads                                   # d = g + wd * w, never written into p.grad
+        if not group["adapt"]:  # SGD with momentum, as torch.optim.SGD
+            d = grads  # d = g + wd * w, never written into p.grad
             if wd != 0:
                 d = torch._foreach_mul(params, scalar(wd))
                 torch._foreach_add_(d, grads)
@@ -242,11 +270,11 @@ class LARS(Optimizer):
                 torch._foreach_add_(params, d, alpha=-lr)
                 return
             torch._foreach_mul_(bufs, scalar(m))
-            torch._foreach_add_(bufs, d)                # buf = m * buf + d
-            if nesterov:                                # w -= lr * (d + m * buf)
+            torch._foreach_add_(bufs, d)  # buf = m * buf + d
+            if nesterov:  # w -= lr * (d + m * buf)
                 torch._foreach_add_(params, d, alpha=-lr)
                 torch._foreach_add_(params, bufs, alpha=-lr * m)
-            else:                                       # w -= lr * buf
+            else:  # w -= lr * buf
                 torch._foreach_add_(params, bufs, alpha=-lr)
             return
 
@@ -255,32 +283,32 @@ class LARS(Optimizer):
         norms = torch.stack(torch._foreach_norm(params + grads))
         w_norm, g_norm = norms[:n], norms[n:]
         ratio = (group["trust_coefficient"] * w_norm) / (g_norm + wd * w_norm + group["eps"])
-        if group["clip"]:                               # LARC: local rate min(trust, lr)
+        if group["clip"]:  # LARC: local rate min(trust, lr)
             ratio = torch.clamp(ratio / lr, max=1.0)
         # 1 where either norm is 0 (a fresh zero-initialised layer, or no gradient): torch.where
         # on the device, never .item() or a Python branch on a tensor
         ratio = torch.where(torch.minimum(w_norm, g_norm) > 0, ratio, 1.0)
-        ratio_buf.copy_(ratio)                          # `ratios` (and the state) are its views
+        ratio_buf.copy_(ratio)  # `ratios` (and the state) are its views
         # trust * d = trust * g + (trust * wd) * w: two fused multiply-adds, d never materialised
         if wd != 0:
             torch.mul(ratio, wd, out=ratio_wd_buf)
         else:
             ratios_wd = None
-        if m == 0:                                      # w -= lr * trust * (g + wd * w)
-            if ratios_wd is not None:                   # the decay term first: it reads the old w
+        if m == 0:  # w -= lr * trust * (g + wd * w)
+            if ratios_wd is not None:  # the decay term first: it reads the old w
                 torch._foreach_addcmul_(params, params, ratios_wd, value=-lr)
             torch._foreach_addcmul_(params, grads, ratios, value=-lr)
             return
-        torch._foreach_mul_(bufs, scalar(m))            # buf = m * buf + trust * d
+        torch._foreach_mul_(bufs, scalar(m))  # buf = m * buf + trust * d
         torch._foreach_addcmul_(bufs, grads, ratios)
         if ratios_wd is not None:
             torch._foreach_addcmul_(bufs, params, ratios_wd)
-        if nesterov:                                    # w -= lr * (trust * d + m * buf)
+        if nesterov:  # w -= lr * (trust * d + m * buf)
             if ratios_wd is not None:
                 torch._foreach_addcmul_(params, params, ratios_wd, value=-lr)
             torch._foreach_addcmul_(params, grads, ratios, value=-lr)
             torch._foreach_add_(params, bufs, alpha=-lr * m)
-        else:                                           # w -= lr * buf
+        else:  # w -= lr * buf
             torch._foreach_add_(params, bufs, alpha=-lr)
 
     def _momentum_buffers(self, params: list) -> list:
@@ -315,8 +343,9 @@ def is_excluded(name: str, param: torch.Tensor) -> bool:
     return param.ndim < 2
 
 
-def lars_param_groups(model: nn.Module, weight_decay: float = 0.0,
-                      exclude: Callable[[str, torch.Tensor], bool] = is_excluded) -> list[dict]:
+def lars_param_groups(
+    model: nn.Module, weight_decay: float = 0.0, exclude: Callable[[str, torch.Tensor], bool] = is_excluded
+) -> list[dict]:
     """Two parameter groups for :class:`LARS` (or SGD): ``{"params": [...], "weight_decay": wd,
     "adapt": True}`` for the weights and ``{"params": [...], "weight_decay": 0.0, "adapt":
     False}`` for what ``exclude(name, param)`` picks (default: ``param.ndim < 2``). Frozen
@@ -326,8 +355,10 @@ def lars_param_groups(model: nn.Module, weight_decay: float = 0.0,
     for name, p in model.named_parameters():
         if p.requires_grad:
             (excluded if exclude(name, p) else adapted).append(p)
-    groups = [{"params": adapted, "weight_decay": float(weight_decay), "adapt": True},
-              {"params": excluded, "weight_decay": 0.0, "adapt": False}]
+    groups = [
+        {"params": adapted, "weight_decay": float(weight_decay), "adapt": True},
+        {"params": excluded, "weight_decay": 0.0, "adapt": False},
+    ]
     groups = [g for g in groups if g["params"]]
     if not groups:
         raise ValueError("the model has no trainable parameters")
@@ -338,6 +369,7 @@ def lars_param_groups(model: nn.Module, weight_decay: float = 0.0,
 # Multiplicative gradient noise
 # ----------------------------------------------------------------------------------------
 
+
 def noise_sigma(batch_size: int, base_batch: int, base_sigma: float) -> float:
     """sigma for a batch size when sigma^2 grows in proportion to the batch:
     ``base_sigma * sqrt(batch_size / base_batch)``."""
@@ -347,8 +379,9 @@ def noise_sigma(batch_size: int, base_batch: int, base_sigma: float) -> float:
     return base_sigma * math.sqrt(batch_size / base_batch)
 
 
-def multiply_gradient_noise_(params: Iterable[torch.Tensor], sigma: float,
-                             generator: torch.Generator | None = None) -> None:
+def multiply_gradient_noise_(
+    params: Iterable[torch.Tensor], sigma: float, generator: torch.Generator | None = None
+) -> None:
     """Multiply every gradient element by its own ``z ~ N(1, sigma^2)``, in place. Call it
     between ``backward()`` and ``optimizer.step()``; :func:`add_gradient_noise` does that for
     you inside :func:`utils.train.fit`."""
@@ -385,5 +418,14 @@ def add_gradient_noise(model: nn.Module, sigma: float, generator: torch.Generato
     return GradientNoise([p.register_hook(hook) for p in model.parameters() if p.requires_grad])
 
 
-__all__ = ["make_optimizer", "OPTIMIZERS", "LARS", "lars_param_groups", "is_excluded", "noise_sigma", "multiply_gradient_noise_",
-           "add_gradient_noise", "GradientNoise"]
+__all__ = [
+    "make_optimizer",
+    "OPTIMIZERS",
+    "LARS",
+    "lars_param_groups",
+    "is_excluded",
+    "noise_sigma",
+    "multiply_gradient_noise_",
+    "add_gradient_noise",
+    "GradientNoise",
+]

@@ -1,5 +1,6 @@
 """Figures shared by several notebooks: training curves and throughput bars. Every axis has a
 title, labels and units."""
+
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
@@ -43,8 +44,9 @@ def plot_history(histories: Any, title: str = "Training curves", axes: Sequence[
     return fig
 
 
-def throughput_bars(results: dict, title: str = "Training throughput", ax: Axes | None = None,
-                    unit: str = "images/s") -> Figure:
+def throughput_bars(
+    results: dict, title: str = "Training throughput", ax: Axes | None = None, unit: str = "images/s"
+) -> Figure:
     """Horizontal bars of {label: images/s} (or {label: (median, spread)}), values printed."""
     if ax is None:
         fig, ax = plt.subplots(figsize=(7, 0.5 + 0.45 * len(results)))
@@ -75,12 +77,17 @@ def _plain(value, pos=None) -> str:
 def _log_ticks(lo: float, hi: float) -> list:
     """1-2-5 ticks between lo and hi (all nine per decade when that gives too few)."""
     import math
+
     lo, hi = min(lo, hi), max(lo, hi)
     if lo <= 0:
         return []
     for subs in ((1, 2, 5), (1, 2, 3, 4, 5, 6, 7, 8, 9)):
-        ticks = [m * 10.0 ** k for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
-                 for m in subs if lo <= m * 10.0 ** k <= hi]
+        ticks = [
+            m * 10.0**k
+            for k in range(math.floor(math.log10(lo)), math.ceil(math.log10(hi)) + 1)
+            for m in subs
+            if lo <= m * 10.0**k <= hi
+        ]
         if len(ticks) >= 3:
             return ticks
     return ticks
@@ -94,13 +101,14 @@ def plain_ticks(ax: Axes, axis: str = "x", values: Iterable[float] | None = None
     inside the current limits and a linear one keeps matplotlib's ticks, with minor labels off."""
     import matplotlib.ticker as mticker
     import numpy as np
+
     a = ax.xaxis if axis == "x" else ax.yaxis
     log = (ax.get_xscale() if axis == "x" else ax.get_yscale()) == "log"
     if values is not None:
         ticks = sorted({float(v) for v in values})
     elif log:
         ticks = _log_ticks(*(ax.get_xlim() if axis == "x" else ax.get_ylim()))
-        if len(ticks) < 2:            # less than a factor 2 in view: evenly spaced plain ticks
+        if len(ticks) < 2:  # less than a factor 2 in view: evenly spaced plain ticks
             lo, hi = ax.get_xlim() if axis == "x" else ax.get_ylim()
             ticks = list(mticker.MaxNLocator(4).tick_values(lo, hi))
             ticks = [t for t in ticks if min(lo, hi) <= t <= max(lo, hi)] or [float(np.sqrt(lo * hi))]

@@ -11,6 +11,7 @@ https://ui.perfetto.dev open. Nothing here edits the training loop: the profiler
 ``fit`` callback, the phases are labelled by a forward hook and a loader wrapper, and the rest
 (backward, optimizer, collectives, syncs) carries the names PyTorch already gives it.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -37,10 +38,21 @@ if TYPE_CHECKING:
 
 # Phase of an event, by name: our labels first, then the names PyTorch's own ops carry.
 PHASES = ("data", "forward", "backward", "optimizer", "communication", "sync")
-PHASE_COLORS = {"data": "tab:orange", "forward": "tab:blue", "backward": "tab:green",
-                "optimizer": "tab:purple", "communication": "tab:red", "sync": "black"}
-SYNC_OPS = ("aten::item", "aten::_local_scalar_dense", "cudaStreamSynchronize", "cudaDeviceSynchronize",
-            "cudaEventSynchronize")
+PHASE_COLORS = {
+    "data": "tab:orange",
+    "forward": "tab:blue",
+    "backward": "tab:green",
+    "optimizer": "tab:purple",
+    "communication": "tab:red",
+    "sync": "black",
+}
+SYNC_OPS = (
+    "aten::item",
+    "aten::_local_scalar_dense",
+    "cudaStreamSynchronize",
+    "cudaDeviceSynchronize",
+    "cudaEventSynchronize",
+)
 
 
 def phase_of(name: str) -> str | None:
@@ -70,6 +82,7 @@ def is_allreduce(name: str) -> bool:
 # Recording
 # ----------------------------------------------------------------------------------------
 
+
 class ProfilerStep(Callback):
     """A ``fit`` callback that advances a ``torch.profiler.profile`` schedule after every optimizer step."""
 
@@ -96,7 +109,7 @@ class LabeledLoader(EpochLoader):
                     return
             yield batch
 
-    def __getattr__(self, name):                 # sampler, batch_size...
+    def __getattr__(self, name):  # sampler, batch_size...
         return getattr(self.loader, name)
 
 
@@ -122,27 +135,40 @@ def phase_labels(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
         h2.remove()
 
 
-def make_profiler(trace_dir: str | os.PathLike, *, worker_name: str = "rank0", wait: int = 1, warmup: int = 1,
-                  active: int = 3, record_shapes: bool = False, with_stack: bool = False) -> torch.profiler.profile:
+def make_profiler(
+    trace_dir: str | os.PathLike,
+    *,
+    worker_name: str = "rank0",
+    wait: int = 1,
+    warmup: int = 1,
+    active: int = 3,
+    record_shapes: bool = False,
+    with_stack: bool = False,
+) -> torch.profiler.profile:
     """A ``torch.profiler.profile`` that skips ``wait`` steps, warms up ``warmup``, records ``active``
     and then writes ``trace_dir/<worker_name>.<time>.pt.trace.json`` (TensorBoard's layout),
     replacing the worker's earlier traces in that folder."""
     for old in glob.glob(os.path.join(os.fspath(trace_dir), f"{worker_name}.*.pt.trace.json*")):
-        os.remove(old)                       # a rerun replaces its trace (one per worker and folder)
+        os.remove(old)  # a rerun replaces its trace (one per worker and folder)
     acts = [torch.profiler.ProfilerActivity.CPU]
     if torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     os.makedirs(trace_dir, exist_ok=True)
     return torch.profiler.profile(
-        activities=acts, schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
+        activities=acts,
+        schedule=torch.profiler.schedule(wait=wait, warmup=warmup, active=active, repeat=1),
         on_trace_ready=torch.profiler.tensorboard_trace_handler(os.fspath(trace_dir), worker_name=worker_name),
-        record_shapes=record_shapes, with_stack=with_stack)
+        record_shapes=record_shapes,
+        with_stack=with_stack,
+    )
 
 
 def trace_dir(name: str) -> str:
     """``runs/profiles/<name>`` at the repository's top (or under LAB_RUNS_DIR): where
     ``make tensorboard`` looks."""
-    root = os.environ.get("LAB_RUNS_DIR") or os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs")
+    root = os.environ.get("LAB_RUNS_DIR") or os.path.join(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs"
+    )
     return os.path.join(root, "profiles", name)
 
 
@@ -150,8 +176,10 @@ def latest_trace(trace_dir: str | os.PathLike, worker_name: str = "") -> str:
     """The newest trace file in ``trace_dir`` (of ``worker_name`` if given)."""
     files = glob.glob(os.path.join(os.fspath(trace_dir), f"{worker_name}*.pt.trace.json*"))
     if not files:
-        raise FileNotFoundError(f"no trace {worker_name}*.pt.trace.json in {trace_dir}: did the profiler reach "
-                                "the end of its active steps (wait + warmup + active optimizer steps)?")
+        raise FileNotFoundError(
+            f"no trace {worker_name}*.pt.trace.json in {trace_dir}: did the profiler reach "
+            "the end of its active steps (wait + warmup + active optimizer steps)?"
+        )
     return max(files, key=os.path.getmtime)
 
 
@@ -205,17 +233,34 @@ def _quiet_kineto():
             pass
 
 
-def profile_fit(model: torch.nn.Module, loader: Iterable, optimizer: torch.optim.Optimizer,
-                trace_dir: str | os.PathLike, *, steps: tuple[int, int, int] = (1, 1, 3), worker_name: str = "rank0",
-                callbacks: Iterable[Callback] = (), **fit_kwargs: Any) -> tuple[torch.profiler.profile, str]:
+def profile_fit(
+    model: torch.nn.Module,
+    loader: Iterable,
+    optimizer: torch.optim.Optimizer,
+    trace_dir: str | os.PathLike,
+    *,
+    steps: tuple[int, int, int] = (1, 1, 3),
+    worker_name: str = "rank0",
+    callbacks: Iterable[Callback] = (),
+    **fit_kwargs: Any,
+) -> tuple[torch.profiler.profile, str]:
     """Run ``fit`` for ``wait + warmup + active`` optimizer steps under the profiler, with phases
     labelled; returns ``(profiler, trace_path)``. ``steps = (wait, warmup, active)``."""
     wait, warmup, active = steps
     fit_kwargs.setdefault("progress", False)
-    with _quiet_kineto(), phase_labels(model), make_profiler(trace_dir, worker_name=worker_name, wait=wait, warmup=warmup,
-                                            active=active) as prof:
-        fit(model, LabeledLoader(loader), optimizer, steps=wait + warmup + active,
-            callbacks=[*callbacks, ProfilerStep(prof)], **fit_kwargs)
+    with (
+        _quiet_kineto(),
+        phase_labels(model),
+        make_profiler(trace_dir, worker_name=worker_name, wait=wait, warmup=warmup, active=active) as prof,
+    ):
+        fit(
+            model,
+            LabeledLoader(loader),
+            optimizer,
+            steps=wait + warmup + active,
+            callbacks=[*callbacks, ProfilerStep(prof)],
+            **fit_kwargs,
+        )
     return prof, latest_trace(trace_dir, worker_name)
 
 
@@ -223,11 +268,12 @@ def profile_fit(model: torch.nn.Module, loader: Iterable, optimizer: torch.optim
 # Reading a trace
 # ----------------------------------------------------------------------------------------
 
+
 def load_trace(path: str | os.PathLike) -> list[dict]:
     """The complete events (``"ph": "X"``: name, ts and dur in microseconds, pid, tid) of a
     Chrome trace file (``.json`` or ``.json.gz``), in time order."""
     path = os.fspath(path)
-    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+    with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     out = [e for e in events if e.get("ph") == "X" and "dur" in e]
@@ -305,8 +351,9 @@ def phase_times_per_step(events: list[dict], *, phases: Iterable[str] = PHASES) 
     out = []
     for s in profiler_steps(events):
         a, b = s["ts"], s["ts"] + s["dur"]
-        inside = [e for e in events if e["ts"] < b and e["ts"] + e["dur"] > a
-                  and not e["name"].startswith("ProfilerStep#")]
+        inside = [
+            e for e in events if e["ts"] < b and e["ts"] + e["dur"] > a and not e["name"].startswith("ProfilerStep#")
+        ]
         out.append(phase_times([s, *inside], phases=phases))
     return out
 
@@ -329,8 +376,16 @@ def op_counts(events: Iterable[dict]) -> Counter:
 # Drawing a trace
 # ----------------------------------------------------------------------------------------
 
-def plot_timeline(events: list[dict], ax: Axes | None = None, *, title: str = "profiler trace", max_lanes: int = 6,
-                  legend: bool = True, step: int | None = None) -> Axes:
+
+def plot_timeline(
+    events: list[dict],
+    ax: Axes | None = None,
+    *,
+    title: str = "profiler trace",
+    max_lanes: int = 6,
+    legend: bool = True,
+    step: int | None = None,
+) -> Axes:
     """The trace as a timeline: one lane per (process, thread), each event a bar coloured by its
     phase (grey: other ops, drawn thinner). Time in milliseconds from the first recorded step;
     ``step``: show only that recorded step (0 = the first)."""
@@ -341,8 +396,11 @@ def plot_timeline(events: list[dict], ax: Axes | None = None, *, title: str = "p
     t0 = min(e["ts"] for e in steps) if steps else events[0]["ts"]
     lanes = {}
     for e in events:
-        if e["name"].startswith("ProfilerStep#") or e.get("cat") in ("python_function", "Trace") \
-                or isinstance(e["pid"], str):        # the profiler's own span lane
+        if (
+            e["name"].startswith("ProfilerStep#")
+            or e.get("cat") in ("python_function", "Trace")
+            or isinstance(e["pid"], str)
+        ):  # the profiler's own span lane
             continue
         lanes.setdefault((e["pid"], e["tid"]), []).append(e)
     # busiest lanes first, at most max_lanes
@@ -350,18 +408,27 @@ def plot_timeline(events: list[dict], ax: Axes | None = None, *, title: str = "p
     if ax is None:
         _, ax = plt.subplots(figsize=(11, 0.9 + 0.7 * (len(keys) + 1)))
     for s in steps:
-        ax.axvspan((s["ts"] - t0) / 1e3, (s["ts"] + s["dur"] - t0) / 1e3, color="0.93" if int(
-            s["name"].split("#")[1]) % 2 else "0.97", zorder=0)
+        ax.axvspan(
+            (s["ts"] - t0) / 1e3,
+            (s["ts"] + s["dur"] - t0) / 1e3,
+            color="0.93" if int(s["name"].split("#")[1]) % 2 else "0.97",
+            zorder=0,
+        )
     labels = []
     for i, k in enumerate(keys):
         y = len(keys) - i
-        bars = {}                                     # one broken_barh per (lane, phase): fast to draw
+        bars = {}  # one broken_barh per (lane, phase): fast to draw
         for e in lanes[k]:
             bars.setdefault(phase_of(e["name"]), []).append(((e["ts"] - t0) / 1e3, max(e["dur"], 1) / 1e3))
         for p, xs in bars.items():
             top = p is not None
-            ax.broken_barh(xs, (y - (0.35 if top else 0.15), 0.7 if top else 0.3),
-                           color=PHASE_COLORS.get(p, "0.6"), zorder=3 if top else 2, linewidth=0)
+            ax.broken_barh(
+                xs,
+                (y - (0.35 if top else 0.15), 0.7 if top else 0.3),
+                color=PHASE_COLORS.get(p, "0.6"),
+                zorder=3 if top else 2,
+                linewidth=0,
+            )
         labels.append(f"pid {k[0]}\ntid {k[1]}")
     ax.set_yticks(range(len(keys), 0, -1), labels, fontsize=8)
     ax.set_xlabel("time since the first recorded step (ms)")
@@ -371,9 +438,14 @@ def plot_timeline(events: list[dict], ax: Axes | None = None, *, title: str = "p
         s = steps[step]
         ax.set_xlim((s["ts"] - t0) / 1e3, (s["ts"] + s["dur"] - t0) / 1e3)
     if legend:
-        ax.legend(handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()] +
-                  [Patch(color="0.6", label="other op")], loc="upper center", bbox_to_anchor=(0.5, -0.25),
-                  ncol=7, fontsize=8, frameon=False)
+        ax.legend(
+            handles=[Patch(color=c, label=p) for p, c in PHASE_COLORS.items()] + [Patch(color="0.6", label="other op")],
+            loc="upper center",
+            bbox_to_anchor=(0.5, -0.25),
+            ncol=7,
+            fontsize=8,
+            frameon=False,
+        )
     return ax
 
 
@@ -381,13 +453,23 @@ def plot_timeline(events: list[dict], ax: Axes | None = None, *, title: str = "p
 # DDP: a worker that profiles a few steps per rank (for utils.parallel.launch)
 # ----------------------------------------------------------------------------------------
 
-def ddp_profile_worker(trace_dir: str, bucket_caps_mb: Iterable[float] = (25.0,), *, width: int = 512, depth: int = 4,
-                       batch_size: int = 32, steps: tuple[int, int, int] = (2, 1, 3), seed: int = 0) -> list[dict]:
+
+def ddp_profile_worker(
+    trace_dir: str,
+    bucket_caps_mb: Iterable[float] = (25.0,),
+    *,
+    width: int = 512,
+    depth: int = 4,
+    batch_size: int = 32,
+    steps: tuple[int, int, int] = (2, 1, 3),
+    seed: int = 0,
+) -> list[dict]:
     """One rank of DDP runs on an MLP (``depth`` layers of ``width`` x ``width``: 1 MiB of float32
     gradient each at width 512), one run per bucket cap, each profiled for ``steps = (wait,
     warmup, active)``. Rank R writes ``trace_dir/cap<C>mb/rank<R>.*.pt.trace.json``. Returns, per
     cap, the trace path and DDP's own account of its buckets (bytes, after the rebuild at step 1)."""
     from . import parallel
+
     ctx = parallel.setup()
     out = []
     try:
@@ -403,13 +485,26 @@ def ddp_profile_worker(trace_dir: str, bucket_caps_mb: Iterable[float] = (25.0,)
             loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=batch_size)
             net = parallel.ddp(model, ctx, bucket_cap_mb=cap)
             opt = torch.optim.SGD(net.parameters(), lr=0.01)
-            _, trace = profile_fit(net, loader, opt, os.path.join(trace_dir, f"cap{cap:g}mb"), steps=steps,
-                                   worker_name=f"rank{ctx.rank}", device=ctx.device)
+            _, trace = profile_fit(
+                net,
+                loader,
+                opt,
+                os.path.join(trace_dir, f"cap{cap:g}mb"),
+                steps=steps,
+                worker_name=f"rank{ctx.rank}",
+                device=ctx.device,
+            )
             info = net._get_ddp_logging_data() if hasattr(net, "_get_ddp_logging_data") else {}
             sizes = info.get("rebuilt_bucket_sizes") or info.get("bucket_sizes") or ""
-            out.append({"rank": ctx.rank, "trace": trace, "bucket_cap_mb": cap,
-                        "bucket_sizes": [int(v) for v in str(sizes).split(",") if v.strip()]})
-            net = None                       # free the Reducer while the group exists
+            out.append(
+                {
+                    "rank": ctx.rank,
+                    "trace": trace,
+                    "bucket_cap_mb": cap,
+                    "bucket_sizes": [int(v) for v in str(sizes).split(",") if v.strip()],
+                }
+            )
+            net = None  # free the Reducer while the group exists
         return out
     finally:
         net = None
@@ -435,8 +530,9 @@ def overlap_report(events: list[dict]) -> dict[str, float]:
         launch = [(e["ts"], e["ts"] + e["dur"]) for e in inside if e["name"] == "c10d::allreduce_"]
         bwd = _subtract([(e["ts"], e["ts"] + e["dur"]) for e in inside if phase_of(e["name"]) == "backward"], launch)
         starts = [x for x, _ in launch]
-        comm = [(e["ts"], e["ts"] + e["dur"]) for e in inside
-                if is_allreduce(e["name"]) and e["name"] != "c10d::allreduce_"]
+        comm = [
+            (e["ts"], e["ts"] + e["dur"]) for e in inside if is_allreduce(e["name"]) and e["name"] != "c10d::allreduce_"
+        ]
         launches += len(starts)
         total = _union(bwd)
         if starts and total > 0:
@@ -445,6 +541,8 @@ def overlap_report(events: list[dict]) -> dict[str, float]:
         for x, y in comm:
             comm_total += y - x
             hidden += _union([(max(x, p), min(y, q)) for p, q in bwd if q > x and p < y])
-    return {"allreduce_per_step": launches / len(steps),
-            "backward_after_first_launch": sum(after) / len(after) if after else 0.0,
-            "comm_overlapped": hidden / comm_total if comm_total > 0 else 0.0}
+    return {
+        "allreduce_per_step": launches / len(steps),
+        "backward_after_first_launch": sum(after) / len(after) if after else 0.0,
+        "comm_overlapped": hidden / comm_total if comm_total > 0 else 0.0,
+    }

@@ -31,6 +31,7 @@ With the one training loop::
 ``lr(t) / peak_lr``; ``fit`` steps it after every optimizer step, so step ``t`` runs at
 ``lr(t)``, exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -56,8 +57,9 @@ def _positive(name, value, allow_zero=False):
 RULES = ("linear", "sqrt", "none")
 
 
-def lr_for_batch(base_lr: float, base_batch: int, batch: int, rule: str = "linear",
-                 max_lr: float | None = None) -> float:
+def lr_for_batch(
+    base_lr: float, base_batch: int, batch: int, rule: str = "linear", max_lr: float | None = None
+) -> float:
     """The learning rate for ``batch`` from ``base_lr`` tuned at ``base_batch``, with
     ``k = batch / base_batch``: ``rule`` "linear" (Goyal et al.: ``base_lr * k``), "sqrt"
     (``base_lr * sqrt(k)``) or "none" (``base_lr``); then capped at ``max_lr`` when given (past
@@ -92,9 +94,19 @@ class WarmupDecay:
         min_lr: the final rate of "cosine" and "poly".
     """
 
-    def __init__(self, start_lr: float, peak_lr: float, warmup_steps: int, total_steps: int,
-                 decay: str = "constant", *, milestones: Iterable[int] = (), gamma: float = 0.1, power: float = 2.0,
-                 min_lr: float = 0.0):
+    def __init__(
+        self,
+        start_lr: float,
+        peak_lr: float,
+        warmup_steps: int,
+        total_steps: int,
+        decay: str = "constant",
+        *,
+        milestones: Iterable[int] = (),
+        gamma: float = 0.1,
+        power: float = 2.0,
+        min_lr: float = 0.0,
+    ):
         _positive("start_lr", start_lr, allow_zero=True)
         _positive("peak_lr", peak_lr)
         _positive("min_lr", min_lr, allow_zero=True)
@@ -102,8 +114,9 @@ class WarmupDecay:
         _positive("power", power)
         for name, v in (("warmup_steps", warmup_steps), ("total_steps", total_steps)):
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0, got {v!r} "
-                                 f"(steps, not epochs: multiply epochs by len(loader))")
+                raise ValueError(
+                    f"{name} must be an int >= 0, got {v!r} (steps, not epochs: multiply epochs by len(loader))"
+                )
         if total_steps < warmup_steps:
             raise ValueError(f"total_steps ({total_steps}) must be >= warmup_steps ({warmup_steps})")
         if decay not in DECAYS:
@@ -129,7 +142,7 @@ class WarmupDecay:
         s = min(t - W, T - W) / (T - W) if T > W else 1.0
         if self.decay == "cosine":
             return self.min_lr + (peak - self.min_lr) * (1 + math.cos(math.pi * s)) / 2
-        return self.min_lr + (peak - self.min_lr) * (1 - s) ** self.power       # poly
+        return self.min_lr + (peak - self.min_lr) * (1 - s) ** self.power  # poly
 
     def __call__(self, t: int) -> float:
         """The LambdaLR multiplier: ``lr(t) / peak_lr``."""
@@ -144,16 +157,27 @@ class WarmupDecay:
         group's rate is set to ``peak_lr`` first (LambdaLR multiplies it by ``self(t)``)."""
         for group in optimizer.param_groups:
             group["lr"] = self.peak_lr
-            group.pop("initial_lr", None)      # left by an earlier scheduler
+            group.pop("initial_lr", None)  # left by an earlier scheduler
         return LambdaLR(optimizer, self)
 
     def __repr__(self):
-        return (f"WarmupDecay(start_lr={self.start_lr:g}, peak_lr={self.peak_lr:g}, "
-                f"warmup_steps={self.warmup_steps}, total_steps={self.total_steps}, decay={self.decay!r})")
+        return (
+            f"WarmupDecay(start_lr={self.start_lr:g}, peak_lr={self.peak_lr:g}, "
+            f"warmup_steps={self.warmup_steps}, total_steps={self.total_steps}, decay={self.decay!r})"
+        )
 
 
-def goyal_schedule(base_lr: float, batch: int, base_batch: int, steps_per_epoch: int, epochs: int,
-                   warmup_epochs: float, decay: str = "constant", rule: str = "linear", **kw) -> WarmupDecay:
+def goyal_schedule(
+    base_lr: float,
+    batch: int,
+    base_batch: int,
+    steps_per_epoch: int,
+    epochs: int,
+    warmup_epochs: float,
+    decay: str = "constant",
+    rule: str = "linear",
+    **kw,
+) -> WarmupDecay:
     """Goyal et al.'s recipe: scale ``base_lr`` by ``rule`` for ``batch``, ramp linearly from
     ``base_lr`` to it over ``warmup_epochs`` (per iteration), then ``decay``."""
     if steps_per_epoch < 1 or epochs < 1:

@@ -9,6 +9,7 @@ Timing: the clock is read only after the device has been synchronised, once at e
 start and end; evaluation is left out of it. The hot loop has no host synchronisation: losses
 and correct counts stay on the device and are read once per epoch.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from .data import set_epoch   # the one helper, re-exported here as train.set_epoch
+from .data import set_epoch  # the one helper, re-exported here as train.set_epoch
 from .device import autocast, synchronize
 
 
@@ -33,14 +34,15 @@ class History:
     """What a run produced. Per optimizer step: ``step_loss``, ``step_lr``. Per epoch: a dict in
     ``epochs`` (train_loss, train_acc, val_loss, val_acc, time_s, images, images_per_s).
     ``evals``: evaluations every ``eval_every`` steps (step, val_loss, val_acc)."""
+
     step_loss: list = field(default_factory=list)
     step_lr: list = field(default_factory=list)
     epochs: list = field(default_factory=list)
     evals: list = field(default_factory=list)
     steps: int = 0
     images: int = 0
-    train_time: float = 0.0      # seconds spent training (evaluation excluded)
-    wall_time: float = 0.0       # seconds from start to end of fit, everything included
+    train_time: float = 0.0  # seconds spent training (evaluation excluded)
+    wall_time: float = 0.0  # seconds from start to end of fit, everything included
 
     def _steady(self) -> list:
         """The epochs that measure speed: all but the first when there are several. Epoch 0
@@ -101,11 +103,10 @@ class History:
     def __repr__(self):
         acc = self.val_acc
         acc_s = f", val_acc {acc:.3f}" if acc is not None else ""
-        return (f"History({len(self.epochs)} epochs, {self.steps} steps{acc_s}, "
-                f"{self.images_per_s:,.0f} images/s)")
+        return f"History({len(self.epochs)} epochs, {self.steps} steps{acc_s}, {self.images_per_s:,.0f} images/s)"
 
 
-_NULL = contextlib.nullcontext()      # reusable: entering it does nothing
+_NULL = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 class Callback:
@@ -134,7 +135,7 @@ class StopAtAccuracy(Callback):
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)     # DDP / DataParallel / torch.compile wrappers
+    return getattr(model, "module", model)  # DDP / DataParallel / torch.compile wrappers
 
 
 def _param_device(model: nn.Module) -> torch.device:
@@ -145,7 +146,7 @@ def _param_device(model: nn.Module) -> torch.device:
 
 
 def _to(x, device, channels_last=False):
-    if x.device != device:                  # a batch already there (DeviceLoader) skips the call
+    if x.device != device:  # a batch already there (DeviceLoader) skips the call
         x = x.to(device, non_blocking=True)
     if channels_last and x.dim() == 4:
         x = x.contiguous(memory_format=torch.channels_last)
@@ -153,9 +154,15 @@ def _to(x, device, channels_last=False):
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: Iterable, *, loss_fn: Callable[..., torch.Tensor] | None = None,
-             device: torch.device | str | None = None, amp_dtype: torch.dtype | None = None,
-             channels_last: bool = False) -> dict[str, Any]:
+def evaluate(
+    model: nn.Module,
+    loader: Iterable,
+    *,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    amp_dtype: torch.dtype | None = None,
+    channels_last: bool = False,
+) -> dict[str, Any]:
     """Mean loss and accuracy of ``model`` over ``loader``: ``{"loss", "acc", "n"}``.
 
     Runs the unwrapped module (no DDP collectives), in eval mode, restoring the mode after.
@@ -205,8 +212,8 @@ class ProgressBar(Callback):
 
     def close(self) -> None:
         n, total = self.bar.n, self.bar.total
-        if total and n < total:           # stopped early on purpose (a callback): not an error, so the
-            self.bar.reset(total=n)       # bar is shortened to what ran rather than left red
+        if total and n < total:  # stopped early on purpose (a callback): not an error, so the
+            self.bar.reset(total=n)  # bar is shortened to what ran rather than left red
             self.bar.update(n)
         self.bar.close()
 
@@ -216,8 +223,8 @@ class _EpochStats:
     read on the host until :meth:`close`, once per epoch (the hot loop has no sync point)."""
 
     def __init__(self):
-        self.step_losses = []                       # per optimizer step (the mean over its micro-batches)
-        self.losses, self.sizes, self.correct = [], [], []   # per micro-batch
+        self.step_losses = []  # per optimizer step (the mean over its micro-batches)
+        self.losses, self.sizes, self.correct = [], [], []  # per micro-batch
         self.seen, self.classify, self._step_loss = 0, True, None
 
     def add(self, loss, out, y):
@@ -226,7 +233,7 @@ class _EpochStats:
         self.sizes.append(y.shape[0])
         self.classify = self.classify and out.dim() == 2 and not y.is_floating_point()
         if self.classify:
-            self.correct.append(out.argmax(1) == y)     # argmax has no graph
+            self.correct.append(out.argmax(1) == y)  # argmax has no graph
         self.seen += y.shape[0]
 
     def end_step(self, grad_accum: int):
@@ -249,30 +256,48 @@ def _check_fit_args(model, epochs, steps, grad_accum, channels_last):
         raise ValueError("fit() needs epochs=... or steps=... (or both)")
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
-    if channels_last and hasattr(model, "no_sync") and any(
-            p.dim() == 4 and not p.is_contiguous(memory_format=torch.channels_last) for p in model.parameters()):
-        raise ValueError("channels_last=True on a model already wrapped in DistributedDataParallel: DDP "
-                         "built its gradient buckets for the old layout. Convert before wrapping: "
-                         "utils.parallel.ddp(model, ctx, channels_last=True)")
+    if (
+        channels_last
+        and hasattr(model, "no_sync")
+        and any(p.dim() == 4 and not p.is_contiguous(memory_format=torch.channels_last) for p in model.parameters())
+    ):
+        raise ValueError(
+            "channels_last=True on a model already wrapped in DistributedDataParallel: DDP "
+            "built its gradient buckets for the old layout. Convert before wrapping: "
+            "utils.parallel.ddp(model, ctx, channels_last=True)"
+        )
 
 
 def _total_steps(train_loader, epochs, steps, grad_accum) -> int | None:
     try:
         per_epoch = len(train_loader) // grad_accum
-    except TypeError:                       # an iterable without a length
+    except TypeError:  # an iterable without a length
         return steps
     if epochs is None:
         return steps
     return per_epoch * epochs if steps is None else min(steps, per_epoch * epochs)
 
 
-def fit(model: nn.Module, train_loader: Iterable, optimizer: torch.optim.Optimizer, *, epochs: int | None = None,
-        steps: int | None = None, scheduler: Any = None, loss_fn: Callable[..., torch.Tensor] | None = None,
-        device: torch.device | str | None = None, amp_dtype: torch.dtype | None = None,
-        channels_last: bool = False, grad_accum: int = 1, clip_grad_norm: float | None = None,
-        val_loader: Iterable | None = None, eval_every: int | None = None, callbacks: Iterable[Callback] = (),
-        progress: bool = True,
-        desc: str = "train") -> History:
+def fit(
+    model: nn.Module,
+    train_loader: Iterable,
+    optimizer: torch.optim.Optimizer,
+    *,
+    epochs: int | None = None,
+    steps: int | None = None,
+    scheduler: Any = None,
+    loss_fn: Callable[..., torch.Tensor] | None = None,
+    device: torch.device | str | None = None,
+    amp_dtype: torch.dtype | None = None,
+    channels_last: bool = False,
+    grad_accum: int = 1,
+    clip_grad_norm: float | None = None,
+    val_loader: Iterable | None = None,
+    eval_every: int | None = None,
+    callbacks: Iterable[Callback] = (),
+    progress: bool = True,
+    desc: str = "train",
+) -> History:
     """Train ``model`` and return its :class:`History`.
 
     epochs / steps: stop after this many passes or optimizer steps (give one or both; the
@@ -287,7 +312,7 @@ def fit(model: nn.Module, train_loader: Iterable, optimizer: torch.optim.Optimiz
     _check_fit_args(model, epochs, steps, grad_accum, channels_last)
     device = _param_device(model) if device is None else torch.device(device)
     model.to(device, memory_format=torch.channels_last) if channels_last else model.to(device)
-    loss_fn = loss_fn or nn.functional.cross_entropy     # a function: no module-call overhead per step
+    loss_fn = loss_fn or nn.functional.cross_entropy  # a function: no module-call overhead per step
     scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 and device.type == "cuda" else None
     bar = ProgressBar(_total_steps(train_loader, epochs, steps, grad_accum), desc) if progress else None
     callbacks = ([bar] if bar else []) + list(callbacks)
@@ -301,7 +326,7 @@ def fit(model: nn.Module, train_loader: Iterable, optimizer: torch.optim.Optimiz
             scaler.unscale_(optimizer)
         if clip_grad_norm is not None:
             nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-        hist.step_lr.append(optimizer.param_groups[0]["lr"])   # the rate this step used
+        hist.step_lr.append(optimizer.param_groups[0]["lr"])  # the rate this step used
         if scaler:
             scaler.step(optimizer)
             scaler.update()
@@ -314,14 +339,15 @@ def fit(model: nn.Module, train_loader: Iterable, optimizer: torch.optim.Optimiz
         state.step += 1
 
     def run_eval(epoch: int, record: bool) -> dict:
-        r = evaluate(model, val_loader, loss_fn=loss_fn, device=device, amp_dtype=amp_dtype,
-                     channels_last=channels_last)
+        r = evaluate(
+            model, val_loader, loss_fn=loss_fn, device=device, amp_dtype=amp_dtype, channels_last=channels_last
+        )
         if record:
             hist.evals.append({"step": state.step, "epoch": epoch, "val_loss": r["loss"], "val_acc": r["acc"]})
         return r
 
     def timed_eval() -> float:
-        synchronize(device)                                       # sync point: pause the clock
+        synchronize(device)  # sync point: pause the clock
         tp = time.perf_counter()
         run_eval(state.epoch, record=True)
         return time.perf_counter() - tp
@@ -334,7 +360,7 @@ def fit(model: nn.Module, train_loader: Iterable, optimizer: torch.optim.Optimiz
             set_epoch(train_loader, state.epoch)
             model.train()
             stats, paused = _EpochStats(), 0.0
-            synchronize(device)                                   # sync point: start the clock
+            synchronize(device)  # sync point: start the clock
             t0 = time.perf_counter()
             # The hot loop: no host synchronisation, and as little Python per step as we can.
             for x, y in train_loader:
@@ -353,14 +379,20 @@ def fit(model: nn.Module, train_loader: Iterable, optimizer: torch.optim.Optimiz
                 micro = 0
                 optimizer_step(stats)
                 if val_loader is not None and eval_every and state.step % eval_every == 0:
-                    paused += timed_eval()                        # off the clock
+                    paused += timed_eval()  # off the clock
                 for cb in callbacks:
                     cb.on_step_end(state)
                 if state.stop or (steps is not None and state.step >= steps):
                     break
-            synchronize(device)                                   # sync point: stop the clock
-            _end_epoch(hist, stats, state, device, time.perf_counter() - t0 - paused,
-                       (lambda: run_eval(state.epoch, record=bool(eval_every))) if val_loader is not None else None)
+            synchronize(device)  # sync point: stop the clock
+            _end_epoch(
+                hist,
+                stats,
+                state,
+                device,
+                time.perf_counter() - t0 - paused,
+                (lambda: run_eval(state.epoch, record=bool(eval_every))) if val_loader is not None else None,
+            )
             for cb in callbacks:
                 cb.on_epoch_end(state)
             state.epoch += 1
@@ -377,9 +409,17 @@ def _end_epoch(hist: History, stats: _EpochStats, state, device, elapsed: float,
     append the epoch's record to ``hist``."""
     step_losses, train_loss, train_acc = stats.close(device)
     hist.step_loss.extend(step_losses)
-    rec = {"epoch": state.epoch, "step": state.step, "train_loss": train_loss, "train_acc": train_acc,
-           "time_s": elapsed, "images": stats.seen,
-           "images_per_s": stats.seen / elapsed if elapsed > 0 else float("nan"), "val_loss": None, "val_acc": None}
+    rec = {
+        "epoch": state.epoch,
+        "step": state.step,
+        "train_loss": train_loss,
+        "train_acc": train_acc,
+        "time_s": elapsed,
+        "images": stats.seen,
+        "images_per_s": stats.seen / elapsed if elapsed > 0 else float("nan"),
+        "val_loss": None,
+        "val_acc": None,
+    }
     hist.images += stats.seen
     hist.train_time += elapsed
     if run_eval is not None:

@@ -10,6 +10,7 @@ Each ``check_*`` prints one line starting with a tick when everything passes and
 checks in its own module here (environment.py, gd_sgd.py, throughput.py, ddp.py, large_batch.py,
 model_parallel.py); this package re-exports them all.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,15 +61,18 @@ def _call(name: str, fn, *args, **kwargs):
     try:
         return fn(*args, **kwargs)
     except NotImplementedError:
-        raise CheckFailed(f"{name}: not implemented yet. Try: replace the `raise NotImplementedError(...)` "
-                          f"line in the exercise cell with your code, run that cell, then this one") from None
+        raise CheckFailed(
+            f"{name}: not implemented yet. Try: replace the `raise NotImplementedError(...)` "
+            f"line in the exercise cell with your code, run that cell, then this one"
+        ) from None
     except CheckFailed:
         raise
     except Exception as e:  # the student's code crashed: show where
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
-        raise CheckFailed(f"{name}: your code raised {tb}. Try: read the traceback of your code above "
-                          f"(the last line in your cell is where it failed), fix it, rerun both cells"
-                          ) from e.with_traceback(_student_frames_only(e.__traceback__))
+        raise CheckFailed(
+            f"{name}: your code raised {tb}. Try: read the traceback of your code above "
+            f"(the last line in your cell is where it failed), fix it, rerun both cells"
+        ) from e.with_traceback(_student_frames_only(e.__traceback__))
 
 
 def _fail(name: str, problem: str, hint: str):
@@ -87,10 +91,9 @@ def _passed(name: str, detail: str = "") -> None:
     print(f"\u2714 {name}: correct{' (' + detail + ')' if detail else ''}")
 
 
-
-
-def check_prediction(prediction: object, measured: float, what: str, *, unit: str = "", rel_tol: float = 0.25,
-                     if_off: str = "") -> float:
+def check_prediction(
+    prediction: object, measured: float, what: str, *, unit: str = "", rel_tol: float = 0.25, if_off: str = ""
+) -> float:
     """Compare a number the student wrote BEFORE measuring with the measurement.
 
     A missing prediction fails (the point is to commit to a number first); a wrong one does not:
@@ -98,8 +101,11 @@ def check_prediction(prediction: object, measured: float, what: str, *, unit: st
     likely slip in one line. Returns measured / prediction."""
     name = f"prediction of {what}"
     if prediction is None:
-        _fail(name, "you have not written a prediction yet",
-              "write your number in the cell above (replace None), run it, then run this cell")
+        _fail(
+            name,
+            "you have not written a prediction yet",
+            "write your number in the cell above (replace None), run it, then run this cell",
+        )
     try:
         p = float(prediction)
     except (TypeError, ValueError):
@@ -109,9 +115,10 @@ def check_prediction(prediction: object, measured: float, what: str, *, unit: st
     ratio = float(measured) / p
     u = f" {unit}" if unit else ""
     if abs(ratio - 1) <= rel_tol:
-        print(f"\u2714 {name}: you predicted {p:.4g}{u}, measured {float(measured):.4g}{u} "
-              f"(within {rel_tol:.0%})")
+        print(f"\u2714 {name}: you predicted {p:.4g}{u}, measured {float(measured):.4g}{u} (within {rel_tol:.0%})")
     else:
-        print(f"\u2717 {name}: you predicted {p:.4g}{u}, measured {float(measured):.4g}{u}, "
-              f"{ratio:.3g} x your number." + (f" Likely: {if_off}" if if_off else ""))
+        print(
+            f"\u2717 {name}: you predicted {p:.4g}{u}, measured {float(measured):.4g}{u}, "
+            f"{ratio:.3g} x your number." + (f" Likely: {if_off}" if if_off else "")
+        )
     return ratio

@@ -14,6 +14,7 @@ torchrun on 2 processes; this module is also the probe each of those processes r
 The processes run on the backend the launcher picks (NCCL with a GPU per process), so every
 tensor is built on the rank's device (NCCL takes GPU tensors only), with TF32 off.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -28,11 +29,21 @@ from torch import nn
 
 from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
 
-__all__ = ["check_ring_all_reduce", "check_average_gradients", "check_shard_batches", "check_save_on_rank0",
-           "check_overlap_ddp", "check_overlap_trace", "check_ddp_script", "SERIAL_SCRIPT", "run_script"]
+__all__ = [
+    "check_ring_all_reduce",
+    "check_average_gradients",
+    "check_shard_batches",
+    "check_save_on_rank0",
+    "check_overlap_ddp",
+    "check_overlap_trace",
+    "check_ddp_script",
+    "SERIAL_SCRIPT",
+    "run_script",
+]
 
 
 # ---------------------------------------------------------------------------- shipping source
+
 
 def _code_names(code) -> set:
     """Every global/attribute name and string constant used by a code object and those nested in it."""
@@ -52,8 +63,13 @@ def _helpers(fn, seen) -> list:
     glb = getattr(fn, "__globals__", {})
     for n in sorted(_code_names(fn.__code__)):
         obj = glb.get(n)
-        if (callable(obj) and getattr(obj, "__module__", None) in ("__main__", "__mp_main__")
-                and hasattr(obj, "__code__") and obj is not fn and n not in seen):
+        if (
+            callable(obj)
+            and getattr(obj, "__module__", None) in ("__main__", "__mp_main__")
+            and hasattr(obj, "__code__")
+            and obj is not fn
+            and n not in seen
+        ):
             seen.add(n)
             out += _helpers(obj, seen)
             try:
@@ -72,12 +88,17 @@ def _source(name, fn, forbidden=()) -> str:
         _fail(name, f"expected a function, got {type(fn).__name__}", "pass the function itself, without calling it")
     mod = getattr(fn, "__module__", "") or ""
     if mod.startswith("utils") or mod.startswith("torch"):
-        _fail(name, f"this is {mod}.{getattr(fn, '__name__', fn)}, the library's own implementation, not yours",
-              "write the function yourself in the exercise cell and pass that")
+        _fail(
+            name,
+            f"this is {mod}.{getattr(fn, '__name__', fn)}, the library's own implementation, not yours",
+            "write the function yourself in the exercise cell and pass that",
+        )
     try:
         src = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError):
-        _fail(name, "could not read your function's source", "define it with `def` in a notebook cell and run that cell")
+        _fail(
+            name, "could not read your function's source", "define it with `def` in a notebook cell and run that cell"
+        )
     if "NotImplementedError" in src:
         _call(name, _raise_not_implemented)
     helpers = _helpers(fn, {fn.__name__})
@@ -89,15 +110,21 @@ def _source(name, fn, forbidden=()) -> str:
         obj = glb.get(n)
         omod = getattr(obj, "__module__", None) or getattr(obj, "__name__", "") if obj is not None else ""
         if isinstance(omod, str) and omod.startswith("utils.") and obj is not None and n not in ("utils",):
-            _fail(name, f"your code uses {n}, which comes from the course's {omod}",
-                  "write the steps yourself with torch.distributed; the library's version is what this "
-                  "exercise asks you to build")
+            _fail(
+                name,
+                f"your code uses {n}, which comes from the course's {omod}",
+                "write the steps yourself with torch.distributed; the library's version is what this "
+                "exercise asks you to build",
+            )
     bad = [n for n in _LIBRARY + tuple(forbidden) if n in used]
     if bad:
         what = ", ".join(sorted(set(bad)))
-        _fail(name, f"your code calls {what}, which this exercise asks you to build yourself",
-              f"remove {what}; build it from the pieces the exercise names"
-              + (" (point-to-point sends and receives)" if "all_reduce" in bad else ""))
+        _fail(
+            name,
+            f"your code calls {what}, which this exercise asks you to build yourself",
+            f"remove {what}; build it from the pieces the exercise names"
+            + (" (point-to-point sends and receives)" if "all_reduce" in bad else ""),
+        )
     return "\n\n".join(helpers + [src])
 
 
@@ -109,6 +136,7 @@ def _define(source: str, fn_name: str):
     """In a spawned process: define the student's function again, with the lab's names in scope."""
     import torch.distributed as dist
     import torch.nn.functional as F
+
     scope = {"torch": torch, "dist": dist, "nn": nn, "F": F, "math": math, "os": os}
     exec(compile(source, "<your exercise cell>", "exec"), scope)
     return scope[fn_name]
@@ -117,61 +145,90 @@ def _define(source: str, fn_name: str):
 def _blocking_p2p(source: str) -> bool:
     """Does the code send with blocking ``dist.send`` / ``dist.recv`` rather than one batch?"""
     import re
-    return bool(re.search(r"\bdist\.send\s*\(|\bsend\s*\(\s*[^)]*\bdst\b", source)) and "batch_isend_irecv" not in source
+
+    return (
+        bool(re.search(r"\bdist\.send\s*\(|\bsend\s*\(\s*[^)]*\bdst\b", source)) and "batch_isend_irecv" not in source
+    )
 
 
 def _launch(name, worker, nprocs, *args, source: str = ""):
     from utils import parallel
+
     try:
         return parallel.launch(worker, nprocs, *args, timeout=90, stream=False)
     except parallel.LaunchTimeout:
         if _blocking_p2p(source):
-            _fail(name, "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank "
-                  "has posted yet (each one sends first and receives second)",
-                  "post each step's send and receive together, as one batch of point-to-point operations "
-                  "(look up dist.P2POp and dist.batch_isend_irecv), then wait on every request it returns")
-        _fail(name, "your function hung (the processes waited for each other until the timeout)",
-              "every send needs a matching receive on the neighbour, posted together in one batch; and every "
-              "rank must run the same number of steps")
+            _fail(
+                name,
+                "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank "
+                "has posted yet (each one sends first and receives second)",
+                "post each step's send and receive together, as one batch of point-to-point operations "
+                "(look up dist.P2POp and dist.batch_isend_irecv), then wait on every request it returns",
+            )
+        _fail(
+            name,
+            "your function hung (the processes waited for each other until the timeout)",
+            "every send needs a matching receive on the neighbour, posted together in one batch; and every "
+            "rank must run the same number of steps",
+        )
     except parallel.LaunchError as e:
         text = str(e)
         if _blocking_p2p(source):
-            _fail(name, "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank "
-                  "has posted yet", "post each step's send and receive together as one batch (dist.P2POp, "
-                  "dist.batch_isend_irecv), then wait on every request")
+            _fail(
+                name,
+                "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank has posted yet",
+                "post each step's send and receive together as one batch (dist.P2POp, "
+                "dist.batch_isend_irecv), then wait on every request",
+            )
         if "Timed out" in text:
-            _fail(name, "your function hung: a rank waited for a message that never came",
-                  "check that rank r sends to (r + 1) % N and receives from (r - 1) % N, the same number of times")
+            _fail(
+                name,
+                "your function hung: a rank waited for a message that never came",
+                "check that rank r sends to (r + 1) % N and receives from (r - 1) % N, the same number of times",
+            )
         first = text.split("\n")[0]
         if not e.remote_traceback:
-            _fail(name, f"a process stopped without a Python exception ({first.split('. The other')[0]})",
-                  "run your function's steps by hand on paper for 3 ranks: a rank that waits forever, or "
-                  "writes past a tensor's end, stops like this")
+            _fail(
+                name,
+                f"a process stopped without a Python exception ({first.split('. The other')[0]})",
+                "run your function's steps by hand on paper for 3 ranks: a rank that waits forever, or "
+                "writes past a tensor's end, stops like this",
+            )
         tb = e.remote_traceback.strip().splitlines()
         where = next((line.strip() for line in reversed(tb) if "<your exercise cell>" in line), "")
-        err = CheckFailed(f"{name}: your code raised on {first.split(' raised ')[0]}: "
-                          f"{first.split(' raised ', 1)[-1].split('. The other ranks')[0]}"
-                          f"{'  (' + where + ')' if where else ''}. Try: read that rank's traceback, "
-                          f"printed below, fix the line it names, rerun both cells"
-                          f"\n\nTraceback from {first.split(' raised ')[0]}:\n{e.remote_traceback}")
+        err = CheckFailed(
+            f"{name}: your code raised on {first.split(' raised ')[0]}: "
+            f"{first.split(' raised ', 1)[-1].split('. The other ranks')[0]}"
+            f"{'  (' + where + ')' if where else ''}. Try: read that rank's traceback, "
+            f"printed below, fix the line it names, rerun both cells"
+            f"\n\nTraceback from {first.split(' raised ')[0]}:\n{e.remote_traceback}"
+        )
         err.remote_traceback = e.remote_traceback
         raise err from None
 
 
 # ---------------------------------------------------------------------------- ring all-reduce
 
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-                "reduce_scatter_tensor", "all_to_all", "reduce")
-RING_SIZES = (12, 7, 2)       # divisible by 3 ranks, not divisible, fewer elements than ranks
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "reduce",
+)
+RING_SIZES = (12, 7, 2)  # divisible by 3 ranks, not divisible, fewer elements than ranks
 
 
 def _ring_worker(source, fn_name):
     from utils import parallel
+
     ctx = parallel.setup(timeout=20)
     fn = _define(source, fn_name)
     out = []
     for n in RING_SIZES:
-        x = (torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device)   # NCCL: GPU tensors
+        x = (torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device)  # NCCL: GPU tensors
         ret = fn(x)
         out.append({"inplace": x, "returned": ret if isinstance(ret, torch.Tensor) else None})
     return out
@@ -196,32 +253,49 @@ def check_ring_all_reduce(ring_all_reduce, world_size: int = 3) -> None:
             continue
         rets = [r["returned"] for r in per_size]
         if all(r is not None and r.shape == want.shape and torch.allclose(r, want) for r in rets):
-            _fail(name, f"the returned tensor is right but the tensor passed in was not changed ({n} elements)",
-                  "work in place, like dist.all_reduce: cut the tensor into views with tensor.chunk / "
-                  "tensor_split and add into them (chunk += received), then return the tensor")
+            _fail(
+                name,
+                f"the returned tensor is right but the tensor passed in was not changed ({n} elements)",
+                "work in place, like dist.all_reduce: cut the tensor into views with tensor.chunk / "
+                "tensor_split and add into them (chunk += received), then return the tensor",
+            )
         own = [torch.arange(n, dtype=torch.float32) + 100.0 * (r + 1) for r in range(world_size)]
         if all(torch.equal(g, o) for g, o in zip(got, own)):
-            _fail(name, "every rank still holds its own tensor: nothing was added",
-                  "in reduce-scatter, add the received chunk into your own: chunks[i] += buffer")
-        chunks_ok = [[torch.equal(gc, wc) for gc, wc in zip(g.tensor_split(world_size), want.tensor_split(world_size))]
-                     for g in got]
+            _fail(
+                name,
+                "every rank still holds its own tensor: nothing was added",
+                "in reduce-scatter, add the received chunk into your own: chunks[i] += buffer",
+            )
+        chunks_ok = [
+            [torch.equal(gc, wc) for gc, wc in zip(g.tensor_split(world_size), want.tensor_split(world_size))]
+            for g in got
+        ]
         if n >= world_size and all(sum(ok) == 1 for ok in chunks_ok):
-            _fail(name, f"each rank has exactly one fully summed chunk ({n} elements): the reduce-scatter "
-                  "works but the all-gather is missing or wrong",
-                  "after N-1 reduce-scatter steps, run N-1 more steps that pass the finished chunks on "
-                  "(copy the received chunk into place instead of adding it)")
+            _fail(
+                name,
+                f"each rank has exactly one fully summed chunk ({n} elements): the reduce-scatter "
+                "works but the all-gather is missing or wrong",
+                "after N-1 reduce-scatter steps, run N-1 more steps that pass the finished chunks on "
+                "(copy the received chunk into place instead of adding it)",
+            )
         if any(torch.allclose(g, want * 2) or torch.allclose(g, want + own[i]) for i, g in enumerate(got)):
-            _fail(name, f"some values were added twice ({n} elements)",
-                  "in the all-gather phase copy the received chunk (chunk.copy_(buffer)); only "
-                  "reduce-scatter adds")
-        _fail(name, f"wrong sum for a tensor of {n} elements on {world_size} ranks: rank 0 got "
-              f"{got[0].tolist()}, expected {want.tolist()}",
-              "at step s, rank r sends chunk (r - s) % N to the right and receives chunk (r - s - 1) % N "
-              "from the left; use tensor_split(N) so sizes that do not divide by N work too")
+            _fail(
+                name,
+                f"some values were added twice ({n} elements)",
+                "in the all-gather phase copy the received chunk (chunk.copy_(buffer)); only reduce-scatter adds",
+            )
+        _fail(
+            name,
+            f"wrong sum for a tensor of {n} elements on {world_size} ranks: rank 0 got "
+            f"{got[0].tolist()}, expected {want.tolist()}",
+            "at step s, rank r sends chunk (r - s) % N to the right and receives chunk (r - s - 1) % N "
+            "from the left; use tensor_split(N) so sizes that do not divide by N work too",
+        )
     _passed(name, f"{world_size} processes, {len(RING_SIZES)} tensor sizes, equal to all_reduce")
 
 
 # ---------------------------------------------------------------------------- gradient averaging
+
 
 def _grad_model():
     torch.manual_seed(0)
@@ -241,13 +315,14 @@ def _local_grads(x, y):
 
 def _avg_worker(source, fn_name):
     from utils import parallel
-    parallel.exact_fp32()                  # compared with one CPU process to 1e-6: no TF32 on the GPU
+
+    parallel.exact_fp32()  # compared with one CPU process to 1e-6: no TF32 on the GPU
     ctx = parallel.setup(timeout=20)
     fn = _define(source, fn_name)
     x, y = _grad_data(ctx.world_size)
-    x, y = x.to(ctx.device), y.to(ctx.device)              # NCCL all-reduces GPU tensors only
+    x, y = x.to(ctx.device), y.to(ctx.device)  # NCCL all-reduces GPU tensors only
     model = _grad_model().to(ctx.device)
-    nn.functional.cross_entropy(model(x[ctx.rank::ctx.world_size]), y[ctx.rank::ctx.world_size]).backward()
+    nn.functional.cross_entropy(model(x[ctx.rank :: ctx.world_size]), y[ctx.rank :: ctx.world_size]).backward()
     fn(model)
     return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
 
@@ -260,7 +335,7 @@ def check_average_gradients(average_gradients, world_size: int = 2) -> None:
     src = _source(name, average_gradients)
     res = _launch(name, _avg_worker, world_size, src, average_gradients.__name__, source=src)
     x, y = _grad_data(world_size)
-    want = _local_grads(x, y)                           # the mean over the whole batch
+    want = _local_grads(x, y)  # the mean over the whole batch
     local = [_local_grads(x[r::world_size], y[r::world_size]) for r in range(world_size)]
     for r, grads in enumerate(res):
         if any(g is None for g in grads):
@@ -268,20 +343,33 @@ def check_average_gradients(average_gradients, world_size: int = 2) -> None:
         if all(torch.allclose(g, w, atol=1e-6) for g, w in zip(grads, want)):
             continue
         if all(torch.allclose(g, world_size * w, atol=1e-6) for g, w in zip(grads, want)):
-            _fail(name, f"the gradients are {world_size}x too large: they were summed, not averaged",
-                  "after dist.all_reduce(p.grad) divide by the world size: p.grad /= dist.get_world_size()")
+            _fail(
+                name,
+                f"the gradients are {world_size}x too large: they were summed, not averaged",
+                "after dist.all_reduce(p.grad) divide by the world size: p.grad /= dist.get_world_size()",
+            )
         if all(torch.allclose(g, l, atol=1e-6) for g, l in zip(grads, local[r])):
-            _fail(name, f"rank {r} still has its own local gradient: nothing was exchanged",
-                  "call dist.all_reduce(p.grad) for every parameter, on every rank")
+            _fail(
+                name,
+                f"rank {r} still has its own local gradient: nothing was exchanged",
+                "call dist.all_reduce(p.grad) for every parameter, on every rank",
+            )
         if all(torch.allclose(g, l / world_size, atol=1e-6) for g, l in zip(grads, local[r])):
-            _fail(name, "each gradient was divided by the world size but not all-reduced",
-                  "all-reduce first (dist.all_reduce(p.grad)), then divide")
-        _fail(name, f"the gradients on rank {r} do not match one process on the whole batch",
-              "for every parameter p: dist.all_reduce(p.grad); p.grad /= world size; in place, on every rank")
+            _fail(
+                name,
+                "each gradient was divided by the world size but not all-reduced",
+                "all-reduce first (dist.all_reduce(p.grad)), then divide",
+            )
+        _fail(
+            name,
+            f"the gradients on rank {r} do not match one process on the whole batch",
+            "for every parameter p: dist.all_reduce(p.grad); p.grad /= world size; in place, on every rank",
+        )
     _passed(name, f"{world_size} processes match one process on the concatenated batch")
 
 
 # ---------------------------------------------------------------------------- sharding
+
 
 def _as_lists(batches):
     return [[int(i) for i in (b.tolist() if isinstance(b, torch.Tensor) else b)] for b in batches]
@@ -296,29 +384,47 @@ def check_shard_batches(shard_batches) -> None:
     per = {(r, e): _as_lists(_call(name, shard_batches, n, bs, r, world, e, 0)) for r in range(world) for e in (0, 1)}
     flat = {k: [i for b in v for i in b] for k, v in per.items()}
     if any(len(b) > bs for v in per.values() for b in v):
-        _fail(name, f"a batch has more than batch_size={bs} indices", "cut each rank's indices into batches of batch_size")
+        _fail(
+            name, f"a batch has more than batch_size={bs} indices", "cut each rank's indices into batches of batch_size"
+        )
     if len(flat[(0, 0)]) == n:
-        _fail(name, f"rank 0 got all {n} examples: the data is not sharded",
-              "pass num_replicas=world_size and rank=rank to DistributedSampler")
+        _fail(
+            name,
+            f"rank 0 got all {n} examples: the data is not sharded",
+            "pass num_replicas=world_size and rank=rank to DistributedSampler",
+        )
     if flat[(0, 0)] == flat[(1, 0)]:
-        _fail(name, "ranks 0 and 1 got the same indices", "pass rank=rank to DistributedSampler, so each "
-              "rank takes its own share")
+        _fail(
+            name,
+            "ranks 0 and 1 got the same indices",
+            "pass rank=rank to DistributedSampler, so each rank takes its own share",
+        )
     if set(flat[(0, 0)]) & set(flat[(1, 0)]):
-        _fail(name, "ranks 0 and 1 share examples in the same epoch",
-              "every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank")
+        _fail(
+            name,
+            "ranks 0 and 1 share examples in the same epoch",
+            "every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank",
+        )
     if set(flat[(0, 0)]) | set(flat[(1, 0)]) != set(range(n)):
         _fail(name, "together the ranks do not cover the dataset", "each rank takes every world_size-th index")
     if flat[(0, 0)] == flat[(0, 1)]:
-        _fail(name, "epoch 0 and epoch 1 have the same order: the data is never reshuffled",
-              "call sampler.set_epoch(epoch) before iterating it")
+        _fail(
+            name,
+            "epoch 0 and epoch 1 have the same order: the data is never reshuffled",
+            "call sampler.set_epoch(epoch) before iterating it",
+        )
     again = _as_lists(_call(name, shard_batches, n, bs, 0, world, 1, 0))
     if again != per[(0, 1)]:
-        _fail(name, "two calls with the same arguments gave different batches",
-              "use the seed argument (DistributedSampler(..., seed=seed)), not the global random state")
+        _fail(
+            name,
+            "two calls with the same arguments gave different batches",
+            "use the seed argument (DistributedSampler(..., seed=seed)), not the global random state",
+        )
     _passed(name)
 
 
 # ---------------------------------------------------------------------------- rank-0 checkpoint
+
 
 def check_save_on_rank0(save_on_rank0) -> None:
     """``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save a dict with
@@ -344,10 +450,17 @@ def check_save_on_rank0(save_on_rank0) -> None:
         with mock.patch("os.replace", spy), mock.patch("os.rename", spy):
             _call(name, save_on_rank0, path, model, opt, 3, 0)
         if not os.path.exists(path):
-            _fail(name, "rank 0 did not write the checkpoint", "torch.save(...) to a temporary file, then os.replace it to path")
+            _fail(
+                name,
+                "rank 0 did not write the checkpoint",
+                "torch.save(...) to a temporary file, then os.replace it to path",
+            )
         if not any(dst == path for _, dst in calls):
-            _fail(name, "the file was written in place, not atomically: a crash mid-write would leave a "
-                  "corrupt checkpoint", "torch.save to path + '.tmp', then os.replace(tmp, path)")
+            _fail(
+                name,
+                "the file was written in place, not atomically: a crash mid-write would leave a corrupt checkpoint",
+                "torch.save to path + '.tmp', then os.replace(tmp, path)",
+            )
         left = [f for f in os.listdir(d) if f != "ckpt.pt"]
         if left:
             _fail(name, f"temporary files were left behind: {left}", "os.replace moves the temporary file onto path")
@@ -357,8 +470,11 @@ def check_save_on_rank0(save_on_rank0) -> None:
             _fail(name, f"the checkpoint cannot be loaded ({e})", "save a dict of state dicts and numbers")
     for key in ("model", "optimizer", "epoch"):
         if key not in ck:
-            _fail(name, f"the checkpoint has no {key!r} (keys: {sorted(ck)})",
-                  "save {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'epoch': epoch}")
+            _fail(
+                name,
+                f"the checkpoint has no {key!r} (keys: {sorted(ck)})",
+                "save {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'epoch': epoch}",
+            )
     if not all(torch.equal(ck["model"][k], v) for k, v in model.state_dict().items()):
         _fail(name, "the saved weights differ from the model's", "save model.state_dict()")
     if not ck["optimizer"].get("state"):
@@ -369,6 +485,7 @@ def check_save_on_rank0(save_on_rank0) -> None:
 
 
 # ---------------------------------------------------------------------------- overlapped DDP by hand
+
 
 def _overlap_model():
     torch.manual_seed(0)
@@ -381,7 +498,7 @@ def _overlap_batch(step, world, rank):
     return x[rank::world], y[rank::world]
 
 
-OVERLAP_CAPS = (0, 80, 10 ** 9)     # one bucket per parameter, a few buckets, one bucket
+OVERLAP_CAPS = (0, 80, 10**9)  # one bucket per parameter, a few buckets, one bucket
 OVERLAP_STEPS = 3
 
 
@@ -390,6 +507,7 @@ def _overlap_worker(source, fn_name):
     from torch.nn.parallel import DistributedDataParallel
 
     from utils import parallel
+
     ctx = parallel.setup(timeout=20)
     fn = _define(source, fn_name)
     out = {}
@@ -403,8 +521,14 @@ def _overlap_worker(source, fn_name):
 
         def spy(tensor, *a, _calls=calls, _state=state, _params=params, _real=real, **k):
             async_op = k.get("async_op", a[2] if len(a) > 2 else False)
-            _calls.append({"step": _state["step"], "async": bool(async_op), "in_backward": _state["in_backward"],
-                           "ready": sum(p.grad is not None for p in _params)})
+            _calls.append(
+                {
+                    "step": _state["step"],
+                    "async": bool(async_op),
+                    "in_backward": _state["in_backward"],
+                    "ready": sum(p.grad is not None for p in _params),
+                }
+            )
             return _real(tensor, *a, **k)
 
         with mock.patch.object(dist, "all_reduce", spy):
@@ -433,11 +557,16 @@ def _overlap_worker(source, fn_name):
             if step == 0:
                 ref_grads0 = [p.grad.clone() for p in ref.parameters()]
             ref_opt.step()
-        out[cap] = {"finish": callable(finish), "calls": calls, "nparams": len(params),
-                    "weights": [p.detach().clone() for p in params],
-                    "ref": [p.detach().clone() for p in ref.module.parameters()],
-                    "grads0": grads0, "ref_grads0": ref_grads0,
-                    "local0": [p.grad.clone() for p in local0.parameters()]}
+        out[cap] = {
+            "finish": callable(finish),
+            "calls": calls,
+            "nparams": len(params),
+            "weights": [p.detach().clone() for p in params],
+            "ref": [p.detach().clone() for p in ref.module.parameters()],
+            "grads0": grads0,
+            "ref_grads0": ref_grads0,
+            "local0": [p.grad.clone() for p in local0.parameters()],
+        }
     return out
 
 
@@ -455,69 +584,114 @@ def check_overlap_ddp(overlap_ddp, world_size: int = 2) -> None:
             out = out[cap]
             calls, n = out["calls"], out["nparams"]
             if not out["finish"]:
-                _fail(name, "overlap_ddp did not return a function", "return finish, a function that waits for "
-                      "the all-reduces and averages; the training loop calls it after backward()")
+                _fail(
+                    name,
+                    "overlap_ddp did not return a function",
+                    "return finish, a function that waits for "
+                    "the all-reduces and averages; the training loop calls it after backward()",
+                )
             if not calls:
-                _fail(name, "no dist.all_reduce was called", "in each parameter's hook, launch dist.all_reduce "
-                      "on its gradient (or its bucket's), with async_op=True")
+                _fail(
+                    name,
+                    "no dist.all_reduce was called",
+                    "in each parameter's hook, launch dist.all_reduce "
+                    "on its gradient (or its bucket's), with async_op=True",
+                )
             if not all(c["async"] for c in calls):
-                _fail(name, "an all-reduce was blocking (async_op not set): backward stops at every hook until "
-                      "that all-reduce is done, so nothing overlaps",
-                      "pass async_op=True, keep the work handle it returns, and wait() on it in finish()")
+                _fail(
+                    name,
+                    "an all-reduce was blocking (async_op not set): backward stops at every hook until "
+                    "that all-reduce is done, so nothing overlaps",
+                    "pass async_op=True, keep the work handle it returns, and wait() on it in finish()",
+                )
             if not any(c["in_backward"] for c in calls):
-                _fail(name, "every all-reduce started after backward() returned: communication does not "
-                      "overlap with backward", "launch each all-reduce from a hook that fires when a gradient is "
-                      "ready (look up Tensor.register_post_accumulate_grad_hook); finish() only waits")
+                _fail(
+                    name,
+                    "every all-reduce started after backward() returned: communication does not overlap with backward",
+                    "launch each all-reduce from a hook that fires when a gradient is "
+                    "ready (look up Tensor.register_post_accumulate_grad_hook); finish() only waits",
+                )
             if cap == 0 and all(c["ready"] == n for c in calls if c["in_backward"]):
-                _fail(name, "the all-reduces start only once every gradient is ready, so none overlaps with the "
-                      "rest of backward", "launch a parameter's all-reduce from ITS OWN hook, as soon as its "
-                      "gradient is accumulated")
+                _fail(
+                    name,
+                    "the all-reduces start only once every gradient is ready, so none overlaps with the "
+                    "rest of backward",
+                    "launch a parameter's all-reduce from ITS OWN hook, as soon as its gradient is accumulated",
+                )
             g, want, local = out["grads0"], out["ref_grads0"], out["local0"]
             ok = all(a is not None and torch.allclose(a, b, atol=1e-6) for a, b in zip(g, want))
             if not ok:
                 if any(a is None for a in g):
-                    _fail(name, f"after finish() a gradient is None on rank {r}", "leave the averaged gradient in p.grad")
+                    _fail(
+                        name, f"after finish() a gradient is None on rank {r}", "leave the averaged gradient in p.grad"
+                    )
                 if all(torch.allclose(a, world_size * b, atol=1e-6) for a, b in zip(g, want)):
-                    _fail(name, f"the gradients are {world_size}x DDP's: they were summed, not averaged",
-                          "in finish(), after waiting, divide by the world size")
+                    _fail(
+                        name,
+                        f"the gradients are {world_size}x DDP's: they were summed, not averaged",
+                        "in finish(), after waiting, divide by the world size",
+                    )
                 if all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, local)):
-                    _fail(name, f"rank {r} still has its own local gradient after finish()",
-                          "wait() on every work handle in finish(); with buckets, copy the reduced flat buffer "
-                          "back into each p.grad after waiting")
-                _fail(name, f"with bucket_numel={cap}, the gradients after finish() on rank {r} differ from "
-                      "DistributedDataParallel's", "each gradient must be the mean over ranks: all-reduce "
-                      "(sum), wait, divide by the world size, and (buckets) copy each slice back to its p.grad")
+                    _fail(
+                        name,
+                        f"rank {r} still has its own local gradient after finish()",
+                        "wait() on every work handle in finish(); with buckets, copy the reduced flat buffer "
+                        "back into each p.grad after waiting",
+                    )
+                _fail(
+                    name,
+                    f"with bucket_numel={cap}, the gradients after finish() on rank {r} differ from "
+                    "DistributedDataParallel's",
+                    "each gradient must be the mean over ranks: all-reduce "
+                    "(sum), wait, divide by the world size, and (buckets) copy each slice back to its p.grad",
+                )
             if not all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out["weights"], out["ref"])):
-                _fail(name, f"step 0 matched DDP but after {OVERLAP_STEPS} steps the weights differ "
-                      f"(bucket_numel={cap})", "reset what finish() keeps (handles, bucket counters) at the end "
-                      "of every finish(), so the next backward starts clean")
+                _fail(
+                    name,
+                    f"step 0 matched DDP but after {OVERLAP_STEPS} steps the weights differ (bucket_numel={cap})",
+                    "reset what finish() keeps (handles, bucket counters) at the end "
+                    "of every finish(), so the next backward starts clean",
+                )
             per_step = [sum(1 for c in calls if c["step"] == s) for s in range(OVERLAP_STEPS)]
             if cap == 0 and any(k != n for k in per_step):
-                _fail(name, f"with bucket_numel=0 you made {per_step[0]} all-reduces per step for {n} parameters",
-                      "bucket_numel=0 means one bucket (one all-reduce) per parameter")
-            if cap >= 10 ** 9 and any(k != 1 for k in per_step):
-                _fail(name, f"with bucket_numel={cap} (more than the model) you made {per_step[0]} all-reduces "
-                      "per step", "fill a bucket until adding the next parameter would pass bucket_numel; "
-                      "the whole model fits in one, so one all-reduce per step")
-            if 0 < cap < 10 ** 9 and not all(1 < k < n for k in per_step):
-                _fail(name, f"with bucket_numel={cap} you made {per_step[0]} all-reduces per step for {n} "
-                      "parameters", "group parameters in the order their gradients arrive (last layer first) "
-                      "into buckets of at most bucket_numel elements")
-    _passed(name, f"{world_size} processes, {len(OVERLAP_CAPS)} bucket sizes, equal to DistributedDataParallel, "
-            "all-reduces launched during backward")
+                _fail(
+                    name,
+                    f"with bucket_numel=0 you made {per_step[0]} all-reduces per step for {n} parameters",
+                    "bucket_numel=0 means one bucket (one all-reduce) per parameter",
+                )
+            if cap >= 10**9 and any(k != 1 for k in per_step):
+                _fail(
+                    name,
+                    f"with bucket_numel={cap} (more than the model) you made {per_step[0]} all-reduces per step",
+                    "fill a bucket until adding the next parameter would pass bucket_numel; "
+                    "the whole model fits in one, so one all-reduce per step",
+                )
+            if 0 < cap < 10**9 and not all(1 < k < n for k in per_step):
+                _fail(
+                    name,
+                    f"with bucket_numel={cap} you made {per_step[0]} all-reduces per step for {n} parameters",
+                    "group parameters in the order their gradients arrive (last layer first) "
+                    "into buckets of at most bucket_numel elements",
+                )
+    _passed(
+        name,
+        f"{world_size} processes, {len(OVERLAP_CAPS)} bucket sizes, equal to DistributedDataParallel, "
+        "all-reduces launched during backward",
+    )
 
 
 def _trace_worker(source, fn_name, bucket_numel):
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from utils import parallel
+
     ctx = parallel.setup(timeout=20)
     fn = _define(source, fn_name)
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.Tanh())], nn.Linear(256, 10))
     finish = fn(model, bucket_numel)
     x = torch.randn(64, 256)
-    for _ in range(2):                                   # warm-up, then the traced step
+    for _ in range(2):  # warm-up, then the traced step
         model.zero_grad(set_to_none=True)
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             loss = model(x).pow(2).mean()
@@ -525,8 +699,11 @@ def _trace_worker(source, fn_name, bucket_numel):
                 loss.backward()
             with record_function("finish"):
                 finish()
-    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-              if e.name in ("backward", "finish") or "allreduce" in e.name.lower().replace("_", "")]
+    events = [
+        (e.name, e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.name in ("backward", "finish") or "allreduce" in e.name.lower().replace("_", "")
+    ]
     if ctx.rank == 0:
         return sorted(events, key=lambda e: e[1])
     return None
@@ -546,15 +723,21 @@ def check_overlap_trace(overlap_ddp, bucket_numel: int = 0, world_size: int = 2)
         if n in ("backward", "finish") or e - s > 0:
             print(f"  {n[:40]:40s} {s - t0:9.0f} us -> {e - t0:9.0f} us")
     if not bw or not ar:
-        _fail(name, "the trace has no all-reduce" if bw else "the trace has no backward",
-              "make sure overlap_ddp launches dist.all_reduce from its hooks")
+        _fail(
+            name,
+            "the trace has no all-reduce" if bw else "the trace has no backward",
+            "make sure overlap_ddp launches dist.all_reduce from its hooks",
+        )
     # Judge the launches (your calls, c10d::allreduce_): when the backend's thread then moves the
     # bytes is up to the scheduler, and on a busy CPU it may come only after backward.
     comm = [e for e in ar if "gloo" not in e[0].lower() and "nccl" not in e[0].lower()] or ar
     started_inside = [e for e in comm if e[1] < bw[0][2]]
     if not started_inside:
-        _fail(name, "every all-reduce in the trace starts after backward ended: no overlap",
-              "launch the all-reduces from the gradient hooks, with async_op=True")
+        _fail(
+            name,
+            "every all-reduce in the trace starts after backward ended: no overlap",
+            "launch the all-reduces from the gradient hooks, with async_op=True",
+        )
     _passed(name, f"{len(started_inside)} of {len(comm)} all-reduces were launched before backward ended")
     return events
 
@@ -620,8 +803,7 @@ def _script_namespace():
     return ns
 
 
-def _simulate(epochs, batch, world=1, *, shard=True, reshuffle=True, average=True, per_rank_batch=None,
-              lr=0.1, seed=0):
+def _simulate(epochs, batch, world=1, *, shard=True, reshuffle=True, average=True, per_rank_batch=None, lr=0.1, seed=0):
     """The serial script's training, and the ways a distributed version of it goes wrong:
     ``shard=False`` every rank trains on all the data; ``reshuffle=False`` epoch 0's order every
     epoch; ``average=False`` rank 0 alone on its shard (no DDP); ``per_rank_batch`` the batch each
@@ -640,7 +822,7 @@ def _simulate(epochs, batch, world=1, *, shard=True, reshuffle=True, average=Tru
             opt.zero_grad()
             grads = []
             for s in shards:
-                idx = s[i:i + b]
+                idx = s[i : i + b]
                 model.zero_grad()
                 F_loss = nn.functional.cross_entropy(model(x_all[idx]), y_all[idx])
                 grads.append(torch.autograd.grad(F_loss, list(model.parameters())))
@@ -663,9 +845,18 @@ def _probe(argv):
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DistributedSampler as DS
+
     script, rest = argv[0], argv[1:]
-    rec = {"rank": int(os.environ.get("RANK", "0")), "saves": 0, "set_epoch": [], "ddp": [], "init": 0,
-           "destroy": 0, "sampler": 0, "loaders": []}
+    rec = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "saves": 0,
+        "set_epoch": [],
+        "ddp": [],
+        "init": 0,
+        "destroy": 0,
+        "sampler": 0,
+        "loaders": [],
+    }
     real_save, real_set_epoch = torch.save, DS.set_epoch
     real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
     real_ddp, real_ds = DistributedDataParallel.__init__, DS.__init__
@@ -695,6 +886,7 @@ def _probe(argv):
         return real_ds(self, *a, **k)
 
     from torch.utils.data import DataLoader
+
     real_iter = DataLoader.__iter__
 
     def loader_iter(self):
@@ -720,13 +912,27 @@ def run_script(script, nprocs=2, *args, timeout=240.0):
     import sys
 
     from utils import parallel
+
     with tempfile.TemporaryDirectory() as probe_dir:
         env = dict(os.environ, LAB3_PROBE_DIR=probe_dir, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         del sys
-        proc = parallel.torchrun(["--nproc-per-node", nprocs, "--max-restarts", 0, "-m", "utils.checks.ddp",
-                                  "--probe", os.path.abspath(script), *args], timeout=timeout, env=env)
+        proc = parallel.torchrun(
+            [
+                "--nproc-per-node",
+                nprocs,
+                "--max-restarts",
+                0,
+                "-m",
+                "utils.checks.ddp",
+                "--probe",
+                os.path.abspath(script),
+                *args,
+            ],
+            timeout=timeout,
+            env=env,
+        )
         recs = []
         for r in range(nprocs):
             try:
@@ -741,8 +947,10 @@ SCRIPT_EPOCHS, SCRIPT_BATCH = 2, 32
 
 
 def _script_failed(name, problem, hint, output=""):
-    err = CheckFailed(f"{name}: {problem.rstrip('.')}. Try: {hint}"
-                      + (f"\n\nThe last lines torchrun printed:\n{output[-3000:]}" if output else ""))
+    err = CheckFailed(
+        f"{name}: {problem.rstrip('.')}. Try: {hint}"
+        + (f"\n\nThe last lines torchrun printed:\n{output[-3000:]}" if output else "")
+    )
     err.output = output
     raise err from None
 
@@ -754,6 +962,7 @@ def check_ddp_script(path) -> None:
     batches. Also reads the script, and records on each rank what it called."""
     import re
     import subprocess
+
     name = "ddp script"
     if not os.path.exists(path):
         _fail(name, f"there is no file {path}", "run the %%writefile cell above first")
@@ -762,92 +971,158 @@ def check_ddp_script(path) -> None:
     if "NotImplementedError" in src:
         _call(name, _raise_not_implemented)
     if re.search(r"^\s*(?:import|from)\s+utils\b|(?<![\w.])utils\s*\.", src, re.M):
-        _fail(name, "your script uses the course's `utils`", "write it with torch.distributed and "
-              "torch.nn.parallel only: it is the script you would take to a cluster")
+        _fail(
+            name,
+            "your script uses the course's `utils`",
+            "write it with torch.distributed and torch.nn.parallel only: it is the script you would take to a cluster",
+        )
     with tempfile.TemporaryDirectory() as d:
         ckpt = os.path.join(d, "ckpt.pt")
         try:
-            proc, recs = run_script(path, 2, "--epochs", SCRIPT_EPOCHS, "--batch-size", SCRIPT_BATCH,
-                                    "--ckpt", ckpt)
+            proc, recs = run_script(path, 2, "--epochs", SCRIPT_EPOCHS, "--batch-size", SCRIPT_BATCH, "--ckpt", ckpt)
         except subprocess.TimeoutExpired:
-            _fail(name, "the script hung under torchrun (stopped after 240 s)", "a rank waits in a collective "
-                  "the other never calls: e.g. a barrier or an all-reduce inside `if rank == 0:`")
+            _fail(
+                name,
+                "the script hung under torchrun (stopped after 240 s)",
+                "a rank waits in a collective "
+                "the other never calls: e.g. a barrier or an all-reduce inside `if rank == 0:`",
+            )
         out = proc.stdout or ""
         finished = all(r is not None and r["destroy"] for r in recs)
         if proc.returncode != 0 and finished and "terminate called without an active exception" in out:
-            pass        # every rank ran to its end and left the group; one then aborted at interpreter exit
+            pass  # every rank ran to its end and left the group; one then aborted at interpreter exit
         elif proc.returncode != 0:
             if "terminate called without an active exception" in out:
-                _script_failed(name, "a process aborted while leaving the group: one rank tore the group down "
-                               "while another was still working in it",
-                               "at the end, let every rank meet the others (dist.barrier()), then call "
-                               "dist.destroy_process_group()", out)
+                _script_failed(
+                    name,
+                    "a process aborted while leaving the group: one rank tore the group down "
+                    "while another was still working in it",
+                    "at the end, let every rank meet the others (dist.barrier()), then call "
+                    "dist.destroy_process_group()",
+                    out,
+                )
             if "device_ids" in out:
-                _script_failed(name, "DistributedDataParallel got device_ids on a CPU model",
-                               "pass device_ids=[local_rank] only when the model is on a GPU "
-                               "(torch.cuda.is_available()); on the CPU leave it out", out)
+                _script_failed(
+                    name,
+                    "DistributedDataParallel got device_ids on a CPU model",
+                    "pass device_ids=[local_rank] only when the model is on a GPU "
+                    "(torch.cuda.is_available()); on the CPU leave it out",
+                    out,
+                )
             if "process group has not been initialized" in out or "init_process_group" in out:
-                _script_failed(name, "a rank used torch.distributed before joining the process group",
-                               "call dist.init_process_group(backend) first; torchrun's environment "
-                               "variables tell it the rest", out)
-            _script_failed(name, f"the script failed under torchrun (exit status {proc.returncode})",
-                           "read the output below (each line starts with [rank]: ...); run the script "
-                           "yourself: !python -m torch.distributed.run --nproc-per-node 2 ddp_train.py", out)
+                _script_failed(
+                    name,
+                    "a rank used torch.distributed before joining the process group",
+                    "call dist.init_process_group(backend) first; torchrun's environment variables tell it the rest",
+                    out,
+                )
+            _script_failed(
+                name,
+                f"the script failed under torchrun (exit status {proc.returncode})",
+                "read the output below (each line starts with [rank]: ...); run the script "
+                "yourself: !python -m torch.distributed.run --nproc-per-node 2 ddp_train.py",
+                out,
+            )
         if any(r is None for r in recs):
             _script_failed(name, "a rank did not finish the script", "read the output below", out)
         if not all(r["init"] for r in recs):
-            _fail(name, "the script never calls dist.init_process_group: the two processes trained alone",
-                  "join the group at the start: dist.init_process_group(backend), gloo on the CPU, nccl on GPUs")
+            _fail(
+                name,
+                "the script never calls dist.init_process_group: the two processes trained alone",
+                "join the group at the start: dist.init_process_group(backend), gloo on the CPU, nccl on GPUs",
+            )
         if recs[1]["saves"]:
-            _fail(name, f"rank 1 saved a checkpoint too ({recs[1]['saves']} torch.save calls): every rank wrote "
-                  "the same file at once", "save on rank 0 only: if dist.get_rank() == 0: torch.save(...)")
+            _fail(
+                name,
+                f"rank 1 saved a checkpoint too ({recs[1]['saves']} torch.save calls): every rank wrote "
+                "the same file at once",
+                "save on rank 0 only: if dist.get_rank() == 0: torch.save(...)",
+            )
         if not all(r["ddp"] for r in recs):
-            _fail(name, "the model was never wrapped in DistributedDataParallel: the gradients are not "
-                  "averaged, and the ranks drift apart", "wrap it after moving it to its device: "
-                  "model = DistributedDataParallel(model, device_ids=... on GPUs only)")
+            _fail(
+                name,
+                "the model was never wrapped in DistributedDataParallel: the gradients are not "
+                "averaged, and the ranks drift apart",
+                "wrap it after moving it to its device: "
+                "model = DistributedDataParallel(model, device_ids=... on GPUs only)",
+            )
         if not os.path.exists(ckpt):
-            _script_failed(name, "rank 0 wrote no checkpoint at --ckpt", "torch.save the checkpoint to args.ckpt "
-                           "on rank 0, as the serial script does", out)
+            _script_failed(
+                name,
+                "rank 0 wrote no checkpoint at --ckpt",
+                "torch.save the checkpoint to args.ckpt on rank 0, as the serial script does",
+                out,
+            )
         ck = torch.load(ckpt, weights_only=True)
     state = ck.get("model", ck) if isinstance(ck, dict) else {}
     if any(k.startswith("module.") for k in state):
-        _fail(name, "the saved weights' names start with 'module.': you saved the DDP wrapper",
-              "save model.module.state_dict() (the model inside DDP), so the file loads in a serial model")
+        _fail(
+            name,
+            "the saved weights' names start with 'module.': you saved the DDP wrapper",
+            "save model.module.state_dict() (the model inside DDP), so the file loads in a serial model",
+        )
     want = _simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2)
 
     def same(a):
         return set(a) == set(state) and all(torch.allclose(state[k].float(), a[k], atol=1e-5) for k in a)
 
     if not set(state) or set(state) != set(want):
-        _fail(name, f"the checkpoint's model has keys {sorted(state)[:4]}..., expected {sorted(want)}",
-              "save {'model': model.module.state_dict(), 'epoch': epoch}, as the serial script does")
+        _fail(
+            name,
+            f"the checkpoint's model has keys {sorted(state)[:4]}..., expected {sorted(want)}",
+            "save {'model': model.module.state_dict(), 'epoch': epoch}, as the serial script does",
+        )
     if not same(want):
-        if (same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, shard=False)) or not all(r["sampler"] for r in recs)
-                or not all(r["loaders"] and all(r["loaders"]) for r in recs)):
-            _fail(name, "each rank trained on ALL the data, not on its half: the DataLoader you iterate has no "
-                  "DistributedSampler", "give that DataLoader sampler=DistributedSampler(dataset, seed=args.seed), "
-                  "instead of its own shuffle")
+        if (
+            same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, shard=False))
+            or not all(r["sampler"] for r in recs)
+            or not all(r["loaders"] and all(r["loaders"]) for r in recs)
+        ):
+            _fail(
+                name,
+                "each rank trained on ALL the data, not on its half: the DataLoader you iterate has no "
+                "DistributedSampler",
+                "give that DataLoader sampler=DistributedSampler(dataset, seed=args.seed), instead of its own shuffle",
+            )
         if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, reshuffle=False)) or not all(r["set_epoch"] for r in recs):
-            _fail(name, "every epoch used the same order of examples: the sampler was never told the epoch",
-                  "call sampler.set_epoch(epoch) at the start of every epoch, on every rank")
+            _fail(
+                name,
+                "every epoch used the same order of examples: the sampler was never told the epoch",
+                "call sampler.set_epoch(epoch) at the start of every epoch, on every rank",
+            )
         if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, per_rank_batch=SCRIPT_BATCH)):
-            _fail(name, f"each rank took --batch-size={SCRIPT_BATCH} examples per step, so the global batch was "
-                  f"{2 * SCRIPT_BATCH}", "--batch-size is the global batch: each rank takes batch_size // world_size")
-        _fail(name, "rank 0's final weights differ from one process on the same global batches",
-              "compare your script with the serial one line by line: same data, model, seed, optimizer; "
-              "DistributedSampler(dataset, seed=args.seed) with set_epoch; batch_size // world_size per rank")
+            _fail(
+                name,
+                f"each rank took --batch-size={SCRIPT_BATCH} examples per step, so the global batch was "
+                f"{2 * SCRIPT_BATCH}",
+                "--batch-size is the global batch: each rank takes batch_size // world_size",
+            )
+        _fail(
+            name,
+            "rank 0's final weights differ from one process on the same global batches",
+            "compare your script with the serial one line by line: same data, model, seed, optimizer; "
+            "DistributedSampler(dataset, seed=args.seed) with set_epoch; batch_size // world_size per rank",
+        )
     if not re.search(r"\bset_device\s*\(", src):
-        _fail(name, "the weights match, but the script never calls torch.cuda.set_device: on a GPU server "
-              "every rank would use GPU 0", "when torch.cuda.is_available(), call "
-              "torch.cuda.set_device(local_rank) before init_process_group (LOCAL_RANK from the environment)")
+        _fail(
+            name,
+            "the weights match, but the script never calls torch.cuda.set_device: on a GPU server "
+            "every rank would use GPU 0",
+            "when torch.cuda.is_available(), call "
+            "torch.cuda.set_device(local_rank) before init_process_group (LOCAL_RANK from the environment)",
+        )
     if not all(r["destroy"] for r in recs):
-        _fail(name, "the weights match, but the script never calls dist.destroy_process_group",
-              "call it at the end of main(), on every rank, so each process leaves the group cleanly")
+        _fail(
+            name,
+            "the weights match, but the script never calls dist.destroy_process_group",
+            "call it at the end of main(), on every rank, so each process leaves the group cleanly",
+        )
     _passed(name, "2 processes under torchrun match one process on the same global batches")
 
 
 if __name__ == "__main__":
     import sys
+
     if len(sys.argv) > 2 and sys.argv[1] == "--probe":
         _probe(sys.argv[2:])
     else:

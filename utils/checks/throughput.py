@@ -1,5 +1,6 @@
 """Self-checks for stage 2: throughput (lab2): predicting memory, timing a step, finding the
 input-pipeline bottleneck."""
+
 import time
 from collections.abc import Callable
 from typing import Any
@@ -17,9 +18,11 @@ __all__ = ["check_state_bytes", "check_time_step", "check_wait_fraction"]
 # Exercise 1: memory
 # ----------------------------------------------------------------------------------------
 
+
 def _counted(model: nn.Module, optimizer: str, momentum: float) -> dict:
     """The oracle: build the real optimizer, take one step, count what it holds."""
     from ..memory import counted_state_bytes
+
     trainable = [p for p in model.parameters() if p.requires_grad]
     if optimizer == "sgd":
         opt = torch.optim.SGD(trainable, lr=0.1, momentum=momentum)
@@ -30,8 +33,11 @@ def _counted(model: nn.Module, optimizer: str, momentum: float) -> dict:
     model(x).float().pow(2).mean().backward()
     opt.step()
     grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    out = {"params": sum(p.numel() * p.element_size() for p in model.parameters()),
-           "grads": grads, "optimizer_state": counted_state_bytes(opt)}
+    out = {
+        "params": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "grads": grads,
+        "optimizer_state": counted_state_bytes(opt),
+    }
     model.zero_grad(set_to_none=True)
     return out
 
@@ -44,22 +50,27 @@ def check_state_bytes(state_bytes: Callable[..., Any]) -> None:
 
     def mlp(dtype=torch.float32, freeze_first=False):
         torch.manual_seed(0)
-        m = models.mlp(20, 2, in_features=10, out_features=3).to(dtype)     # Linear(10, 20), ReLU, Linear(20, 3)
+        m = models.mlp(20, 2, in_features=10, out_features=3).to(dtype)  # Linear(10, 20), ReLU, Linear(20, 3)
         if freeze_first:
             m[0].requires_grad_(False)
         return m
 
-    cases = [("adam", 0.0, torch.float32, False, "Adam, float32"),
-             ("sgd", 0.9, torch.float32, False, "SGD with momentum 0.9, float32"),
-             ("sgd", 0.0, torch.float32, False, "plain SGD (momentum 0), float32"),
-             ("adam", 0.0, torch.bfloat16, False, "Adam, a bfloat16 model"),
-             ("adam", 0.0, torch.float32, True, "Adam, first layer frozen (requires_grad=False)")]
+    cases = [
+        ("adam", 0.0, torch.float32, False, "Adam, float32"),
+        ("sgd", 0.9, torch.float32, False, "SGD with momentum 0.9, float32"),
+        ("sgd", 0.0, torch.float32, False, "plain SGD (momentum 0), float32"),
+        ("adam", 0.0, torch.bfloat16, False, "Adam, a bfloat16 model"),
+        ("adam", 0.0, torch.float32, True, "Adam, first layer frozen (requires_grad=False)"),
+    ]
     for opt, mom, dtype, freeze, what in cases:
         got = _call(name, state_bytes, mlp(dtype, freeze), opt, mom)
         want = _counted(mlp(dtype, freeze), opt, mom)
         if not isinstance(got, dict) or not {"params", "grads", "optimizer_state"} <= set(got):
-            _fail(name, f"returned {type(got).__name__} {got!r}", "return a dict with the keys "
-                  "'params', 'grads' and 'optimizer_state' (numbers of bytes)")
+            _fail(
+                name,
+                f"returned {type(got).__name__} {got!r}",
+                "return a dict with the keys 'params', 'grads' and 'optimizer_state' (numbers of bytes)",
+            )
         for key in ("params", "grads", "optimizer_state"):
             g, w = got[key], want[key]
             if isinstance(g, torch.Tensor):
@@ -68,33 +79,55 @@ def check_state_bytes(state_bytes: Callable[..., Any]) -> None:
                 continue
             n_elems = w / (2 if dtype == torch.bfloat16 else 4)
             if w and g == n_elems:
-                _fail(name, f"{what}: {key} is {g}, the number of elements; expected {w} bytes",
-                      "multiply each tensor's numel() by its element_size() (4 bytes for float32)")
+                _fail(
+                    name,
+                    f"{what}: {key} is {g}, the number of elements; expected {w} bytes",
+                    "multiply each tensor's numel() by its element_size() (4 bytes for float32)",
+                )
             if dtype == torch.bfloat16 and w and g == 2 * w:
-                _fail(name, f"{what}: {key} is {g}, twice the {w} bytes a bfloat16 model holds",
-                      "don't assume 4 bytes per number: use p.element_size()")
+                _fail(
+                    name,
+                    f"{what}: {key} is {g}, twice the {w} bytes a bfloat16 model holds",
+                    "don't assume 4 bytes per number: use p.element_size()",
+                )
             if key == "optimizer_state" and opt == "adam" and g == w // 2:
-                _fail(name, f"{what}: optimizer_state is {g}, expected {w}",
-                      "Adam keeps TWO tensors per parameter: exp_avg and exp_avg_sq")
+                _fail(
+                    name,
+                    f"{what}: optimizer_state is {g}, expected {w}",
+                    "Adam keeps TWO tensors per parameter: exp_avg and exp_avg_sq",
+                )
             if key == "optimizer_state" and opt == "sgd" and mom == 0 and g > 0:
-                _fail(name, f"{what}: optimizer_state is {g}, expected 0",
-                      "plain SGD (momentum=0) keeps no state; only momentum creates a buffer per parameter")
+                _fail(
+                    name,
+                    f"{what}: optimizer_state is {g}, expected 0",
+                    "plain SGD (momentum=0) keeps no state; only momentum creates a buffer per parameter",
+                )
             if key == "optimizer_state" and opt == "sgd" and mom and g == 0:
-                _fail(name, f"{what}: optimizer_state is 0, expected {w}",
-                      "SGD with momentum keeps one momentum buffer the size of each parameter")
+                _fail(
+                    name,
+                    f"{what}: optimizer_state is 0, expected {w}",
+                    "SGD with momentum keeps one momentum buffer the size of each parameter",
+                )
             if freeze and key != "params":
-                _fail(name, f"{what}: {key} is {g}, expected {w}",
-                      "frozen parameters (requires_grad=False) get no gradient and no optimizer state; "
-                      "count only parameters with p.requires_grad")
-            _fail(name, f"{what}: {key} is {g} bytes, expected {w}",
-                  "params: sum of p.numel() * p.element_size(); grads: the same for trainable parameters; "
-                  "optimizer state: 2x that for Adam, 1x for SGD with momentum, 0 without")
+                _fail(
+                    name,
+                    f"{what}: {key} is {g}, expected {w}",
+                    "frozen parameters (requires_grad=False) get no gradient and no optimizer state; "
+                    "count only parameters with p.requires_grad",
+                )
+            _fail(
+                name,
+                f"{what}: {key} is {g} bytes, expected {w}",
+                "params: sum of p.numel() * p.element_size(); grads: the same for trainable parameters; "
+                "optimizer state: 2x that for Adam, 1x for SGD with momentum, 0 without",
+            )
     _passed(name, "params, grads and optimizer state match a real optimizer's, byte for byte")
 
 
 # ----------------------------------------------------------------------------------------
 # Exercise 2: timing a step
 # ----------------------------------------------------------------------------------------
+
 
 def check_time_step(time_step: Callable[..., Any]) -> None:
     """``time_step(step, sync, warmup, repeats)`` -> median seconds per ``step()``.
@@ -103,11 +136,13 @@ def check_time_step(time_step: Callable[..., Any]) -> None:
     does) and ``sync()`` waits for it. The first calls are slow (warm-up), and one timed call
     is an outlier, as a real machine has."""
     from ..bench import SimulatedGPU
+
     name = "time_step"
     warmup, repeats = 3, 5
     normal, cold, outlier = 0.03, 0.15, 0.3
     calls = []
     with SimulatedGPU() as gpu:
+
         def step():
             i = len(calls)
             calls.append(i)
@@ -118,38 +153,63 @@ def check_time_step(time_step: Callable[..., Any]) -> None:
     if isinstance(got, torch.Tensor):
         got = got.item()
     if not isinstance(got, (int, float)):
-        _fail(name, f"returned {type(got).__name__}, expected a number of seconds",
-              "return the median of the per-repeat times, a float")
+        _fail(
+            name,
+            f"returned {type(got).__name__}, expected a number of seconds",
+            "return the median of the per-repeat times, a float",
+        )
     if len(calls) < warmup + repeats:
-        _fail(name, f"called step() {len(calls)} times; expected warmup + repeats = {warmup + repeats}",
-              "run `warmup` untimed calls first, then `repeats` timed ones")
+        _fail(
+            name,
+            f"called step() {len(calls)} times; expected warmup + repeats = {warmup + repeats}",
+            "run `warmup` untimed calls first, then `repeats` timed ones",
+        )
     total = (repeats - 1) * normal + outlier
     if abs(got - total) < 0.15 * total:
-        _fail(name, f"returned {got * 1e3:.0f} ms: about the TOTAL of the {repeats} timed repeats",
-              "keep one time per repeat in a list and return their median, not the sum")
+        _fail(
+            name,
+            f"returned {got * 1e3:.0f} ms: about the TOTAL of the {repeats} timed repeats",
+            "keep one time per repeat in a list and return their median, not the sum",
+        )
     if got > 5:
-        _fail(name, f"returned {got:.1f}; the step takes about {normal * 1e3:.0f} ms",
-              "return seconds (time.perf_counter() differences), not milliseconds")
+        _fail(
+            name,
+            f"returned {got:.1f}; the step takes about {normal * 1e3:.0f} ms",
+            "return seconds (time.perf_counter() differences), not milliseconds",
+        )
     if got < 0.25 * normal:
-        _fail(name, f"measured {got * 1e3:.2f} ms per step, but each step's work takes {normal * 1e3:.0f} ms",
-              "the step only QUEUES work, as on a GPU: call sync() before reading the clock at the end "
-              "of each timed repeat (and before starting it)")
+        _fail(
+            name,
+            f"measured {got * 1e3:.2f} ms per step, but each step's work takes {normal * 1e3:.0f} ms",
+            "the step only QUEUES work, as on a GPU: call sync() before reading the clock at the end "
+            "of each timed repeat (and before starting it)",
+        )
     if abs(got - cold) < 0.25 * cold:
-        _fail(name, f"measured {got * 1e3:.1f} ms: the cold first calls ({cold * 1e3:.0f} ms) got into the timing",
-              "make `warmup` untimed calls (then sync) before the timed repeats")
+        _fail(
+            name,
+            f"measured {got * 1e3:.1f} ms: the cold first calls ({cold * 1e3:.0f} ms) got into the timing",
+            "make `warmup` untimed calls (then sync) before the timed repeats",
+        )
     if 2 * normal < got < 0.75 * cold:
-        _fail(name, f"measured {got * 1e3:.1f} ms: one slow repeat ({outlier * 1e3:.0f} ms) pulled the result up",
-              "report the MEDIAN of the repeats (statistics.median), not the mean or the total / repeats")
+        _fail(
+            name,
+            f"measured {got * 1e3:.1f} ms: one slow repeat ({outlier * 1e3:.0f} ms) pulled the result up",
+            "report the MEDIAN of the repeats (statistics.median), not the mean or the total / repeats",
+        )
     if not 0.7 * normal <= got <= 1.6 * normal:
-        _fail(name, f"measured {got * 1e3:.1f} ms per step, expected about {normal * 1e3:.0f} ms",
-              "per repeat: sync(); t0 = perf_counter(); step(); sync(); append(perf_counter() - t0); "
-              "then return the median")
+        _fail(
+            name,
+            f"measured {got * 1e3:.1f} ms per step, expected about {normal * 1e3:.0f} ms",
+            "per repeat: sync(); t0 = perf_counter(); step(); sync(); append(perf_counter() - t0); "
+            "then return the median",
+        )
     _passed(name, f"{got * 1e3:.1f} ms per step on a simulated GPU whose step takes {normal * 1e3:.0f} ms")
 
 
 # ----------------------------------------------------------------------------------------
 # Exercise 3: the input pipeline
 # ----------------------------------------------------------------------------------------
+
 
 class _SlowLoader:
     """Yields ``n`` batches, each after ``load_s`` seconds of 'decoding'."""
@@ -186,19 +246,31 @@ def check_wait_fraction(wait_fraction: Callable[..., Any]) -> None:
         if not isinstance(got, (int, float)):
             _fail(name, f"returned {type(got).__name__}, expected a float", "return wait_time / total_time")
         if stepped != list(range(5)):
-            _fail(name, f"step() saw batches {stepped}, expected each of the 5 batches once, in order",
-                  "for batch in loader: ... step(batch)")
+            _fail(
+                name,
+                f"step() saw batches {stepped}, expected each of the 5 batches once, in order",
+                "for batch in loader: ... step(batch)",
+            )
         case = f"loading {load_s * 1e3:.0f} ms and stepping {step_s * 1e3:.0f} ms per batch"
         if got > 1.5:
             if abs(got - 100 * want) < 10:
                 _fail(name, f"returned {got:.1f}: a percentage", "return a fraction between 0 and 1")
-            _fail(name, f"returned {got:.2f} for {case}, more than 1",
-                  "divide the waiting time by the TOTAL time (waiting + stepping), not by the stepping time")
+            _fail(
+                name,
+                f"returned {got:.2f} for {case}, more than 1",
+                "divide the waiting time by the TOTAL time (waiting + stepping), not by the stepping time",
+            )
         if abs(got - (1 - want)) < 0.08 and abs(got - want) > 0.08:
-            _fail(name, f"returned {got:.2f} for {case}: that is the share spent in step()",
-                  "time only the wait for the next batch: next(iterator), not the step")
+            _fail(
+                name,
+                f"returned {got:.2f} for {case}: that is the share spent in step()",
+                "time only the wait for the next batch: next(iterator), not the step",
+            )
         if abs(got - want) > 0.08:
-            _fail(name, f"returned {got:.2f} for {case}, expected about {want:.2f}",
-                  "it = iter(loader); around each next(it) add up perf_counter() differences; "
-                  "divide by the pass's total time")
+            _fail(
+                name,
+                f"returned {got:.2f} for {case}, expected about {want:.2f}",
+                "it = iter(loader); around each next(it) add up perf_counter() differences; "
+                "divide by the pass's total time",
+            )
     _passed(name, "waiting share measured right on a data-bound and a compute-bound pipeline")

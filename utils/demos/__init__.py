@@ -32,7 +32,7 @@ def show_source(*objs: Any) -> Code | None:
     text = "\n\n".join(inspect.getsource(o).rstrip() for o in objs) + "\n"
     try:
         from IPython.display import Code
-    except ImportError:                        # outside IPython: plain text
+    except ImportError:  # outside IPython: plain text
         print(text)
         return None
     return Code(text, language="python")

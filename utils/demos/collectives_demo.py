@@ -20,7 +20,7 @@ def show_collectives(ctx: parallel.DistContext) -> dict[str, Any]:
     out["broadcast"] = t.item()
     t = torch.tensor([r + 1.0], device=ctx.device)
     dist.reduce(t, dst=0)
-    out["reduce"] = t.item()            # only rank 0's copy holds the sum
+    out["reduce"] = t.item()  # only rank 0's copy holds the sum
     t = torch.tensor([r + 1.0], device=ctx.device)
     dist.all_reduce(t)
     out["all_reduce"] = t.item()
@@ -32,13 +32,13 @@ def show_collectives(ctx: parallel.DistContext) -> dict[str, Any]:
 
 def best_time(fn: Callable[[], Any], ctx: parallel.DistContext, repeats: int) -> float:
     times = []
-    for _ in range(repeats + 1):        # the first call is a warm-up
-        dist.barrier()                 # start together
+    for _ in range(repeats + 1):  # the first call is a warm-up
+        dist.barrier()  # start together
         t0 = time.perf_counter()
         fn()
         device.synchronize(ctx.device)  # sync point: NCCL collectives return before they finish
         times.append(time.perf_counter() - t0)
-    return min(times[1:])               # the least disturbed run: other programs only add time
+    return min(times[1:])  # the least disturbed run: other programs only add time
 
 
 def worker(message_sizes: Iterable[int], repeats: int) -> dict[str, Any]:

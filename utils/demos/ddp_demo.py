@@ -13,11 +13,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import TensorDataset
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.join import Join
+from torch.utils.data import TensorDataset
 
-from utils import data, device, parallel, models
+from utils import data, device, models, parallel
 from utils.train import fit
 
 
@@ -26,42 +26,44 @@ def small_net(seed: int) -> models.Net:
     return models.Net(8, in_channels=1, image_size=8)
 
 
-def by_hand(ctx: parallel.DistContext, ds: TensorDataset,
-            batch: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    model = small_net(100 + ctx.rank).to(ctx.device)           # a different start on every rank
+def by_hand(
+    ctx: parallel.DistContext, ds: TensorDataset, batch: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    model = small_net(100 + ctx.rank).to(ctx.device)  # a different start on every rank
     init = {k: v.clone() for k, v in model.state_dict().items()}
     for p in model.parameters():
-        dist.broadcast(p.data, src=0)                          # (1) everyone gets rank 0's weights
+        dist.broadcast(p.data, src=0)  # (1) everyone gets rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    for x, y in data.make_loader(ds, batch, rank=ctx.rank, world_size=ctx.world_size, seed=5,
-                                 device=ctx.device):
+    for x, y in data.make_loader(ds, batch, rank=ctx.rank, world_size=ctx.world_size, seed=5, device=ctx.device):
         opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()     # (2) my shard
-        parallel.average_gradients(model)                           # (3) all-reduce, divide by N
-        opt.step()                                              # (4) the same step everywhere
+        nn.functional.cross_entropy(model(x), y).backward()  # (2) my shard
+        parallel.average_gradients(model)  # (3) all-reduce, divide by N
+        opt.step()  # (4) the same step everywhere
     return init, model.state_dict()
 
 
 def with_ddp(ctx: parallel.DistContext, ds: TensorDataset, batch: int) -> dict[str, torch.Tensor]:
-    model = parallel.ddp(small_net(100 + ctx.rank), ctx)           # broadcasts rank 0's weights
+    model = parallel.ddp(small_net(100 + ctx.rank), ctx)  # broadcasts rank 0's weights
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = data.make_loader(ds, batch, rank=ctx.rank, world_size=ctx.world_size, seed=5, device=ctx.device)
-    fit(model, loader, opt, epochs=1, progress=False)            # all-reduce happens in backward()
+    fit(model, loader, opt, epochs=1, progress=False)  # all-reduce happens in backward()
     return model.module.state_dict()
+
 
 def uneven_with_join(ctx: parallel.DistContext) -> int:
     model = parallel.ddp(small_net(0), ctx)
-    n_batches = 3 if ctx.rank == 0 else 2                          # the same uneven split
+    n_batches = 3 if ctx.rank == 0 else 2  # the same uneven split
     with Join([model]):
         for _ in range(n_batches):
             x, y = torch.randn(8, 1, 8, 8, device=ctx.device), torch.randint(0, 10, (8,), device=ctx.device)
             nn.functional.cross_entropy(model(x), y).backward()
-    dist.barrier()                                                # now reached by everyone
+    dist.barrier()  # now reached by everyone
     return n_batches
 
+
 def counting_hook(calls: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    calls.append(bucket.buffer().numel())                  # note the bucket...
-    return default_hooks.allreduce_hook(None, bucket)      # ...then DDP's usual averaging all-reduce
+    calls.append(bucket.buffer().numel())  # note the bucket...
+    return default_hooks.allreduce_hook(None, bucket)  # ...then DDP's usual averaging all-reduce
 
 
 def accumulation(ctx: parallel.DistContext, ds: TensorDataset, batch: int, k: int = 4) -> dict[bool, dict[str, Any]]:
@@ -70,8 +72,7 @@ def accumulation(ctx: parallel.DistContext, ds: TensorDataset, batch: int, k: in
         calls = []
         model = parallel.ddp(small_net(0), ctx)
         model.register_comm_hook(calls, counting_hook)
-        micro = list(data.make_loader(ds, batch // k, rank=ctx.rank, world_size=ctx.world_size,
-                                      device=ctx.device))[:k]
+        micro = list(data.make_loader(ds, batch // k, rank=ctx.rank, world_size=ctx.world_size, device=ctx.device))[:k]
         for i, (x, y) in enumerate(micro):
             skip = use_no_sync and i < k - 1
             with model.no_sync() if skip else contextlib.nullcontext():
@@ -86,18 +87,24 @@ def mlp(width: int, depth: int = 4) -> nn.Sequential:
     return models.mlp(width, depth + 1, out_features=10)
 
 
-def step_time(ctx: parallel.DistContext, model: nn.Module, x: torch.Tensor, y: torch.Tensor, repeats: int,
-              sync_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
-              after: Callable[[], Any] | None = None) -> float:
+def step_time(
+    ctx: parallel.DistContext,
+    model: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    repeats: int,
+    sync_ctx: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    after: Callable[[], Any] | None = None,
+) -> float:
     times = []
-    for _ in range(repeats + 1):                          # the first is a warm-up
+    for _ in range(repeats + 1):  # the first is a warm-up
         dist.barrier()
         t0 = time.perf_counter()
         with sync_ctx():
             nn.functional.cross_entropy(model(x), y).backward()
         if after:
             after()
-        device.synchronize(ctx.device)                    # sync point: before reading the clock
+        device.synchronize(ctx.device)  # sync point: before reading the clock
         times.append(time.perf_counter() - t0)
         model.zero_grad(set_to_none=True)
     return sorted(times[1:])[len(times[1:]) // 2]
@@ -111,7 +118,7 @@ def buckets(ctx: parallel.DistContext, width: int, caps: Iterable[float], repeat
         calls = []
         model = parallel.ddp(mlp(width), ctx, bucket_cap_mb=cap)
         model.register_comm_hook(calls, counting_hook)
-        step_time(ctx, model, x, y, 1)                    # DDP re-buckets after its first steps
+        step_time(ctx, model, x, y, 1)  # DDP re-buckets after its first steps
         calls.clear()
         out["t_ddp"][cap] = step_time(ctx, model, x, y, repeats)
         out["buckets"][cap] = len(calls) // (repeats + 1)
@@ -124,10 +131,15 @@ def buckets(ctx: parallel.DistContext, width: int, caps: Iterable[float], repeat
 
 
 def worker(n: int, batch: int, width: int, caps: Iterable[float], repeats: int) -> dict[str, Any]:
-    parallel.exact_fp32()        # TF32 off: the weights are compared with a CPU run to 1e-4
+    parallel.exact_fp32()  # TF32 off: the weights are compared with a CPU run to 1e-4
     ctx = parallel.setup()
     ds = data.synthetic(n, shape=(1, 8, 8), seed=3)
     init, hand = by_hand(ctx, ds, batch)
-    return {"init": init, "hand": hand, "ddp": with_ddp(ctx, ds, batch),
-            "join_batches": uneven_with_join(ctx), "accumulation": accumulation(ctx, ds, batch),
-            "buckets": buckets(ctx, width, caps, repeats)}
+    return {
+        "init": init,
+        "hand": hand,
+        "ddp": with_ddp(ctx, ds, batch),
+        "join_batches": uneven_with_join(ctx),
+        "accumulation": accumulation(ctx, ds, batch),
+        "buckets": buckets(ctx, width, caps, repeats),
+    }

@@ -8,15 +8,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from utils import parallel, models
+from utils import models, parallel
 
 
 def worker(timeout_s: float) -> None:
     ctx = parallel.setup()
-    short = dist.new_group(timeout=timedelta(seconds=timeout_s))    # its collectives give up sooner
+    short = dist.new_group(timeout=timedelta(seconds=timeout_s))  # its collectives give up sooner
     torch.manual_seed(0)
     model = parallel.ddp(models.Net(8, in_channels=1, image_size=8), ctx, process_group=short)
-    n_batches = 3 if ctx.rank == 0 else 2               # uneven: rank 0 has one batch more
+    n_batches = 3 if ctx.rank == 0 else 2  # uneven: rank 0 has one batch more
     for _ in range(n_batches):
         x, y = torch.randn(8, 1, 8, 8), torch.randint(0, 10, (8,))
         torch.nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device)).backward()

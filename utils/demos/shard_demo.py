@@ -40,14 +40,24 @@ def _step(model, opt, x, y, ctx):
 def _global_mean(t: torch.Tensor, ctx) -> float:
     t = t.clone().to(ctx.device)
     if ctx.world_size > 1:
-        dist.all_reduce(t)                      # sync point: once per run, not per step
+        dist.all_reduce(t)  # sync point: once per run, not per step
     return (t / ctx.world_size).item()
 
 
-def worker(strategies: Iterable[str] = STRATEGIES, *, width: int = 64, depth: int = 4, batch_size: int = 32,
-                 steps: int = 4, lr: float = 1e-3, seed: int = 0, save_dir: str | None = None,
-                 save_after: int | None = None, resume_dir: str | None = None,
-                 measure_peak: bool = True) -> dict:
+def worker(
+    strategies: Iterable[str] = STRATEGIES,
+    *,
+    width: int = 64,
+    depth: int = 4,
+    batch_size: int = 32,
+    steps: int = 4,
+    lr: float = 1e-3,
+    seed: int = 0,
+    save_dir: str | None = None,
+    save_after: int | None = None,
+    resume_dir: str | None = None,
+    measure_peak: bool = True,
+) -> dict:
     """Train ``block_mlp(width, depth)`` with Adam under each strategy on ``steps`` global
     batches of ``batch_size`` (each rank takes its ``batch_size / N`` slice). Per strategy:
 
@@ -60,7 +70,7 @@ def worker(strategies: Iterable[str] = STRATEGIES, *, width: int = 64, depth: in
     its shard) after ``save_after`` steps, and return the full state for comparison.
     ``resume_dir``: with ``"fsdp2"``, load it first (on any number of ranks) and train the
     remaining steps (the other strategies start afresh)."""
-    exact_fp32()                                 # the losses are compared with reference_losses to 1e-5
+    exact_fp32()  # the losses are compared with reference_losses to 1e-5
     ctx = setup()
     try:
         if batch_size % ctx.world_size:
@@ -87,17 +97,21 @@ def worker(strategies: Iterable[str] = STRATEGIES, *, width: int = 64, depth: in
                 else:
                     losses.append(_step(model, opt, x, y, ctx))
                 if ctx.device.type == "cuda":
-                    torch.cuda.synchronize(ctx.device)     # sync point: time the step, not its launch
+                    torch.cuda.synchronize(ctx.device)  # sync point: time the step, not its launch
                 times.append(time.perf_counter() - t0)
                 if save_dir is not None and strategy == "fsdp2" and i + 1 == save_after:
                     out["saved_state"] = save_sharded(model, opt, save_dir)
-            res = {"loss": [_global_mean(v, ctx) for v in losses], "bytes": rank_bytes(model, opt),
-                   "comm": comm, "step_s": sorted(times[1:] or times)[len(times[1:] or times) // 2]}
+            res = {
+                "loss": [_global_mean(v, ctx) for v in losses],
+                "bytes": rank_bytes(model, opt),
+                "comm": comm,
+                "step_s": sorted(times[1:] or times)[len(times[1:] or times) // 2],
+            }
             if measure_peak:
                 # the step's transient bytes above what stays resident (parameters, optimizer
                 # state): gradients, activations and, under FSDP, the all-gathered parameters
                 x, y = xs[-1, sl].to(ctx.device), ys[-1, sl].to(ctx.device)
-                opt.zero_grad(set_to_none=True)    # free before measuring, not during
+                opt.zero_grad(set_to_none=True)  # free before measuring, not during
                 res["peak"] = peak_bytes(lambda m=model, o=opt, x=x, y=y: _step(m, o, x, y, ctx), ctx.device)
             out["n_params"] = sum(p.numel() for p in block_mlp(width, depth).parameters())
             out[strategy] = res
@@ -107,8 +121,9 @@ def worker(strategies: Iterable[str] = STRATEGIES, *, width: int = 64, depth: in
         teardown()
 
 
-def reference_losses(*, width: int = 64, depth: int = 4, batch_size: int = 32, steps: int = 4,
-                     lr: float = 1e-3, seed: int = 0) -> list:
+def reference_losses(
+    *, width: int = 64, depth: int = 4, batch_size: int = 32, steps: int = 4, lr: float = 1e-3, seed: int = 0
+) -> list:
     """The oracle: the same training in one process, on whole batches, with plain Adam."""
     xs, ys = _batches(width, batch_size, steps, seed)
     torch.manual_seed(seed)

@@ -25,7 +25,7 @@ def worker(width: int = 32, batch_size: int = 8, expand: int = 4, seed: int = 0)
     """On every rank: one MLP block, the whole batch (tensor parallelism splits the layer, not
     the data). Returns the one-process reference, the hand split and ``parallelize_module``:
     outputs, loss, gradients (reassembled to full shape) and collectives counted per pass."""
-    exact_fp32()                                 # compared with the one-process CPU reference to 1e-5
+    exact_fp32()  # compared with the one-process CPU reference to 1e-5
     ctx = setup()
     try:
         n, r = ctx.world_size, ctx.rank
@@ -45,24 +45,40 @@ def worker(width: int = 32, batch_size: int = 8, expand: int = 4, seed: int = 0)
         _, bwd = _count(lambda: y.pow(2).mean().backward(), n)
         w1 = [torch.empty_like(tp.w1.grad) for _ in range(n)]
         w2 = [torch.empty_like(tp.w2.grad) for _ in range(n)]
-        dist.all_gather(w1, tp.w1.grad)          # reassemble the shards' gradients to compare
+        dist.all_gather(w1, tp.w1.grad)  # reassemble the shards' gradients to compare
         dist.all_gather(w2, tp.w2.grad.contiguous())
-        out["hand"] = {"y": y.detach(), "w1": torch.cat(w1, 0), "w2": torch.cat(w2, 1),
-                       "x_grad": xd.grad, "forward": fwd, "backward": bwd,
-                       "shard_shapes": (tuple(tp.w1.shape), tuple(tp.w2.shape))}
+        out["hand"] = {
+            "y": y.detach(),
+            "w1": torch.cat(w1, 0),
+            "w2": torch.cat(w2, 1),
+            "x_grad": xd.grad,
+            "forward": fwd,
+            "backward": bwd,
+            "shard_shapes": (tuple(tp.w1.shape), tuple(tp.w2.shape)),
+        }
 
         # DTensor: parallelize_module with the same plan
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
         mesh = init_device_mesh(ctx.device.type, (n,))
-        m = parallelize_module(block_mlp(width, 1, expand=expand, seed=seed)[0].to(ctx.device), mesh,
-                               {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        xd2 = x.to(ctx.device).requires_grad_(True)     # as above: the input needs its gradient
+        m = parallelize_module(
+            block_mlp(width, 1, expand=expand, seed=seed)[0].to(ctx.device),
+            mesh,
+            {"0": ColwiseParallel(), "2": RowwiseParallel()},
+        )
+        xd2 = x.to(ctx.device).requires_grad_(True)  # as above: the input needs its gradient
         y2, fwd2 = _count(lambda: m(xd2), n)
         _, bwd2 = _count(lambda: y2.pow(2).mean().backward(), n)
-        out["dtensor"] = {"y": y2.detach(), "w1": m[0].weight.grad.full_tensor(),
-                          "w2": m[2].weight.grad.full_tensor(), "x_grad": xd2.grad, "forward": fwd2, "backward": bwd2,
-                          "shard_shapes": (tuple(m[0].weight.to_local().shape), tuple(m[2].weight.to_local().shape))}
+        out["dtensor"] = {
+            "y": y2.detach(),
+            "w1": m[0].weight.grad.full_tensor(),
+            "w2": m[2].weight.grad.full_tensor(),
+            "x_grad": xd2.grad,
+            "forward": fwd2,
+            "backward": bwd2,
+            "shard_shapes": (tuple(m[0].weight.to_local().shape), tuple(m[2].weight.to_local().shape)),
+        }
         return out
     finally:
         teardown()

@@ -10,8 +10,9 @@ process on held-out data. Threat model and limits: utils/grader/README.md.
     from utils.grader import load_spec, grade
     report = grade("student.py", load_spec("labs/assessment/spec_ci.toml"))
 """
-from .spec import Spec, SpecError, load_spec, default_spec_path
+
 from .core import grade, write_json
+from .spec import Spec, SpecError, default_spec_path, load_spec
 from .static import check_source
 
 __all__ = ["Spec", "SpecError", "load_spec", "default_spec_path", "grade", "write_json", "check_source"]

@@ -20,6 +20,7 @@ waits. When COMMAND exits, whatever still runs in the job is a straggler: the in
 its own status socket (one the job never holds), kills them, and exits with COMMAND's status, which the grader gets by waiting on
 the sandbox's outermost process (never from a file).
 """
+
 import ctypes
 import ctypes.util
 import json
@@ -33,7 +34,15 @@ import time
 PR_SET_PDEATHSIG, PR_SET_DUMPABLE, PR_CAPBSET_DROP, PR_SET_SECUREBITS = 1, 4, 24, 28
 PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 36, 38, 47, 4
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
-    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+    1,
+    2,
+    4,
+    8,
+    32,
+    4096,
+    16384,
+    1 << 18,
+)
 MNT_DETACH = 2
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 
@@ -45,8 +54,16 @@ def _check(ret, what):
 
 
 def mount(src: str | None, dst: str, fstype: str | None = None, flags: int = 0, data: str | None = None) -> None:
-    _check(_LIBC.mount(src.encode() if src else None, dst.encode(), fstype.encode() if fstype else None,
-                       ctypes.c_ulong(flags), data.encode() if data else None), f"mount {src} on {dst}")
+    _check(
+        _LIBC.mount(
+            src.encode() if src else None,
+            dst.encode(),
+            fstype.encode() if fstype else None,
+            ctypes.c_ulong(flags),
+            data.encode() if data else None,
+        ),
+        f"mount {src} on {dst}",
+    )
 
 
 def _bind(src, dst, writable=False):
@@ -56,7 +73,7 @@ def _bind(src, dst, writable=False):
         os.makedirs(os.path.dirname(dst), exist_ok=True)
         open(dst, "a").close()
     mount(src, dst, None, MS_BIND | MS_REC)
-    if not writable:             # a bind's read-only flag needs a remount, keeping the locked flags
+    if not writable:  # a bind's read-only flag needs a remount, keeping the locked flags
         st = os.statvfs(dst)
         keep = st.f_flag & (MS_NOSUID | MS_NODEV | MS_NOEXEC)
         mount(None, dst, None, MS_REMOUNT | MS_BIND | MS_RDONLY | keep)
@@ -67,7 +84,7 @@ def build_root(plan: dict) -> None:
     mount(None, "/", None, MS_REC | MS_PRIVATE)
     new = plan["newroot"]
     mount("tmpfs", new, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
-    for d in ("/tmp", "/var/tmp"):               # first: the binds below may live under /tmp
+    for d in ("/tmp", "/var/tmp"):  # first: the binds below may live under /tmp
         os.makedirs(new + d, exist_ok=True)
         mount("tmpfs", new + d, "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={plan['tmpfs_bytes']}")
     for kind, src, dst in plan["layout"]:
@@ -79,7 +96,7 @@ def build_root(plan: dict) -> None:
             _bind(src, target)
     os.makedirs(new + "/proc")
     mount("proc", new + "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-    for d in plan["proc_read_only"]:             # global sysctls and friends: read-only, as bwrap
+    for d in plan["proc_read_only"]:  # global sysctls and friends: read-only, as bwrap
         if os.path.exists(new + d):
             mount(new + d, new + d, None, MS_BIND | MS_REC)
             mount(None, new + d, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC)
@@ -88,8 +105,12 @@ def build_root(plan: dict) -> None:
     for src, dst in plan["dev_nodes"] + [(n, n) for n in plan["devices"]]:
         if os.path.exists(src):
             _bind(src, new + dst, writable=True)
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         os.symlink(target, f"{new}/dev/{name}")
     os.makedirs(new + "/dev/shm")
     mount("tmpfs", new + "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=1777,size={plan['tmpfs_bytes']}")
@@ -107,6 +128,7 @@ def build_root(plan: dict) -> None:
 def lo_up() -> None:
     import fcntl
     import struct
+
     siocgifflags, siocsifflags, iff_up = 0x8913, 0x8914, 0x1
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         req = struct.pack("16sh", b"lo", 0)
@@ -119,15 +141,14 @@ def drop_capabilities() -> None:
     for cap in range(64):
         _LIBC.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
     _LIBC.prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0)
-    _LIBC.prctl(PR_SET_SECUREBITS, 0x2f, 0, 0, 0)       # NOROOT, NO_SETUID_FIXUP, each locked
+    _LIBC.prctl(PR_SET_SECUREBITS, 0x2F, 0, 0, 0)  # NOROOT, NO_SETUID_FIXUP, each locked
     _check(_LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "no_new_privs")
 
     class Header(ctypes.Structure):
         _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
 
     class Data(ctypes.Structure):
-        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
-                    ("inheritable", ctypes.c_uint32)]
+        _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32), ("inheritable", ctypes.c_uint32)]
 
     _check(_LIBC.capset(ctypes.byref(Header(0x20080522, 0)), (Data * 2)()), "capset")
 
@@ -141,7 +162,7 @@ def _table():
         try:
             with open(f"/proc/{name}/stat") as f:
                 raw = f.read()
-            if raw[raw.rindex(")") + 2:].split()[0] in ("Z", "X"):
+            if raw[raw.rindex(")") + 2 :].split()[0] in ("Z", "X"):
                 continue
             with open(f"/proc/{name}/cmdline", "rb") as f:
                 out[int(name)] = f.read(200).replace(b"\0", b" ").decode(errors="replace").strip()
@@ -164,7 +185,7 @@ def kill_all() -> list:
             break
         seen.update(alive)
         try:
-            os.kill(-1, signal.SIGKILL)     # every process of this PID namespace we may signal
+            os.kill(-1, signal.SIGKILL)  # every process of this PID namespace we may signal
         except OSError:
             pass
         reap()
@@ -190,9 +211,9 @@ def _opt(opts, name, default=None):
 def outer(opts: list[str], cmd: list[str]) -> int:
     """Outside the sandbox: die with the grader, join the job's cgroups, exec bwrap or unshare."""
     _check(_LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "PR_SET_PDEATHSIG")
-    if os.getppid() != int(_opt(opts, "--outer")):     # the grader died before the line above
+    if os.getppid() != int(_opt(opts, "--outer")):  # the grader died before the line above
         return 125
-    for path in opts[opts.index("--outer") + 2:]:     # before anything of the job starts
+    for path in opts[opts.index("--outer") + 2 :]:  # before anything of the job starts
         try:
             with open(path, "w") as f:
                 f.write(str(os.getpid()))
@@ -210,7 +231,7 @@ def main(argv: list[str]) -> int:
     if "--" not in argv:
         print("usage: _sandbox_init.py [options] -- COMMAND...", file=sys.stderr)
         return 2
-    opts, cmd = argv[:argv.index("--")], argv[argv.index("--") + 1:]
+    opts, cmd = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     if "--outer" in opts:
         return outer(opts, cmd)
     setup = _opt(opts, "--setup")
@@ -224,20 +245,24 @@ def main(argv: list[str]) -> int:
         except OSError as e:
             print(f"sandbox setup failed: {e}", file=sys.stderr)
             return 125
-    for flag, which in (("--fsize", resource.RLIMIT_FSIZE), ("--nproc", resource.RLIMIT_NPROC),
-                        ("--cpu", resource.RLIMIT_CPU), ("--as", resource.RLIMIT_AS)):
+    for flag, which in (
+        ("--fsize", resource.RLIMIT_FSIZE),
+        ("--nproc", resource.RLIMIT_NPROC),
+        ("--cpu", resource.RLIMIT_CPU),
+        ("--as", resource.RLIMIT_AS),
+    ):
         value = _opt(opts, flag)
         if value is not None:
             resource.setrlimit(which, (int(value), int(value)))
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     # A fresh, empty session keyring: the grader's (inherited across fork) stays out of reach.
     _LIBC.syscall({"x86_64": 250, "aarch64": 219}.get(os.uname().machine, -1), 1, None)
-    _LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)          # the job cannot ptrace or read this process
-    _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)   # orphans (double forks, setsid) come here
+    _LIBC.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)  # the job cannot ptrace or read this process
+    _LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)  # orphans (double forks, setsid) come here
     chan_fd = os.environ.get("SCALING_LABS_GRADER_FD")
-    if chan_fd:                                   # the probes' channel: for the job's processes
+    if chan_fd:  # the probes' channel: for the job's processes
         os.set_inheritable(int(chan_fd), True)
-    status_fd = _opt(opts, "--status-fd")         # the init's own: closed on exec, never the job's
+    status_fd = _opt(opts, "--status-fd")  # the init's own: closed on exec, never the job's
     status = socket.socket(fileno=int(status_fd)) if status_fd else None
     if status is not None:
         os.set_inheritable(status.fileno(), False)
@@ -258,7 +283,7 @@ def main(argv: list[str]) -> int:
     rc = None
     while rc is None:
         try:
-            pid, st = os.wait()                 # reaps abandoned orphans as well
+            pid, st = os.wait()  # reaps abandoned orphans as well
         except ChildProcessError:
             break
         except InterruptedError:
@@ -269,8 +294,15 @@ def main(argv: list[str]) -> int:
     found = kill_all()
     if status is not None:
         try:
-            status.send(json.dumps({"rc": rc, "stragglers": sorted(set(found.values()))[:20],
-                                    "pidns": os.readlink("/proc/self/ns/pid")}).encode())
+            status.send(
+                json.dumps(
+                    {
+                        "rc": rc,
+                        "stragglers": sorted(set(found.values()))[:20],
+                        "pidns": os.readlink("/proc/self/ns/pid"),
+                    }
+                ).encode()
+            )
         except OSError:
             pass
     return rc if rc >= 0 else 128 - rc

@@ -1,5 +1,6 @@
 """A class at a time: submissions found in a folder, graded K at a time (GPUs divided among the
 jobs), a CSV gradebook, Gradescope's results.json; and calibration of the time budget."""
+
 from __future__ import annotations
 
 import csv
@@ -19,19 +20,29 @@ from . import sandbox
 from .core import grade, grader_info, prepare_data, write_json
 from .spec import REFERENCE_SOLUTION, Spec
 
-GRADEBOOK_FIELDS = ["student", "status", "accuracy", "target_val_acc", "time_s", "time_budget_s",
-                    "ranks_measured", "nprocs_required", "score", "reason", "sha256"]
+GRADEBOOK_FIELDS = [
+    "student",
+    "status",
+    "accuracy",
+    "target_val_acc",
+    "time_s",
+    "time_budget_s",
+    "ranks_measured",
+    "nprocs_required",
+    "score",
+    "reason",
+    "sha256",
+]
 
 
 def find_submissions(folder: str | Path) -> list[tuple[str, Path]]:
     """(student, path) for every ``*.py`` file and every sub-folder of ``folder``, by name."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise NotADirectoryError(f"{folder} is not a folder of submissions (one .py file or one "
-                                 "folder per student)")
+        raise NotADirectoryError(f"{folder} is not a folder of submissions (one .py file or one folder per student)")
     subs = []
     for p in sorted(folder.iterdir()):
-        if p.name.startswith((".", "_")) or p.is_symlink():      # a link could point anywhere
+        if p.name.startswith((".", "_")) or p.is_symlink():  # a link could point anywhere
             continue
         if p.is_dir() or p.suffix == ".py":
             subs.append((p.stem if p.is_file() else p.name, p))
@@ -44,6 +55,7 @@ def _gpu_slots(spec: Spec, jobs: int):
         return [None] * jobs
     try:
         import torch
+
         n = torch.cuda.device_count()
     except Exception:
         n = 0
@@ -57,8 +69,15 @@ def score(report: dict, spec: Spec) -> float:
     return float(spec.points) if report["status"] == "passed" else 0.0
 
 
-def grade_many(subs: list[tuple[str, Path]], spec: Spec, *, jobs: int = 1, report_dir: str | Path | None = None,
-               workroot: str | Path | None = None, progress: Callable[[str], Any] = print) -> list[dict]:
+def grade_many(
+    subs: list[tuple[str, Path]],
+    spec: Spec,
+    *,
+    jobs: int = 1,
+    report_dir: str | Path | None = None,
+    workroot: str | Path | None = None,
+    progress: Callable[[str], Any] = print,
+) -> list[dict]:
     """Grade every submission, ``jobs`` at a time. Before the first job: the sandbox is probed
     (grading is refused without one) and the data prepared; every grader module is already
     imported (core imports them at its top). The per-student reports are written only after
@@ -107,11 +126,17 @@ def write_gradebook(reports: list[dict], path: str | Path) -> None:
     _atomic(path, buf.getvalue())
 
 
-RUN_CODES = {"no_entry", "syntax_error", "too_large_submission", "crashed", "timeout", "output_limit",
-             "grader_error"}
+RUN_CODES = {"no_entry", "syntax_error", "too_large_submission", "crashed", "timeout", "output_limit", "grader_error"}
 DP_CODES = {"not_distributed", "not_data_parallel", "not_ddp_weights", "weights_changed", "too_little_data"}
-MODEL_CODES = {"no_output", "bad_checkpoint", "unsafe_checkpoint", "too_large", "wrong_keys", "wrong_shapes",
-               "nan_weights"}
+MODEL_CODES = {
+    "no_output",
+    "bad_checkpoint",
+    "unsafe_checkpoint",
+    "too_large",
+    "wrong_keys",
+    "wrong_shapes",
+    "nan_weights",
+}
 
 
 def gradescope_tests(report: dict, spec: Spec) -> list[dict]:
@@ -127,27 +152,63 @@ def gradescope_tests(report: dict, spec: Spec) -> list[dict]:
     steps = (ev.get("optimizer_steps") or {}).get("0")
 
     def test(name, ok, output, points=0.0):
-        return {"name": name, "score": points if ok else 0.0, "max_score": points,
-                "status": "passed" if ok else "failed", "output": output, "visibility": "visible"}
+        return {
+            "name": name,
+            "score": points if ok else 0.0,
+            "max_score": points,
+            "status": "passed" if ok else "failed",
+            "output": output,
+            "visibility": "visible",
+        }
 
     not_checked = "not checked: the script did not run to completion"
-    tests = [test("assessment passed (every requirement below)", report["status"] == "passed",
-                  report["reason"], float(spec.points))]
-    tests.append(test("runs under torchrun to completion", ran,
-                      first_run_failure or f"exit code {report.get('exit_code')}"))
-    tests.append(test("writes a valid state dict of the assessment's model", model_ok,
-                      "; ".join(m for c, m in msg.items() if c in MODEL_CODES)
-                      or ("loaded with torch.load(weights_only=True); keys and shapes match" if ran else not_checked)))
+    tests = [
+        test(
+            "assessment passed (every requirement below)",
+            report["status"] == "passed",
+            report["reason"],
+            float(spec.points),
+        )
+    ]
+    tests.append(
+        test("runs under torchrun to completion", ran, first_run_failure or f"exit code {report.get('exit_code')}")
+    )
+    tests.append(
+        test(
+            "writes a valid state dict of the assessment's model",
+            model_ok,
+            "; ".join(m for c, m in msg.items() if c in MODEL_CODES)
+            or ("loaded with torch.load(weights_only=True); keys and shapes match" if ran else not_checked),
+        )
+    )
     dp_ok = ran and not codes & DP_CODES and report["ranks_measured"] == spec.nprocs
-    tests.append(test(f"{spec.nprocs} ranks train data-parallel (measured by the grader)", dp_ok,
-                      "; ".join(m for c, m in msg.items() if c in DP_CODES)
-                      or (f"{report['ranks_measured']} ranks joined; every rank took {steps} optimizer steps "
-                          "with the same synchronised gradients" if ran else not_checked)))
-    tests.append(test(f"held-out accuracy >= {spec.target_val_acc}", acc is not None and acc >= spec.target_val_acc,
-                      f"held-out accuracy {acc:.4f}" if acc is not None else "not checked: no gradable model"))
-    tests.append(test(f"within the {spec.time_budget_s:g} s budget", t is not None and not codes & {"timeout", "time"},
-                      msg.get("timeout") or msg.get("time") or (f"{t:.1f} s, launch to exit" if t is not None
-                                                                else "not run")))
+    tests.append(
+        test(
+            f"{spec.nprocs} ranks train data-parallel (measured by the grader)",
+            dp_ok,
+            "; ".join(m for c, m in msg.items() if c in DP_CODES)
+            or (
+                f"{report['ranks_measured']} ranks joined; every rank took {steps} optimizer steps "
+                "with the same synchronised gradients"
+                if ran
+                else not_checked
+            ),
+        )
+    )
+    tests.append(
+        test(
+            f"held-out accuracy >= {spec.target_val_acc}",
+            acc is not None and acc >= spec.target_val_acc,
+            f"held-out accuracy {acc:.4f}" if acc is not None else "not checked: no gradable model",
+        )
+    )
+    tests.append(
+        test(
+            f"within the {spec.time_budget_s:g} s budget",
+            t is not None and not codes & {"timeout", "time"},
+            msg.get("timeout") or msg.get("time") or (f"{t:.1f} s, launch to exit" if t is not None else "not run"),
+        )
+    )
     return tests
 
 
@@ -156,22 +217,37 @@ def gradescope_result(report: dict, spec: Spec) -> dict:
     /autograder/results/results.json): the score, then the tests."""
     lines = [f"{report['status'].upper()}: {report['reason']}"]
     lines += [f"Note: {w}" for w in report.get("static_warnings", [])]
-    return {"score": score(report, spec), "output": "\n".join(lines),
-            "execution_time": round(report.get("grading_s") or 0),
-            "tests": gradescope_tests(report, spec), "visibility": "visible", "stdout_visibility": "hidden"}
+    return {
+        "score": score(report, spec),
+        "output": "\n".join(lines),
+        "execution_time": round(report.get("grading_s") or 0),
+        "tests": gradescope_tests(report, spec),
+        "visibility": "visible",
+        "stdout_visibility": "hidden",
+    }
 
 
 def gradescope_batch(reports: list[dict], spec: Spec) -> dict:
     """A class in Gradescope's results.json format: one test per student (name = the student,
     score = the student's score, output = status and reason)."""
-    return {"output": f"Graded {len(reports)} submission(s) against {spec.name} "
-                      f"(target {spec.target_val_acc}, budget {spec.time_budget_s:g} s, {spec.nprocs} processes)",
-            "execution_time": round(sum(r.get("grading_s") or 0 for r in reports)),
-            "tests": [{"name": r["student"], "score": score(r, spec), "max_score": float(spec.points),
-                       "status": "passed" if r["status"] == "passed" else "failed",
-                       "output": f"{r['status']}: {r['reason']}", "visibility": "after_published"}
-                      for r in reports],
-            "visibility": "after_published", "stdout_visibility": "hidden"}
+    return {
+        "output": f"Graded {len(reports)} submission(s) against {spec.name} "
+        f"(target {spec.target_val_acc}, budget {spec.time_budget_s:g} s, {spec.nprocs} processes)",
+        "execution_time": round(sum(r.get("grading_s") or 0 for r in reports)),
+        "tests": [
+            {
+                "name": r["student"],
+                "score": score(r, spec),
+                "max_score": float(spec.points),
+                "status": "passed" if r["status"] == "passed" else "failed",
+                "output": f"{r['status']}: {r['reason']}",
+                "visibility": "after_published",
+            }
+            for r in reports
+        ],
+        "visibility": "after_published",
+        "stdout_visibility": "hidden",
+    }
 
 
 def _atomic(path, text: str) -> None:
@@ -187,8 +263,14 @@ def write_gradescope(doc: dict, path: str | Path) -> None:
     _atomic(path, json.dumps(doc, indent=1))
 
 
-def calibrate(spec: Spec, *, runs: int = 3, solution: str | Path = REFERENCE_SOLUTION, margin: float = 1.5,
-              progress: Callable[[str], Any] = print) -> dict:
+def calibrate(
+    spec: Spec,
+    *,
+    runs: int = 3,
+    solution: str | Path = REFERENCE_SOLUTION,
+    margin: float = 1.5,
+    progress: Callable[[str], Any] = print,
+) -> dict:
     """Grade the reference solution ``runs`` times with a generous deadline; propose a budget of
     ``margin`` x the slowest run, rounded up to 5 s."""
     loose = spec.replace(time_budget_s=max(spec.time_budget_s * 10, 600))
@@ -197,16 +279,28 @@ def calibrate(spec: Spec, *, runs: int = 3, solution: str | Path = REFERENCE_SOL
         r = grade(solution, loose, student=f"reference-{i}")
         reports.append(r)
         if progress:
-            progress(f"run {i + 1}/{runs}: {r['status']:<7} {r['time_s'] or float('nan'):7.1f} s  "
-                     f"accuracy {r['accuracy'] if r['accuracy'] is not None else float('nan'):.4f}")
+            progress(
+                f"run {i + 1}/{runs}: {r['status']:<7} {r['time_s'] or float('nan'):7.1f} s  "
+                f"accuracy {r['accuracy'] if r['accuracy'] is not None else float('nan'):.4f}"
+            )
     times = [r["time_s"] for r in reports if r["status"] == "passed"]
     accs = [r["accuracy"] for r in reports if r["status"] == "passed"]
-    out = {"spec": spec.name, "runs": runs, "passed": len(times), "times_s": times, "accuracies": accs,
-           "hardware": grader_info()}
+    out = {
+        "spec": spec.name,
+        "runs": runs,
+        "passed": len(times),
+        "times_s": times,
+        "accuracies": accs,
+        "hardware": grader_info(),
+    }
     if times:
-        out.update(min_s=min(times), median_s=statistics.median(times), max_s=max(times),
-                   proposed_budget_s=int(5 * math.ceil(margin * max(times) / 5)),
-                   min_accuracy=min(accs))
+        out.update(
+            min_s=min(times),
+            median_s=statistics.median(times),
+            max_s=max(times),
+            proposed_budget_s=int(5 * math.ceil(margin * max(times) / 5)),
+            min_accuracy=min(accs),
+        )
     else:
         out["problem"] = "the reference solution did not pass once: " + reports[0]["reason"]
     return out

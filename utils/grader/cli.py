@@ -4,6 +4,7 @@ Exit status: 0 when the submission(s) were graded, whatever the grade (a failing
 result, written to the report, not an error of the command); 2 for a usage or spec error;
 3 when no sandbox can isolate a submission on this machine (nothing was run). ``run --strict``
 exits 1 when the one submission did not pass, for scripts that want that."""
+
 from __future__ import annotations
 
 import argparse
@@ -27,6 +28,7 @@ def _spec(args):
 def cmd_run(args: argparse.Namespace) -> int:
     from .batch import gradescope_result, score, write_gradescope
     from .core import grade, write_json
+
     spec = _spec(args)
     r = grade(args.submission, spec, keep=args.keep, workroot=args.workroot)
     r["score"] = score(r, spec)
@@ -41,9 +43,11 @@ def cmd_run(args: argparse.Namespace) -> int:
 def summary(r: dict, verbose: bool = False) -> str:
     acc = f"{r['accuracy']:.4f}" if r["accuracy"] is not None else "-"
     t = f"{r['time_s']:.1f} s" if r["time_s"] is not None else "-"
-    lines = [f"{r['student']}: {r['status'].upper()}",
-             f"  accuracy {acc} (target {r['target_val_acc']}), time {t} (budget {r['time_budget_s']:g} s), "
-             f"ranks measured {r['ranks_measured']} of {r['nprocs_required']}"]
+    lines = [
+        f"{r['student']}: {r['status'].upper()}",
+        f"  accuracy {acc} (target {r['target_val_acc']}), time {t} (budget {r['time_budget_s']:g} s), "
+        f"ranks measured {r['ranks_measured']} of {r['nprocs_required']}",
+    ]
     lines += [f"  - {x['message']}" for x in r["reasons"]] or [f"  {r['reason']}"]
     lines += [f"  note: {w}" for w in r.get("static_warnings", [])]
     iso = r.get("isolation") or {}
@@ -63,17 +67,22 @@ def summary(r: dict, verbose: bool = False) -> str:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from .batch import (find_submissions, gradescope_batch, grade_many, write_gradebook,
-                        write_gradescope)
+    from .batch import find_submissions, grade_many, gradescope_batch, write_gradebook, write_gradescope
+
     spec = _spec(args)
     subs = find_submissions(args.folder)
     if not subs:
-        print(f"no submissions in {args.folder} (expected one .py file or one folder per student)",
-              file=sys.stderr)
+        print(f"no submissions in {args.folder} (expected one .py file or one folder per student)", file=sys.stderr)
         return 2
     print(f"grading {len(subs)} submission(s) with {spec.name}, {args.jobs} at a time", flush=True)
-    reports = grade_many(subs, spec, jobs=args.jobs, report_dir=args.reports, workroot=args.workroot,
-                         progress=lambda s: print(s, flush=True))
+    reports = grade_many(
+        subs,
+        spec,
+        jobs=args.jobs,
+        report_dir=args.reports,
+        workroot=args.workroot,
+        progress=lambda s: print(s, flush=True),
+    )
     write_gradebook(reports, args.csv)
     print(f"gradebook: {args.csv}")
     if args.gradescope:
@@ -86,6 +95,7 @@ def cmd_batch(args: argparse.Namespace) -> int:
 
 def cmd_gradescope(args: argparse.Namespace) -> int:
     from .gradescope import run
+
     spec_path = args.spec or (Path(args.root) / "source" / "spec.toml")
     spec = load_spec(spec_path if Path(spec_path).exists() or args.spec else None)
     if spec.secret_missing():
@@ -97,10 +107,13 @@ def cmd_gradescope(args: argparse.Namespace) -> int:
 
 def cmd_zip(args: argparse.Namespace) -> int:
     from .gradescope import build_zip
-    spec = load_spec(args.spec)                # validated before it is packed
+
+    spec = load_spec(args.spec)  # validated before it is packed
     names = build_zip(args.out, spec.path)
-    print(f"wrote {args.out} ({len(names)} files; setup.sh and run_autograder at its root, spec "
-          f"{spec.path} as spec.toml): upload it as the assignment's autograder on Gradescope")
+    print(
+        f"wrote {args.out} ({len(names)} files; setup.sh and run_autograder at its root, spec "
+        f"{spec.path} as spec.toml): upload it as the assignment's autograder on Gradescope"
+    )
     if spec.secret_missing():
         print(f"warning: {spec.secret_missing()}", file=sys.stderr)
     return 0
@@ -108,17 +121,24 @@ def cmd_zip(args: argparse.Namespace) -> int:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from .batch import calibrate
+
     spec = _spec(args)
-    out = calibrate(spec, runs=args.runs, solution=args.solution, margin=args.margin,
-                    progress=lambda s: print(s, flush=True))
+    out = calibrate(
+        spec, runs=args.runs, solution=args.solution, margin=args.margin, progress=lambda s: print(s, flush=True)
+    )
     if args.json:
         from .core import write_json
+
         write_json(out, args.json)
     if "proposed_budget_s" in out:
-        print(f"reference: min {out['min_s']:.1f} s, median {out['median_s']:.1f} s, max {out['max_s']:.1f} s, "
-              f"lowest accuracy {out['min_accuracy']:.4f}")
-        print(f"proposed time_budget_s = {out['proposed_budget_s']}  ({args.margin} x the slowest run, "
-              f"rounded up to 5 s); set it in {spec.path} and record these figures in its comments")
+        print(
+            f"reference: min {out['min_s']:.1f} s, median {out['median_s']:.1f} s, max {out['max_s']:.1f} s, "
+            f"lowest accuracy {out['min_accuracy']:.4f}"
+        )
+        print(
+            f"proposed time_budget_s = {out['proposed_budget_s']}  ({args.margin} x the slowest run, "
+            f"rounded up to 5 s); set it in {spec.path} and record these figures in its comments"
+        )
         return 0
     print(out["problem"], file=sys.stderr)
     return 1
@@ -126,22 +146,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def cmd_data(args: argparse.Namespace) -> int:
     import shutil
+
     from .core import prepare_data
+
     spec = _spec(args)
     out = Path(args.folder)
     out.mkdir(parents=True, exist_ok=True)
     train_npz, _ = prepare_data(spec)
     shutil.copy(train_npz, out / "train.npz")
     (out / "assessment.json").write_text(json.dumps(spec.public(), indent=1))
-    print(f"wrote {out / 'train.npz'} and {out / 'assessment.json'} (the training split only, as the "
-          f"grader gives it); now: torchrun --standalone --nproc-per-node {spec.nprocs} "
-          f"assessment.py --data-dir {out} --out model.pt")
+    print(
+        f"wrote {out / 'train.npz'} and {out / 'assessment.json'} (the training split only, as the "
+        f"grader gives it); now: torchrun --standalone --nproc-per-node {spec.nprocs} "
+        f"assessment.py --data-dir {out} --out model.pt"
+    )
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m utils.grader",
-                                description="Grade the assessment: convert a serial script to DDP.")
+    p = argparse.ArgumentParser(
+        prog="python -m utils.grader", description="Grade the assessment: convert a serial script to DDP."
+    )
     sub = p.add_subparsers(dest="command", required=True)
     spec_help = f"assessment spec (TOML; default {default_spec_path().name} for this profile)"
 
@@ -168,8 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--workroot", help="where job dirs go (default: the system temp dir)")
     b.set_defaults(fn=cmd_batch)
 
-    g = sub.add_parser("gradescope", help="inside a Gradescope autograder: grade ROOT/submission, "
-                       "write ROOT/results/results.json")
+    g = sub.add_parser(
+        "gradescope", help="inside a Gradescope autograder: grade ROOT/submission, write ROOT/results/results.json"
+    )
     g.add_argument("--root", default="/autograder")
     g.add_argument("--spec", help="default: ROOT/source/spec.toml, else " + default_spec_path().name)
     g.set_defaults(fn=cmd_gradescope)
@@ -196,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "jobs", 1) < 1:
         p.error("--jobs must be >= 1")
     from .sandbox import SandboxUnavailable
+
     try:
         return args.fn(args)
     except (SpecError, NotADirectoryError, FileNotFoundError) as e:

@@ -9,6 +9,7 @@ Nothing the job could write is trusted: its model file and its logs are read aft
 process of the job is gone, never through a link, the model from a grader-owned copy; its
 evidence arrives over a socket the grader created and is cross-checked (:func:`verify_ranks`).
 """
+
 from __future__ import annotations
 
 import base64
@@ -46,16 +47,31 @@ from .spec import ROOT, Spec
 PROBE_SITE = Path(__file__).with_name("_probe")
 # torchrun, started so that nothing in the job dir can stand in for it: `python -m` would put the
 # working directory (the submission's files: a torch/ folder, say) first on sys.path.
-LAUNCHER = ("import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', '/job')]; import runpy; "
-            "sys.argv[0] = 'torchrun'; runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)")
+LAUNCHER = (
+    "import sys; sys.path[:] = [p for p in sys.path if p not in ('', '.', '/job')]; import runpy; "
+    "sys.argv[0] = 'torchrun'; runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)"
+)
 LOG_TAIL_BYTES = 3000
-MAX_FILES = 200                          # files in a submission folder
-MAX_STEPS = 200_000                      # optimizer steps per rank the grader looks at
+MAX_FILES = 200  # files in a submission folder
+MAX_STEPS = 200_000  # optimizer steps per rank the grader looks at
 
 # Reasons after which there is no model to grade: the status is "error", not "failed".
-ERROR_CODES = {"no_entry", "syntax_error", "too_large_submission", "crashed", "timeout", "output_limit",
-               "no_output", "bad_checkpoint", "unsafe_checkpoint", "too_large", "wrong_keys",
-               "wrong_shapes", "nan_weights", "grader_error"}
+ERROR_CODES = {
+    "no_entry",
+    "syntax_error",
+    "too_large_submission",
+    "crashed",
+    "timeout",
+    "output_limit",
+    "no_output",
+    "bad_checkpoint",
+    "unsafe_checkpoint",
+    "too_large",
+    "wrong_keys",
+    "wrong_shapes",
+    "nan_weights",
+    "grader_error",
+}
 
 
 # ----------------------------------------------------------------------------------------
@@ -92,20 +108,24 @@ def prepare_data(spec: Spec) -> tuple[Path, torch.utils.data.TensorDataset]:
             train = TensorDataset(x[tr], y[tr])
             heldout = TensorDataset(x[held], y[held])
         else:
-            splits = utils.data.load(spec.dataset, n_train=spec.n_train or None, n_val=spec.n_val or None,
-                                     seed=spec.seed, **kw)
+            splits = utils.data.load(
+                spec.dataset, n_train=spec.n_train or None, n_val=spec.n_val or None, seed=spec.seed, **kw
+            )
             train, heldout = splits.train, splits.val
             if spec.heldout != "val":
                 with np.load(spec.heldout) as f:
                     hx, hy = torch.from_numpy(f["x"]).float(), torch.from_numpy(f["y"]).long()
                 if tuple(hx.shape[1:]) != tuple(train.tensors[0].shape[1:]):
-                    raise ValueError(f"held-out images {tuple(hx.shape[1:])} differ from the training "
-                                     f"images {tuple(train.tensors[0].shape[1:])}: fix heldout in {spec.path}")
+                    raise ValueError(
+                        f"held-out images {tuple(hx.shape[1:])} differ from the training "
+                        f"images {tuple(train.tensors[0].shape[1:])}: fix heldout in {spec.path}"
+                    )
                 heldout = TensorDataset(hx, hy)
         x, y = train.tensors
-        cache = Path(tempfile.mkdtemp(prefix="grader-data-"))      # 0700, the grader's own
+        cache = Path(tempfile.mkdtemp(prefix="grader-data-"))  # 0700, the grader's own
         import atexit
-        atexit.register(shutil.rmtree, cache, True)      # CIFAR-10's split is 600 MB: never leave it
+
+        atexit.register(shutil.rmtree, cache, True)  # CIFAR-10's split is 600 MB: never leave it
         train_npz = cache / "train.npz"
         np.savez(train_npz, x=x.numpy(), y=y.numpy())
         _DATA[key] = (train_npz, heldout)
@@ -115,6 +135,7 @@ def prepare_data(spec: Spec) -> tuple[Path, torch.utils.data.TensorDataset]:
 # ----------------------------------------------------------------------------------------
 # The submission, snapshotted
 # ----------------------------------------------------------------------------------------
+
 
 class Refused(Exception):
     def __init__(self, code: str, message: str):
@@ -134,8 +155,11 @@ def find_entry(submission: Path) -> str:
         if not re.fullmatch(r"[A-Za-z0-9_][\w.-]*\.py", scripts[0]):
             raise Refused("no_entry", f"{scripts[0]!r} is not a plain file name: name the script assessment.py")
         return scripts[0]
-    raise Refused("no_entry", f"{submission.name} holds {len(scripts)} .py files and no assessment.py: "
-                  "name the training script assessment.py")
+    raise Refused(
+        "no_entry",
+        f"{submission.name} holds {len(scripts)} .py files and no assessment.py: "
+        "name the training script assessment.py",
+    )
 
 
 def snapshot(submission: Path, dest: Path, max_bytes: int) -> dict:
@@ -145,7 +169,7 @@ def snapshot(submission: Path, dest: Path, max_bytes: int) -> dict:
         files = [(submission, "assessment.py")]
     else:
         files = []
-        for root, dirs, names in os.walk(submission):        # os.walk does not follow links
+        for root, dirs, names in os.walk(submission):  # os.walk does not follow links
             dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
             for n in sorted(names):
                 p = Path(root) / n
@@ -160,8 +184,10 @@ def snapshot(submission: Path, dest: Path, max_bytes: int) -> dict:
             data = f.read(max_bytes + 1 - total)
         total += len(data)
         if total > max_bytes:
-            raise Refused("too_large_submission", f"the submission is over {max_bytes >> 10} KiB "
-                          "(submit the script, not data or models)")
+            raise Refused(
+                "too_large_submission",
+                f"the submission is over {max_bytes >> 10} KiB (submit the script, not data or models)",
+            )
         h.update(rel.encode() + b"\0" + hashlib.sha256(data).digest())
         out = dest / rel
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +198,7 @@ def snapshot(submission: Path, dest: Path, max_bytes: int) -> dict:
 # ----------------------------------------------------------------------------------------
 # Reading what the job left, after every process of it is gone
 # ----------------------------------------------------------------------------------------
+
 
 def _inside(root: Path, path: Path) -> bool:
     real = os.path.realpath(path)
@@ -226,15 +253,15 @@ def printable(text: str) -> str:
 
 def rank_error(text: str) -> str | None:
     """The rank's own error, first line of it: 'ValueError: ... (assessment.py, line 12)'."""
-    text = _RANK_PREFIX.sub("", text)          # torch.distributed's excepthook prefixes "[rank0]: "
+    text = _RANK_PREFIX.sub("", text)  # torch.distributed's excepthook prefixes "[rank0]: "
     if "Traceback" not in text:
         return None
-    block = text[text.rindex("Traceback"):].splitlines()
+    block = text[text.rindex("Traceback") :].splitlines()
     where = None
     for line in block:
         m = _FRAME.match(line)
         if m and m.group(1).startswith(sandbox.JOB_DIR + "/"):
-            where = f"{m.group(1)[len(sandbox.JOB_DIR) + 1:]}, line {m.group(2)}"
+            where = f"{m.group(1)[len(sandbox.JOB_DIR) + 1 :]}, line {m.group(2)}"
     errs = [l.strip() for l in block if _ERR_LINE.match(l.strip()) and not l.startswith(" ")]
     if not errs:
         return None
@@ -247,12 +274,14 @@ STDERR_TAIL_LINES, STDERR_TAIL_WIDTH = 3, 200
 def stderr_tail(text: str) -> str | None:
     """The last lines a rank wrote to stderr (its own words: SystemExit's message, argparse's
     usage error), a few, each cut short; None when it wrote nothing."""
-    lines = [l.strip() for l in _RANK_PREFIX.sub("", text).splitlines()
-             if l.strip() and not l.startswith("[... earlier output not shown]")]
+    lines = [
+        l.strip()
+        for l in _RANK_PREFIX.sub("", text).splitlines()
+        if l.strip() and not l.startswith("[... earlier output not shown]")
+    ]
     if not lines:
         return None
-    tail = [l if len(l) <= STDERR_TAIL_WIDTH else l[:STDERR_TAIL_WIDTH] + "..."
-            for l in lines[-STDERR_TAIL_LINES:]]
+    tail = [l if len(l) <= STDERR_TAIL_WIDTH else l[:STDERR_TAIL_WIDTH] + "..." for l in lines[-STDERR_TAIL_LINES:]]
     return printable(" | ".join(tail))
 
 
@@ -264,11 +293,12 @@ def failing_rank(launcher_log: str, logs: dict) -> tuple[str | None, str | None]
         err = rank_error(logs.get(r, {}).get("stderr", "")) or rank_error(logs.get(r, {}).get("stdout", ""))
         if err:
             return r, err
-    if m:                                       # no traceback: what torchrun says of that rank
-        block = launcher_log[m.start():]
+    if m:  # no traceback: what torchrun says of that rank
+        block = launcher_log[m.start() :]
         code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
         if code and int(code.group(1)) < 0:
             import signal as _signal
+
             try:
                 name = _signal.Signals(-int(code.group(1))).name
             except ValueError:
@@ -276,8 +306,9 @@ def failing_rank(launcher_log: str, logs: dict) -> tuple[str | None, str | None]
             return m.group(1), f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
         if code:
             said = stderr_tail(logs.get(m.group(1), {}).get("stderr", ""))
-            return m.group(1), f"exited with code {code.group(1)} without a Python traceback" + \
-                (f"; the last lines it wrote to stderr: {said}" if said else "")
+            return m.group(1), f"exited with code {code.group(1)} without a Python traceback" + (
+                f"; the last lines it wrote to stderr: {said}" if said else ""
+            )
     return None, None
 
 
@@ -285,14 +316,16 @@ def failing_rank(launcher_log: str, logs: dict) -> tuple[str | None, str | None]
 # Evidence: did every rank train, on its own data, with gradients synchronised every step?
 # ----------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass
 class RankRecords:
     """The probe's messages, parsed: each accepted only from the worker process torchrun started
     for that rank (the kernel names the sender)."""
-    joined: dict            # rank -> its "rank" record (world size, all-reduce of ones, backend)
-    exits: dict             # rank -> {"steps": {i: [grad_sum, grad_hash, reduced_bytes, n]}, "total", ...}
-    wrapped: dict           # model index -> {part: (parts, bytes)}: the weights DDP wrapped, from rank 0
-    problems: list          # what could not be accepted, in words
+
+    joined: dict  # rank -> its "rank" record (world size, all-reduce of ones, backend)
+    exits: dict  # rank -> {"steps": {i: [grad_sum, grad_hash, reduced_bytes, n]}, "total", ...}
+    wrapped: dict  # model index -> {part: (parts, bytes)}: the weights DDP wrapped, from rank 0
+    problems: list  # what could not be accepted, in words
 
 
 def parse_messages(messages: list, workers: list, n: int) -> RankRecords:
@@ -318,8 +351,10 @@ def parse_messages(messages: list, workers: list, n: int) -> RankRecords:
             if rec.get("world_size") == n and rec.get("all_reduce_sum") == n:
                 rec_.joined[rank] = rec
             else:
-                rec_.problems.append(f"rank {rank}: world size {rec.get('world_size')}, all-reduce of ones gave "
-                                     f"{rec.get('all_reduce_sum')} (needs {n})")
+                rec_.problems.append(
+                    f"rank {rank}: world size {rec.get('world_size')}, all-reduce of ones gave "
+                    f"{rec.get('all_reduce_sum')} (needs {n})"
+                )
         else:
             _parse_exit(rec_, rank, rec)
     return rec_
@@ -330,7 +365,9 @@ def _parse_wrap(records: RankRecords, rank: int, rec: dict) -> None:
         m = int(rec.get("model", 0))
         if rank == 0 and 0 <= m < 4 and 0 <= int(rec["part"]) < int(rec["parts"]) <= 64:
             records.wrapped.setdefault(m, {})[int(rec["part"])] = (
-                int(rec["parts"]), base64.b64decode(str(rec["data"])[:1 << 18]))
+                int(rec["parts"]),
+                base64.b64decode(str(rec["data"])[: 1 << 18]),
+            )
     except (KeyError, TypeError, ValueError, binascii.Error):
         records.problems.append("a malformed record of the weights DDP wrapped")
 
@@ -357,15 +394,20 @@ def collect_evidence(records: RankRecords, spec: Spec, loopback_octets: int) -> 
     joined, exits = records.joined, records.exits
     ranks = sorted(r for r in joined if 0 <= r < n)
     steps = {r: [exits[r]["steps"].get(k) for k in range(exits[r]["total"])] if r in exits else [] for r in range(n)}
-    ev = {"ranks_joined": ranks, "backend_expected": "nccl" if spec.device == "cuda" else "gloo",
-          "backend_reported": next((joined[r].get("backend") for r in ranks), None),
-          "optimizer_steps": {str(r): len(s) for r, s in steps.items()},
-          "grad_bytes": max([exits[r]["grad_bytes"] for r in exits] or [0]),
-          "reduced_bytes": {str(r): sum(s[2] for s in steps[r] if s) for r in range(n)},
-          "loopback_bytes": loopback_octets,
-          "ddp_fingerprints": exits.get(0, {}).get("fingerprints", []), "problems": records.problems[:10],
-          "ddp_models": {str(r): exits[r]["ddp"] for r in sorted(exits)}, "data_parallel": False,
-          "_wrapped_weights": {}}
+    ev = {
+        "ranks_joined": ranks,
+        "backend_expected": "nccl" if spec.device == "cuda" else "gloo",
+        "backend_reported": next((joined[r].get("backend") for r in ranks), None),
+        "optimizer_steps": {str(r): len(s) for r, s in steps.items()},
+        "grad_bytes": max([exits[r]["grad_bytes"] for r in exits] or [0]),
+        "reduced_bytes": {str(r): sum(s[2] for s in steps[r] if s) for r in range(n)},
+        "loopback_bytes": loopback_octets,
+        "ddp_fingerprints": exits.get(0, {}).get("fingerprints", []),
+        "problems": records.problems[:10],
+        "ddp_models": {str(r): exits[r]["ddp"] for r in sorted(exits)},
+        "data_parallel": False,
+        "_wrapped_weights": {},
+    }
     for m, got in records.wrapped.items():
         parts = {p for p, _ in got.values()}
         if len(parts) == 1 and set(got) == set(range(parts.pop())):
@@ -379,36 +421,55 @@ def judge_data_parallel(ev: dict, steps: dict, backends: set, spec: Spec, model_
     counts = {r: len(s) for r, s in steps.items()}
     idle = [r for r in range(n) if counts[r] == 0]
     if spec.device == "cpu" and backends != {"gloo"}:
-        return [f"backend {', '.join(sorted(backends))} reported on a CPU-only job, where only gloo "
-                "can run: the records were not the probe's"]
+        return [
+            f"backend {', '.join(sorted(backends))} reported on a CPU-only job, where only gloo "
+            "can run: the records were not the probe's"
+        ]
     if not all(None not in s for s in steps.values()):
         return ["the probe's records are incomplete (a rank did not exit normally)"]
     if idle:
-        return [f"rank {idle[0]} took no optimizer step (rank 0 took {counts[0]}): every rank must "
-                "train, not only rank 0"]
+        return [
+            f"rank {idle[0]} took no optimizer step (rank 0 took {counts[0]}): every rank must train, not only rank 0"
+        ]
     if len(set(counts.values())) > 1:
-        return ["the ranks took different numbers of optimizer steps: "
-                + ", ".join(f"rank {r}: {c}" for r, c in counts.items())]
+        return [
+            "the ranks took different numbers of optimizer steps: "
+            + ", ".join(f"rank {r}: {c}" for r, c in counts.items())
+        ]
     m = counts[0]
     grad_bytes = max(ev["grad_bytes"], model_bytes)
-    unsynced = sum(1 for k in range(m) if any(not math.isclose(steps[r][k][0], steps[0][k][0], rel_tol=1e-6,
-                                                               abs_tol=1e-9) for r in range(1, n)))
+    unsynced = sum(
+        1
+        for k in range(m)
+        if any(not math.isclose(steps[r][k][0], steps[0][k][0], rel_tol=1e-6, abs_tol=1e-9) for r in range(1, n))
+    )
     short = sum(1 for r in range(n) for k in range(m) if steps[r][k][2] < 0.45 * grad_bytes)
-    same = sum(1 for k in range(m) if all(math.isclose(steps[r][k][1], steps[0][k][1], rel_tol=1e-9,
-                                                       abs_tol=1e-12) for r in range(1, n)))
+    same = sum(
+        1
+        for k in range(m)
+        if all(math.isclose(steps[r][k][1], steps[0][k][1], rel_tol=1e-9, abs_tol=1e-12) for r in range(1, n))
+    )
     if unsynced:
-        return [f"the gradients differed between ranks at {unsynced} of {m} optimizer steps: "
-                "they were not synchronised before every step"]
+        return [
+            f"the gradients differed between ranks at {unsynced} of {m} optimizer steps: "
+            "they were not synchronised before every step"
+        ]
     if short:
-        return [f"{short} of {n * m} rank-steps all-reduced less than the assessment model's "
-                f"gradients ({grad_bytes} bytes): synchronise every gradient before every step"]
+        return [
+            f"{short} of {n * m} rank-steps all-reduced less than the assessment model's "
+            f"gradients ({grad_bytes} bytes): synchronise every gradient before every step"
+        ]
     if same > m / 2:
-        return [f"every rank contributed the same gradients at {same} of {m} steps: each rank "
-                "must train on its own shard of the data"]
+        return [
+            f"every rank contributed the same gradients at {same} of {m} steps: each rank "
+            "must train on its own shard of the data"
+        ]
     claimed = sum(s[2] for s in steps[0])
     if spec.device == "cpu" and loopback_octets < 0.5 * claimed:
-        return [f"the job's loopback traffic, measured by the grader ({loopback_octets >> 10} KiB), "
-                f"is less than the gradients the ranks report synchronising ({claimed >> 10} KiB)"]
+        return [
+            f"the job's loopback traffic, measured by the grader ({loopback_octets >> 10} KiB), "
+            f"is less than the gradients the ranks report synchronising ({claimed >> 10} KiB)"
+        ]
     return []
 
 
@@ -433,26 +494,49 @@ def verify_weights(ev: dict, saved: str, n_train: int, n: int) -> tuple[int | No
     by optimizer steps, that took most of every rank's shard? (index of that model, reasons)"""
     prints = ev.get("ddp_fingerprints") or []
     if saved not in prints:
-        what = "no DistributedDataParallel model was found on rank 0 at exit" if not prints else \
-            "the saved weights are not those of rank 0's DistributedDataParallel model at exit"
-        return None, [("not_ddp_weights", f"{what}: train the model wrapped in DDP and save "
-                       "model.module.state_dict() of that DDP model, from rank 0, after the last step")]
+        what = (
+            "no DistributedDataParallel model was found on rank 0 at exit"
+            if not prints
+            else "the saved weights are not those of rank 0's DistributedDataParallel model at exit"
+        )
+        return None, [
+            (
+                "not_ddp_weights",
+                f"{what}: train the model wrapped in DDP and save "
+                "model.module.state_dict() of that DDP model, from rank 0, after the last step",
+            )
+        ]
     k, reasons = prints.index(saved), []
-    models = {r: (ev.get("ddp_models", {}).get(str(r)) or [])[k:k + 1] for r in range(n)}
+    models = {r: (ev.get("ddp_models", {}).get(str(r)) or [])[k : k + 1] for r in range(n)}
     if not all(models.values()):
-        return k, [("not_ddp_weights", "the probe's records of the DDP model are incomplete (a rank did "
-                    "not exit normally, or wrapped a different number of models)")]
+        return k, [
+            (
+                "not_ddp_weights",
+                "the probe's records of the DDP model are incomplete (a rank did "
+                "not exit normally, or wrapped a different number of models)",
+            )
+        ]
     changed = [(r, m[0][1]) for r, m in models.items() if m[0][1]]
     if changed:
-        reasons.append(("weights_changed", f"the DDP model's weights changed outside its optimizer steps "
-                        f"(rank {changed[0][0]}, {changed[0][1]} time(s)): no load_state_dict or "
-                        "param.data writes after wrapping; only optimizer.step() may change them"))
+        reasons.append(
+            (
+                "weights_changed",
+                f"the DDP model's weights changed outside its optimizer steps "
+                f"(rank {changed[0][0]}, {changed[0][1]} time(s)): no load_state_dict or "
+                "param.data writes after wrapping; only optimizer.step() may change them",
+            )
+        )
     need = math.ceil(0.9 * n_train / n)
     short = [(r, m[0][0]) for r, m in models.items() if m[0][0] < need]
     if short:
-        reasons.append(("too_little_data", f"rank {short[0][0]} passed {short[0][1]} training examples "
-                        f"through the DDP model's forward, under 90% of its shard ({need} of {n_train / n:g}): "
-                        "train every rank on all of its shard, through the DDP model"))
+        reasons.append(
+            (
+                "too_little_data",
+                f"rank {short[0][0]} passed {short[0][1]} training examples "
+                f"through the DDP model's forward, under 90% of its shard ({need} of {n_train / n:g}): "
+                "train every rank on all of its shard, through the DDP model",
+            )
+        )
     return k, reasons
 
 
@@ -460,57 +544,101 @@ def verify_weights(ev: dict, saved: str, n_train: int, n: int) -> tuple[int | No
 # Grading
 # ----------------------------------------------------------------------------------------
 
+
 def _reason(code: str, message: str) -> dict:
     return {"code": code, "message": message}
 
 
 def grader_info() -> dict:
-    return {"version": utils.__version__, "torch": torch.__version__, "python": sys.version.split()[0],
-            "host": os.uname().nodename, "cpu_cores": os.cpu_count(),
-            "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-            if torch.cuda.is_available() else []}
+    return {
+        "version": utils.__version__,
+        "torch": torch.__version__,
+        "python": sys.version.split()[0],
+        "host": os.uname().nodename,
+        "cpu_cores": os.cpu_count(),
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        if torch.cuda.is_available()
+        else [],
+    }
 
 
 def limits_for(spec: Spec) -> sandbox.Limits:
-    return sandbox.Limits(memory_bytes=spec.max_memory_mb << 20, processes=spec.max_processes,
-                          file_bytes=spec.max_output_mb << 20,
-                          cpu_seconds=int(spec.time_budget_s * max(1, os.cpu_count() or 1)) + 30,
-                          tmpfs_bytes=max(spec.max_output_mb, 64) << 20, address_space=spec.device == "cpu")
+    return sandbox.Limits(
+        memory_bytes=spec.max_memory_mb << 20,
+        processes=spec.max_processes,
+        file_bytes=spec.max_output_mb << 20,
+        cpu_seconds=int(spec.time_budget_s * max(1, os.cpu_count() or 1)) + 30,
+        tmpfs_bytes=max(spec.max_output_mb, 64) << 20,
+        address_space=spec.device == "cpu",
+    )
 
 
-def grade(submission: str | Path, spec: Spec, *, student: str | None = None, workroot: str | Path | None = None,
-          keep: bool = False, gpus: list[int] | None = None) -> dict:
+def grade(
+    submission: str | Path,
+    spec: Spec,
+    *,
+    student: str | None = None,
+    workroot: str | Path | None = None,
+    keep: bool = False,
+    gpus: list[int] | None = None,
+) -> dict:
     """Grade one submission (a .py file or a folder) against ``spec``; never raises except
     :class:`sandbox.SandboxUnavailable` (nothing can be graded safely on this machine)."""
-    iso = sandbox.probe_isolation()                      # refuses before anything runs
-    imports = sandbox.import_path((spec.path, spec.heldout if spec.heldout.endswith(".npz") else "",
-                                   spec.data_dir, workroot))
+    iso = sandbox.probe_isolation()  # refuses before anything runs
+    imports = sandbox.import_path(
+        (spec.path, spec.heldout if spec.heldout.endswith(".npz") else "", spec.data_dir, workroot)
+    )
     missing = sandbox.unbound_modules(imports)
     if missing:
         raise sandbox.SandboxUnavailable(
             "refusing to grade: the job could not import " + "; ".join(missing) + ". Install the packages "
-            "in the grader's virtual environment (make .venv), or where the sandbox may bind them")
+            "in the grader's virtual environment (make .venv), or where the sandbox may bind them"
+        )
     submission = Path(submission)
     t_start = time.perf_counter()
     report = {
-        "student": student or submission.stem, "submission": str(submission), "sha256": None,
-        "spec": spec.name, "spec_path": spec.path, "status": "error", "reasons": [], "accuracy": None,
-        "target_val_acc": spec.target_val_acc, "time_s": None, "time_budget_s": spec.time_budget_s,
-        "ranks_measured": 0, "nprocs_required": spec.nprocs, "workers_seen": 0, "data_parallel": None,
-        "exit_code": None, "timed_out": False, "error_excerpt": None, "static_warnings": [], "review": [],
-        "logs": {}, "rank_evidence": {}, "isolation": {}, "resources": {}, "leftover_processes": [],
+        "student": student or submission.stem,
+        "submission": str(submission),
+        "sha256": None,
+        "spec": spec.name,
+        "spec_path": spec.path,
+        "status": "error",
+        "reasons": [],
+        "accuracy": None,
+        "target_val_acc": spec.target_val_acc,
+        "time_s": None,
+        "time_budget_s": spec.time_budget_s,
+        "ranks_measured": 0,
+        "nprocs_required": spec.nprocs,
+        "workers_seen": 0,
+        "data_parallel": None,
+        "exit_code": None,
+        "timed_out": False,
+        "error_excerpt": None,
+        "static_warnings": [],
+        "review": [],
+        "logs": {},
+        "rank_evidence": {},
+        "isolation": {},
+        "resources": {},
+        "leftover_processes": [],
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     job = None
     try:
-        job = Path(tempfile.mkdtemp(prefix=f"grade-{re.sub(r'[^A-Za-z0-9_.-]', '_', report['student'])[:40]}-",
-                                    dir=workroot))
+        job = Path(
+            tempfile.mkdtemp(prefix=f"grade-{re.sub(r'[^A-Za-z0-9_.-]', '_', report['student'])[:40]}-", dir=workroot)
+        )
         _grade(submission, spec, report, job, iso, gpus, imports)
     except Refused as e:
         report["reasons"].append(_reason(e.code, str(e)))
-    except Exception as e:                               # the grader never crashes on a submission
-        report["reasons"].append(_reason("grader_error", f"the grader failed: {type(e).__name__}: {e}. "
-                                         "Tell the instructor; this is not your fault."))
+    except Exception as e:  # the grader never crashes on a submission
+        report["reasons"].append(
+            _reason(
+                "grader_error",
+                f"the grader failed: {type(e).__name__}: {e}. Tell the instructor; this is not your fault.",
+            )
+        )
         report["grader_traceback"] = traceback.format_exc()[-3000:]
     finally:
         if job and not keep:
@@ -520,15 +648,16 @@ def grade(submission: str | Path, spec: Spec, *, student: str | None = None, wor
     if not report["reasons"] and (report["accuracy"] is None or report["time_s"] is None):
         report["reasons"].append(_reason("grader_error", "no accuracy or time was measured; tell the instructor"))
     codes = [r["code"] for r in report["reasons"]]
-    report["status"] = ("passed" if not codes else
-                        "error" if any(c in ERROR_CODES for c in codes) else "failed")
-    report["reason"] = "; ".join(r["message"] for r in report["reasons"]) or \
-        f"passed: accuracy {report['accuracy']:.4f} >= {spec.target_val_acc} in {report['time_s']:.1f} s " \
+    report["status"] = "passed" if not codes else "error" if any(c in ERROR_CODES for c in codes) else "failed"
+    report["reason"] = (
+        "; ".join(r["message"] for r in report["reasons"])
+        or f"passed: accuracy {report['accuracy']:.4f} >= {spec.target_val_acc} in {report['time_s']:.1f} s "
         f"<= {spec.time_budget_s:g} s with {report['ranks_measured']} ranks"
+    )
     report["grading_s"] = round(time.perf_counter() - t_start, 2)
     try:
         report["grader"] = grader_info()
-    except Exception:                                    # provenance is best effort
+    except Exception:  # provenance is best effort
         pass
     return report
 
@@ -538,8 +667,12 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
     the sandbox, collect the evidence (logs, the probe's records, the saved weights), judge."""
     work, entry, gpus, train_npz, heldout = _prepare_job(submission, spec, report, job, gpus)
     res, logs = _run_job(spec, report, job, work, entry, iso, gpus, imports)
-    model_bytes = sum(p.numel() * p.element_size() for p in utils.models.build(
-        spec.model, tuple(heldout.tensors[0].shape[1:]), **dict(spec.model_kwargs)).parameters())
+    model_bytes = sum(
+        p.numel() * p.element_size()
+        for p in utils.models.build(
+            spec.model, tuple(heldout.tensors[0].shape[1:]), **dict(spec.model_kwargs)
+        ).parameters()
+    )
     evidence = verify_ranks(res.messages, res.workers, spec, res.loopback_octets, model_bytes)
     report["rank_evidence"] = evidence
     report["ranks_measured"] = len(evidence["ranks_joined"])
@@ -561,7 +694,7 @@ def _prepare_job(submission: Path, spec: Spec, report: dict, job: Path, gpus):
     if not submission.exists():
         raise Refused("no_entry", f"{submission} does not exist")
     entry = find_entry(submission)
-    work = job / "work"                                  # /job in the sandbox: the one writable dir
+    work = job / "work"  # /job in the sandbox: the one writable dir
     snap = snapshot(submission, work, spec.max_submission_kb << 10)
     report["sha256"], report["submission_bytes"] = snap["sha256"], snap["bytes"]
     found = static.check_source((work / entry).read_text(errors="replace"), entry)
@@ -571,9 +704,12 @@ def _prepare_job(submission: Path, spec: Spec, report: dict, job: Path, gpus):
     if spec.device == "cuda":
         have = len(gpus) if gpus is not None else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
         if have < spec.nprocs:
-            raise Refused("grader_error", f"the spec runs {spec.nprocs} ranks on GPUs but this job has "
-                          f"{have} GPU(s): grade on a machine with enough GPUs, lower --jobs, or use a "
-                          "device = \"cpu\" spec. Not the student's fault.")
+            raise Refused(
+                "grader_error",
+                f"the spec runs {spec.nprocs} ranks on GPUs but this job has "
+                f"{have} GPU(s): grade on a machine with enough GPUs, lower --jobs, or use a "
+                'device = "cpu" spec. Not the student\'s fault.',
+            )
         if gpus is None:
             gpus = list(range(spec.nprocs))
     else:
@@ -588,7 +724,7 @@ def _prepare_job(submission: Path, spec: Spec, report: dict, job: Path, gpus):
         p.mkdir(mode=0o700)
     shutil.copy(train_npz, work / "data" / "train.npz")
     (work / "data" / "assessment.json").write_text(json.dumps(spec.public(), indent=1))
-    for name in ("model.pt",):                           # a model must come from this run
+    for name in ("model.pt",):  # a model must come from this run
         (work / name).unlink(missing_ok=True)
     return work, entry, gpus, train_npz, heldout
 
@@ -596,24 +732,61 @@ def _prepare_job(submission: Path, spec: Spec, report: dict, job: Path, gpus):
 def _run_job(spec: Spec, report: dict, job: Path, work: Path, entry: str, iso: dict, gpus, imports: dict):
     """Run the entry script under torchrun in the sandbox; record what the grader measured.
     Returns (the sandbox's RunResult, the ranks' and the launcher's logs)."""
-    cmd = [sys.executable, "-c", LAUNCHER, "--standalone",
-           "--nproc-per-node", str(spec.nprocs), "--monitor-interval", "0.2",
-           "--log-dir", f"{sandbox.JOB_DIR}/.logs", "--redirects", "3",
-           entry, "--data-dir", "data", "--out", "model.pt"]
-    minors, visible = (None, "") if gpus is None else \
-        sandbox.gpu_binding(gpus, _cuda_uuids(), cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
-    env = {"PYTHONPATH": f"{PROBE_SITE}:{ROOT}", "PYTHONSAFEPATH": "1", "DATA_DIR": f"{sandbox.JOB_DIR}/data",
-           sandbox.SYS_PATH_VAR: os.pathsep.join(imports["path"]), "CUDA_VISIBLE_DEVICES": visible}
+    cmd = [
+        sys.executable,
+        "-c",
+        LAUNCHER,
+        "--standalone",
+        "--nproc-per-node",
+        str(spec.nprocs),
+        "--monitor-interval",
+        "0.2",
+        "--log-dir",
+        f"{sandbox.JOB_DIR}/.logs",
+        "--redirects",
+        "3",
+        entry,
+        "--data-dir",
+        "data",
+        "--out",
+        "model.pt",
+    ]
+    minors, visible = (
+        (None, "")
+        if gpus is None
+        else sandbox.gpu_binding(gpus, _cuda_uuids(), cuda_visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+    )
+    env = {
+        "PYTHONPATH": f"{PROBE_SITE}:{ROOT}",
+        "PYTHONSAFEPATH": "1",
+        "DATA_DIR": f"{sandbox.JOB_DIR}/data",
+        sandbox.SYS_PATH_VAR: os.pathsep.join(imports["path"]),
+        "CUDA_VISIBLE_DEVICES": visible,
+    }
     limits = limits_for(spec)
-    launcher_log = job / "launcher.log"                  # grader-owned: the job's stdout/stderr
-    res = sandbox.run(cmd, job_dir=work, log_path=launcher_log, env=env, budget_s=spec.time_budget_s,
-                      limits=limits, tool=iso["tool"], gpus=minors, channel=True,
-                      name=job.name, extra_ro=imports["bind"])
+    launcher_log = job / "launcher.log"  # grader-owned: the job's stdout/stderr
+    res = sandbox.run(
+        cmd,
+        job_dir=work,
+        log_path=launcher_log,
+        env=env,
+        budget_s=spec.time_budget_s,
+        limits=limits,
+        tool=iso["tool"],
+        gpus=minors,
+        channel=True,
+        name=job.name,
+        extra_ro=imports["bind"],
+    )
     cg_desc = next((s.cgroup for s in res.seen if s.cgroup and "grader-" in s.cgroup), "")
     report["isolation"] = sandbox.isolation_summary(iso, res.cgroup, limits, spec.device)
-    report["resources"] = {"processes_seen": len(res.seen), "outside_job_cgroup": res.cgroup_escapes[:5],
-                           "cgroup": _cgroup_line(cg_desc), "cgroup_limits": (res.cgroup or {}).get("applied", []),
-                           "rank_rlimits": res.rlimits}
+    report["resources"] = {
+        "processes_seen": len(res.seen),
+        "outside_job_cgroup": res.cgroup_escapes[:5],
+        "cgroup": _cgroup_line(cg_desc),
+        "cgroup_limits": (res.cgroup or {}).get("applied", []),
+        "rank_rlimits": res.rlimits,
+    }
     report["time_s"] = round(res.wall_s, 3)
     report["exit_code"] = res.returncode
     report["timed_out"] = res.timed_out
@@ -621,8 +794,11 @@ def _run_job(spec: Spec, report: dict, job: Path, work: Path, entry: str, iso: d
     report["leftover_processes"] = res.leftovers + res.remaining
     # From here on no process of the job exists: what it left can be read without races.
     logs = rank_logs(work, spec.nprocs)
-    logs["launcher"] = printable((read_job_file(job, launcher_log, LOG_TAIL_BYTES, tail=True) or b"")
-                                 .decode(errors="replace").replace("\r", "\n"))
+    logs["launcher"] = printable(
+        (read_job_file(job, launcher_log, LOG_TAIL_BYTES, tail=True) or b"")
+        .decode(errors="replace")
+        .replace("\r", "\n")
+    )
     report["logs"] = logs
     return res, logs
 
@@ -631,26 +807,52 @@ def _judge_run(res, logs: dict, spec: Spec, report: dict) -> None:
     """Reasons from how the job ended: a timeout, a crash (with the rank's own message) or a
     file over its size limit, processes left running."""
     reasons = report["reasons"]
-    limit_hit = any("File too large" in (v.get("stderr", "") + v.get("stdout", ""))
-                    for k, v in logs.items() if isinstance(v, dict)) or "File too large" in logs["launcher"]
+    limit_hit = (
+        any(
+            "File too large" in (v.get("stderr", "") + v.get("stdout", ""))
+            for k, v in logs.items()
+            if isinstance(v, dict)
+        )
+        or "File too large" in logs["launcher"]
+    )
     if res.timed_out:
-        reasons.append(_reason("timeout", f"still running after the {spec.time_budget_s:g} s budget "
-                               "(launch to exit, measured by the grader): all its processes were killed"))
+        reasons.append(
+            _reason(
+                "timeout",
+                f"still running after the {spec.time_budget_s:g} s budget "
+                "(launch to exit, measured by the grader): all its processes were killed",
+            )
+        )
     elif res.returncode != 0:
         rank, err = failing_rank(logs["launcher"], logs)
-        detail = f"rank {rank}: {err}" if rank is not None and err else \
-            (rank_error(logs["launcher"]) or f"no error message; see the launcher log (exit code {res.returncode})")
+        detail = (
+            f"rank {rank}: {err}"
+            if rank is not None and err
+            else (
+                rank_error(logs["launcher"]) or f"no error message; see the launcher log (exit code {res.returncode})"
+            )
+        )
         report["error_excerpt"] = detail
         if limit_hit:
-            reasons.append(_reason("output_limit", f"a file (a log or the model) grew past the "
-                                   f"{spec.max_output_mb} MiB limit and the write failed: {detail}"))
+            reasons.append(
+                _reason(
+                    "output_limit",
+                    f"a file (a log or the model) grew past the "
+                    f"{spec.max_output_mb} MiB limit and the write failed: {detail}",
+                )
+            )
         else:
             reasons.append(_reason("crashed", f"exit code {res.returncode}: {detail}"))
     if res.stragglers or res.leftovers or res.remaining:
         n = len(res.stragglers) or len(res.leftovers) or len(res.remaining)
-        reasons.append(_reason("background_processes", f"{n} process(es) were still running after the "
-                               f"submission exited ({', '.join((res.stragglers or res.leftovers)[:2])[:160]}); "
-                               "the grader killed them: wait for (join) every process you start"))
+        reasons.append(
+            _reason(
+                "background_processes",
+                f"{n} process(es) were still running after the "
+                f"submission exited ({', '.join((res.stragglers or res.leftovers)[:2])[:160]}); "
+                "the grader killed them: wait for (join) every process you start",
+            )
+        )
 
 
 def _evaluate_weights(job: Path, work: Path, spec: Spec, heldout, res, report: dict) -> str | None:
@@ -662,15 +864,24 @@ def _evaluate_weights(job: Path, work: Path, spec: Spec, heldout, res, report: d
     if model is None:
         if not res.timed_out and res.returncode == 0:
             if (work / "model.pt").is_symlink() or (work / "model.pt").exists():
-                reasons.append(_reason("bad_checkpoint", "model.pt must be a regular file written by "
-                                       "torch.save (not a link, a pipe or a folder)"))
+                reasons.append(
+                    _reason(
+                        "bad_checkpoint",
+                        "model.pt must be a regular file written by torch.save (not a link, a pipe or a folder)",
+                    )
+                )
             else:
-                reasons.append(_reason("no_output", "the script exited without writing model.pt: save "
-                                       "model.state_dict() to the path given by --out (from rank 0)"))
+                reasons.append(
+                    _reason(
+                        "no_output",
+                        "the script exited without writing model.pt: save "
+                        "model.state_dict() to the path given by --out (from rank 0)",
+                    )
+                )
     else:
-        own = job / "grader"                             # grader-owned copy: what is checked is what is loaded
+        own = job / "grader"  # grader-owned copy: what is checked is what is loaded
         own.mkdir(mode=0o700, exist_ok=True)
-        copy = own / "model.pt"                          # (named as the student wrote it, for the messages)
+        copy = own / "model.pt"  # (named as the student wrote it, for the messages)
         copy.write_bytes(model)
         try:
             sd = weights.load_state_dict(copy, spec.max_output_mb << 20)
@@ -691,14 +902,16 @@ def _check_learned_under_ddp(evidence: dict, graded, job: Path, spec: Spec, held
         copy.write_bytes(wrapped[: (spec.max_output_mb << 20) + 1])
         try:
             device = "cuda" if spec.device == "cuda" and torch.cuda.is_available() else "cpu"
-            acc0 = weights.evaluate(spec, weights.load_state_dict(copy, spec.max_output_mb << 20),
-                                       heldout, device)
+            acc0 = weights.evaluate(spec, weights.load_state_dict(copy, spec.max_output_mb << 20), heldout, device)
             evidence["accuracy_when_ddp_wrapped"] = round(acc0, 5)
             chance = 1.0 / max(2, int(heldout.tensors[1].max()) + 1)
             if report["accuracy"] - acc0 < 0.5 * (report["accuracy"] - chance) and report["data_parallel"]:
-                evidence["problems"].insert(0, f"the model already had held-out accuracy {acc0:.4f} when "
-                                            "DistributedDataParallel wrapped it: most of the training must "
-                                            "happen under DDP, on every rank")
+                evidence["problems"].insert(
+                    0,
+                    f"the model already had held-out accuracy {acc0:.4f} when "
+                    "DistributedDataParallel wrapped it: most of the training must "
+                    "happen under DDP, on every rank",
+                )
                 evidence["data_parallel"] = report["data_parallel"] = False
         except weights.CheckpointRejected:
             evidence["problems"].append("the weights DDP wrapped could not be read")
@@ -709,22 +922,41 @@ def _judge_result(res, evidence: dict, weight_reasons: list, spec: Spec, report:
     the graded weights (a crash is reported alone: it is the thing to fix first)."""
     reasons = report["reasons"]
     if report["accuracy"] is not None and report["accuracy"] < spec.target_val_acc:
-        reasons.append(_reason("accuracy", f"held-out accuracy {report['accuracy']:.4f} is below the target "
-                               f"{spec.target_val_acc} (measured by the grader on data the script never had)"))
+        reasons.append(
+            _reason(
+                "accuracy",
+                f"held-out accuracy {report['accuracy']:.4f} is below the target "
+                f"{spec.target_val_acc} (measured by the grader on data the script never had)",
+            )
+        )
     if not res.timed_out and res.wall_s > spec.time_budget_s:
         reasons.append(_reason("time", f"took {res.wall_s:.1f} s, over the {spec.time_budget_s:g} s budget"))
     if res.timed_out or res.returncode != 0:
-        return                                   # the crash is the thing to fix first
+        return  # the crash is the thing to fix first
     if report["ranks_measured"] < spec.nprocs:
-        why = " (the script never called torch.distributed.init_process_group)" \
-            if report["ranks_measured"] == 0 and not evidence["problems"] else \
-            f" ({'; '.join(evidence['problems'][:2])})" if evidence["problems"] else ""
-        reasons.append(_reason("not_distributed", f"{report['ranks_measured']} of {spec.nprocs} ranks joined "
-                               f"the process group, measured by the grader{why}: run as one data-parallel "
-                               f"job over {spec.nprocs} processes"))
+        why = (
+            " (the script never called torch.distributed.init_process_group)"
+            if report["ranks_measured"] == 0 and not evidence["problems"]
+            else f" ({'; '.join(evidence['problems'][:2])})"
+            if evidence["problems"]
+            else ""
+        )
+        reasons.append(
+            _reason(
+                "not_distributed",
+                f"{report['ranks_measured']} of {spec.nprocs} ranks joined "
+                f"the process group, measured by the grader{why}: run as one data-parallel "
+                f"job over {spec.nprocs} processes",
+            )
+        )
     elif not report["data_parallel"]:
-        reasons.append(_reason("not_data_parallel", f"not data-parallel training: {evidence['problems'][0]}. "
-                               "Wrap the model in DistributedDataParallel and give each rank its own shard"))
+        reasons.append(
+            _reason(
+                "not_data_parallel",
+                f"not data-parallel training: {evidence['problems'][0]}. "
+                "Wrap the model in DistributedDataParallel and give each rank its own shard",
+            )
+        )
     if report["ranks_measured"] == spec.nprocs:
         reasons.extend(_reason(code, message) for code, message in weight_reasons)
 
@@ -739,7 +971,7 @@ def _cuda_uuids() -> list[str] | None:
             u = str(torch.cuda.get_device_properties(i).uuid)
             out.append(u if u.startswith(("GPU-", "MIG-")) else f"GPU-{u}")
         return out
-    except Exception:                       # an older torch, or no UUID: the driver's table decides
+    except Exception:  # an older torch, or no UUID: the driver's table decides
         return None
 
 

@@ -9,6 +9,7 @@
   /autograder/results/results.json in Gradescope's schema (score; tests with name, score,
   max_score, status, output, visibility).
 """
+
 from __future__ import annotations
 
 import io
@@ -60,8 +61,13 @@ def build_zip(out: str | Path, spec_path: str | Path) -> list[str]:
         names.append("spec.toml")
         for top in INCLUDE:
             p = ROOT / top
-            files = [p] if p.is_file() else sorted(f for f in p.rglob("*") if f.is_file()
-                                                   and "__pycache__" not in f.parts and f.suffix != ".pyc")
+            files = (
+                [p]
+                if p.is_file()
+                else sorted(
+                    f for f in p.rglob("*") if f.is_file() and "__pycache__" not in f.parts and f.suffix != ".pyc"
+                )
+            )
             for f in files:
                 rel = str(f.relative_to(ROOT))
                 z.write(f, rel)
@@ -78,14 +84,20 @@ def run(root: str | Path, spec: Spec) -> dict:
     from .batch import gradescope_result, score
     from .core import grade, write_json
     from .sandbox import SandboxUnavailable
+
     root = Path(root)
     sub = root / "submission"
     out = root / "results" / "results.json"
     try:
         report = grade(sub, spec, student="submission")
-    except SandboxUnavailable as e:               # the autograder's machine, not the student
-        doc = {"score": 0.0, "output": f"The autograder could not run safely on this machine: {e} "
-               "Tell the instructor; this is not your fault.", "tests": [], "visibility": "visible"}
+    except SandboxUnavailable as e:  # the autograder's machine, not the student
+        doc = {
+            "score": 0.0,
+            "output": f"The autograder could not run safely on this machine: {e} "
+            "Tell the instructor; this is not your fault.",
+            "tests": [],
+            "visibility": "visible",
+        }
         write_json(doc, out)
         return doc
     report["score"] = score(report, spec)

@@ -15,6 +15,7 @@ job dir, mode 0700) the one writable place on disk; private size-capped tmpfs on
 bwrap nor ``unshare`` can build that here, :func:`probe_isolation` raises
 :class:`SandboxUnavailable` and nothing is graded.
 """
+
 from __future__ import annotations
 
 import functools
@@ -35,18 +36,37 @@ from pathlib import Path
 
 INIT = Path(__file__).with_name("_sandbox_init.py")
 PROJECT = Path(__file__).resolve().parents[2]
-PACKAGE = PROJECT / "utils"                  # the only part of the project a job sees
-JOB_DIR = "/job"                             # the job dir, as the job sees it
-JOB_UID = 65534                              # the job's uid inside its user namespace (nobody)
-CHANNEL_FD_VAR = "SCALING_LABS_GRADER_FD"    # the evidence channel's fd number, in the job
-FORCE_VAR = "SCALING_LABS_SANDBOX"           # bwrap | unshare: use only that one (tests, debugging)
-MAX_CHANNEL_BYTES = 8 << 20                  # the grader reads at most this much evidence per job
+PACKAGE = PROJECT / "utils"  # the only part of the project a job sees
+JOB_DIR = "/job"  # the job dir, as the job sees it
+JOB_UID = 65534  # the job's uid inside its user namespace (nobody)
+CHANNEL_FD_VAR = "SCALING_LABS_GRADER_FD"  # the evidence channel's fd number, in the job
+FORCE_VAR = "SCALING_LABS_SANDBOX"  # bwrap | unshare: use only that one (tests, debugging)
+MAX_CHANNEL_BYTES = 8 << 20  # the grader reads at most this much evidence per job
 HOSTNAME = "grader-job"
-PROC_READ_ONLY = ("/proc/sys", "/proc/sysrq-trigger", "/proc/irq", "/proc/bus", "/proc/fs", "/proc/mtrr",
-                  "/proc/acpi", "/proc/driver", "/proc/tty", "/proc/scsi")
+PROC_READ_ONLY = (
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+    "/proc/irq",
+    "/proc/bus",
+    "/proc/fs",
+    "/proc/mtrr",
+    "/proc/acpi",
+    "/proc/driver",
+    "/proc/tty",
+    "/proc/scsi",
+)
 HOSTS = f"127.0.0.1 localhost {HOSTNAME}\n::1 localhost ip6-localhost {HOSTNAME}\n"
-ETC_FILES = ("passwd", "group", "nsswitch.conf", "host.conf", "ld.so.cache", "ld.so.conf",
-             "ld.so.conf.d", "localtime", "alternatives")
+ETC_FILES = (
+    "passwd",
+    "group",
+    "nsswitch.conf",
+    "host.conf",
+    "ld.so.cache",
+    "ld.so.conf",
+    "ld.so.conf.d",
+    "localtime",
+    "alternatives",
+)
 
 
 class SandboxUnavailable(RuntimeError):
@@ -57,7 +77,7 @@ class SandboxUnavailable(RuntimeError):
 # /proc, read from the grader's side
 # ----------------------------------------------------------------------------------------
 
-PF_EXITING = 0x4                             # /proc/PID/stat's flags: the process is in exit()
+PF_EXITING = 0x4  # /proc/PID/stat's flags: the process is in exit()
 
 
 def _stat(pid: int):
@@ -67,7 +87,7 @@ def _stat(pid: int):
     try:
         with open(f"/proc/{pid}/stat") as f:
             raw = f.read()
-        rest = raw[raw.rindex(")") + 2:].split()
+        rest = raw[raw.rindex(")") + 2 :].split()
         return int(rest[1]), "X" if int(rest[6]) & PF_EXITING else rest[0], int(rest[19])
     except (OSError, ValueError, IndexError):
         return None
@@ -141,9 +161,9 @@ class Seen:
     start_ticks: int
     cmd: str
     env_rank: str | None
-    worker: bool            # torchrun's environment for a rank (TORCHELASTIC_RUN_ID and RANK set)
+    worker: bool  # torchrun's environment for a rank (TORCHELASTIC_RUN_ID and RANK set)
     ppid: int = 0
-    cgroup: str = ""        # /proc/PID/cgroup when first seen
+    cgroup: str = ""  # /proc/PID/cgroup when first seen
 
 
 class Watch:
@@ -156,8 +176,8 @@ class Watch:
         self.pidns: str | None = None
         self.host_ns = _pidns("self")
         self.host_net = _netns("self")
-        self.loopback_octets = 0             # the job's network namespace: IP bytes in, loopback only
-        self.rlimits: dict = {}              # of the first rank seen, as the kernel reports them
+        self.loopback_octets = 0  # the job's network namespace: IP bytes in, loopback only
+        self.rlimits: dict = {}  # of the first rank seen, as the kernel reports them
 
     def tick(self) -> None:
         table = {}
@@ -186,10 +206,17 @@ class Watch:
             if sample is None and _netns(pid) not in (None, self.host_net):
                 sample = pid
             if key in self.seen and self.seen[key].worker:
-                continue                 # a process seen between fork and exec is looked at again
+                continue  # a process seen between fork and exec is looked at again
             env = _environ(pid)
-            self.seen[key] = Seen(pid, start, _cmdline(pid), env.get("RANK"),
-                                  "TORCHELASTIC_RUN_ID" in env and "RANK" in env, ppid, _cgroups(pid))
+            self.seen[key] = Seen(
+                pid,
+                start,
+                _cmdline(pid),
+                env.get("RANK"),
+                "TORCHELASTIC_RUN_ID" in env and "RANK" in env,
+                ppid,
+                _cgroups(pid),
+            )
             if self.seen[key].worker and not self.rlimits:
                 self.rlimits = _rlimits(pid)
         if sample is not None:
@@ -247,14 +274,15 @@ def _in_octets(pid: int) -> int:
 # Resource caps: a cgroup per job where the grader may create one, rlimits always
 # ----------------------------------------------------------------------------------------
 
+
 @dataclass
 class Limits:
-    memory_bytes: int            # the whole job (cgroup); also RLIMIT_AS per process on the CPU
-    processes: int               # pids.max; RLIMIT_NPROC (threads count)
-    file_bytes: int              # RLIMIT_FSIZE: any one file the job writes
-    cpu_seconds: int             # RLIMIT_CPU per process (the deadline is the grader's clock)
-    tmpfs_bytes: int             # size of each private tmpfs
-    address_space: bool = True   # False for CUDA jobs (the driver reserves huge address ranges)
+    memory_bytes: int  # the whole job (cgroup); also RLIMIT_AS per process on the CPU
+    processes: int  # pids.max; RLIMIT_NPROC (threads count)
+    file_bytes: int  # RLIMIT_FSIZE: any one file the job writes
+    cpu_seconds: int  # RLIMIT_CPU per process (the deadline is the grader's clock)
+    tmpfs_bytes: int  # size of each private tmpfs
+    address_space: bool = True  # False for CUDA jobs (the driver reserves huge address ranges)
 
 
 def _mounts() -> list[tuple[str, str, set[str]]]:
@@ -279,7 +307,7 @@ def _own_cgroups() -> dict[str, str]:
         with open("/proc/self/cgroup") as f:
             for line in f:
                 hid, ctrls, path = line.rstrip("\n").split(":", 2)
-                for c in (ctrls.split(",") if ctrls else [""]):
+                for c in ctrls.split(",") if ctrls else [""]:
                     out[c] = path
     except (OSError, ValueError):
         pass
@@ -304,7 +332,7 @@ class JobCgroup:
         self.dirs, self.version, self.applied = dirs, version, applied
 
     @staticmethod
-    def create(name: str, limits: Limits) -> "JobCgroup | None":
+    def create(name: str, limits: Limits) -> JobCgroup | None:
         if os.environ.get("SCALING_LABS_NO_CGROUP") == "1":
             return None
         own = _own_cgroups()
@@ -342,9 +370,11 @@ class JobCgroup:
                         return JobCgroup([d], 2, ok)
                     _rmdir(d)
         dirs, ok = [], []
-        for ctrl, files in (("memory", [("memory.limit_in_bytes", limits.memory_bytes)]),
-                            ("cpu", [("cpu.shares", 1024)]),
-                            ("pids", [("pids.max", limits.processes)])):
+        for ctrl, files in (
+            ("memory", [("memory.limit_in_bytes", limits.memory_bytes)]),
+            ("cpu", [("cpu.shares", 1024)]),
+            ("pids", [("pids.max", limits.processes)]),
+        ):
             mount = next((m for m, t, opts in mounts if t == "cgroup" and ctrl in opts), None)
             if mount is None or ctrl not in own:
                 continue
@@ -357,7 +387,7 @@ class JobCgroup:
                 dirs.append(d)
                 ok += [f"{f} {v >> 20} MiB" if f.startswith("memory") else f"{f} {v}" for f, v in files]
                 if ctrl == "memory":
-                    _write(d / "memory.memsw.limit_in_bytes", limits.memory_bytes)   # no swap either
+                    _write(d / "memory.memsw.limit_in_bytes", limits.memory_bytes)  # no swap either
             else:
                 _rmdir(d)
         if not any("memory" in o for o in ok):
@@ -441,10 +471,13 @@ def _rmdir(d: Path) -> None:
 # The sandbox's command line
 # ----------------------------------------------------------------------------------------
 
+
 def _python_roots() -> list[str]:
     """The interpreter, its standard library and the venv: bound read-only at their own paths."""
-    roots = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix,
-                                           os.path.dirname(os.path.realpath(sys.executable)))}
+    roots = {
+        os.path.realpath(p)
+        for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, os.path.dirname(os.path.realpath(sys.executable)))
+    }
     roots |= {os.path.realpath(os.path.dirname(os.path.dirname(sys.executable)))}
     out = []
     for r in sorted(roots, key=len):
@@ -454,7 +487,7 @@ def _python_roots() -> list[str]:
     return out
 
 
-SYS_PATH_VAR = "SCALING_LABS_SYS_PATH"       # the grader's import path, for the probe to rebuild in the job
+SYS_PATH_VAR = "SCALING_LABS_SYS_PATH"  # the grader's import path, for the probe to rebuild in the job
 
 
 def _under(path: str, root: str) -> bool:
@@ -482,8 +515,14 @@ def import_path(hidden: Iterable = ()) -> dict:
     "refused": {entry: why}}``."""
     home = os.path.expanduser("~")
     import tempfile
-    protected = {str(PROJECT), home, tempfile.gettempdir(), os.getcwd(),
-                 os.environ.get("DATA_DIR") or os.path.join(home, ".cache")}
+
+    protected = {
+        str(PROJECT),
+        home,
+        tempfile.gettempdir(),
+        os.getcwd(),
+        os.environ.get("DATA_DIR") or os.path.join(home, ".cache"),
+    }
     protected |= {str(h) for h in hidden if h}
     protected = {os.path.realpath(os.path.abspath(p)) for p in protected}
     covered = ["/usr", str(PACKAGE)] + _python_roots()
@@ -499,8 +538,9 @@ def import_path(hidden: Iterable = ()) -> dict:
         if inside:
             out["refused"][entry] = f"it holds {inside[0]}"
         elif _under(real, str(PROJECT)) and not _in_venv(real, str(PROJECT)):
-            out["refused"][entry] = (f"it is part of the project {PROJECT} (only utils/ and virtual "
-                                     "environments are bound)")
+            out["refused"][entry] = (
+                f"it is part of the project {PROJECT} (only utils/ and virtual environments are bound)"
+            )
         elif real.startswith("/proc") or real.startswith("/dev") or real.startswith("/sys"):
             out["refused"][entry] = "not a folder of Python packages"
         else:
@@ -514,6 +554,7 @@ def unbound_modules(imports: dict, modules: Iterable[str] = ("torch", "numpy")) 
     """Why a module the job needs would not be found in it: where the grader imports it from
     is neither bound nor held by a bind (``imports``: :func:`import_path`)."""
     import importlib.util
+
     seen = [*imports["path"], str(PACKAGE)]
     why = []
     for name in modules:
@@ -521,14 +562,16 @@ def unbound_modules(imports: dict, modules: Iterable[str] = ("torch", "numpy")) 
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError):
             spec = None
-        origin = (spec.submodule_search_locations or [None])[0] if spec and spec.submodule_search_locations \
+        origin = (
+            (spec.submodule_search_locations or [None])[0]
+            if spec and spec.submodule_search_locations
             else (spec.origin if spec else None)
+        )
         if not origin:
-            continue                              # not importable here either: nothing to bind
+            continue  # not importable here either: nothing to bind
         real = os.path.realpath(origin)
         if not any(_under(real, p) for p in seen):
-            entry = next((e for e in sys.path if e and _under(real, os.path.realpath(e))),
-                         os.path.dirname(real))
+            entry = next((e for e in sys.path if e and _under(real, os.path.realpath(e))), os.path.dirname(real))
             why.append(f"{name} (from {entry}: {imports['refused'].get(entry, 'not on the import path')})")
     return why
 
@@ -552,7 +595,7 @@ def _system_layout(job_dir: Path, extra=()) -> list[tuple[str, str, str]]:
     for r in _python_roots():
         plan.append(("ro", r, r))
     plan.append(("ro", str(PACKAGE), str(PACKAGE)))
-    for r in extra:                  # the rest of the grader's import path (import_path)
+    for r in extra:  # the rest of the grader's import path (import_path)
         plan.append(("ro", r, r))
     return plan
 
@@ -560,7 +603,7 @@ def _system_layout(job_dir: Path, extra=()) -> list[tuple[str, str, str]]:
 DEVICE_NODES = {"null": (1, 3), "zero": (1, 5), "full": (1, 7), "random": (1, 8), "urandom": (1, 9), "tty": (5, 0)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def private_devices() -> str | None:
     """A folder of the grader's own /dev/null, zero, ... (root only). A job whose uid outside is
     root owns the host's device nodes and could chmod them (chmod 000 /dev/null breaks the
@@ -570,6 +613,7 @@ def private_devices() -> str | None:
         return None
     import atexit
     import tempfile
+
     d = tempfile.mkdtemp(prefix="grader-dev-")
     atexit.register(shutil.rmtree, d, True)
     try:
@@ -586,8 +630,11 @@ def private_devices() -> str | None:
 def _dev_nodes() -> list[tuple[str, str]]:
     """(source, destination) of the job's device nodes."""
     own = private_devices()
-    return [(f"{own}/{n}" if own else f"/dev/{n}", f"/dev/{n}") for n in DEVICE_NODES
-            if os.path.exists(f"{own}/{n}" if own else f"/dev/{n}")]
+    return [
+        (f"{own}/{n}" if own else f"/dev/{n}", f"/dev/{n}")
+        for n in DEVICE_NODES
+        if os.path.exists(f"{own}/{n}" if own else f"/dev/{n}")
+    ]
 
 
 def _devices(minors) -> list[str]:
@@ -606,6 +653,7 @@ def _nvml_gpus() -> list[dict]:
     """The same table from NVML (nvidia-ml-py), where /proc/driver/nvidia is hidden; [] without it."""
     try:
         import pynvml
+
         pynvml.nvmlInit()
     except Exception:
         return []
@@ -614,9 +662,13 @@ def _nvml_gpus() -> list[dict]:
         for i in range(pynvml.nvmlDeviceGetCount()):
             h = pynvml.nvmlDeviceGetHandleByIndex(i)
             uuid, bus = pynvml.nvmlDeviceGetUUID(h), pynvml.nvmlDeviceGetPciInfo(h).busId
-            out.append({"bus": (bus.decode() if isinstance(bus, bytes) else bus).lower(),
-                        "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
-                        "minor": int(pynvml.nvmlDeviceGetMinorNumber(h))})
+            out.append(
+                {
+                    "bus": (bus.decode() if isinstance(bus, bytes) else bus).lower(),
+                    "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
+                    "minor": int(pynvml.nvmlDeviceGetMinorNumber(h)),
+                }
+            )
     except Exception:
         return []
     finally:
@@ -671,8 +723,9 @@ def visible_gpus(table: list[dict], cuda_visible: str | None) -> list[dict]:
     return out
 
 
-def gpu_binding(gpus: list[int], uuids: list[str] | None = None, table: list[dict] | None = None,
-                cuda_visible: str | None = None) -> tuple[list[int], str]:
+def gpu_binding(
+    gpus: list[int], uuids: list[str] | None = None, table: list[dict] | None = None, cuda_visible: str | None = None
+) -> tuple[list[int], str]:
     """(device minors to bind, CUDA_VISIBLE_DEVICES for the job) for the grader's CUDA indices
     ``gpus``. A CUDA index is not a device minor (the grader's own CUDA_VISIBLE_DEVICES and
     CUDA's ordering renumber the GPUs), and inside the sandbox CUDA numbers what it sees from 0:
@@ -696,7 +749,7 @@ def gpu_binding(gpus: list[int], uuids: list[str] | None = None, table: list[dic
     return list(gpus), ",".join(str(k) for k in range(len(gpus)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bwrap_help() -> str:
     try:
         return subprocess.run([shutil.which("bwrap"), "--help"], capture_output=True, text=True, timeout=10).stdout
@@ -706,17 +759,37 @@ def _bwrap_help() -> str:
 
 def bwrap_command(job_dir: Path, limits: Limits, gpus: list[int] | None = None, extra: Iterable = ()) -> list[str]:
     bwrap = shutil.which("bwrap")
-    cmd = [bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-net",
-           "--unshare-cgroup-try", "--die-with-parent", "--new-session", "--as-pid-1",
-           "--uid", str(JOB_UID), "--gid", str(JOB_UID), "--hostname", HOSTNAME, "--clearenv"]
-    if "--disable-userns" in _bwrap_help():      # bubblewrap >= 0.8: no user namespace in the job
+    cmd = [
+        bwrap,
+        "--unshare-user",
+        "--unshare-pid",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-net",
+        "--unshare-cgroup-try",
+        "--die-with-parent",
+        "--new-session",
+        "--as-pid-1",
+        "--uid",
+        str(JOB_UID),
+        "--gid",
+        str(JOB_UID),
+        "--hostname",
+        HOSTNAME,
+        "--clearenv",
+    ]
+    if "--disable-userns" in _bwrap_help():  # bubblewrap >= 0.8: no user namespace in the job
         cmd.insert(1, "--disable-userns")
     # The private tmpfs first: the binds below may live under /tmp (a project checked out there).
     cmd += ["--proc", "/proc", "--tmpfs", "/dev"]
     for src, dst in _dev_nodes():
         cmd += ["--dev-bind", src, dst]
-    for name, target in (("fd", "/proc/self/fd"), ("stdin", "/proc/self/fd/0"),
-                         ("stdout", "/proc/self/fd/1"), ("stderr", "/proc/self/fd/2")):
+    for name, target in (
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ):
         cmd += ["--symlink", target, f"/dev/{name}"]
     # The job's uid outside is the grader's (root, often), and the kernel lets that uid write
     # global sysctls (kernel.core_pattern: code run as root on the host): /proc/sys read-only.
@@ -734,17 +807,36 @@ def bwrap_command(job_dir: Path, limits: Limits, gpus: list[int] | None = None, 
     return cmd
 
 
-def unshare_command(job_dir: Path, limits: Limits, gpus: list[int] | None = None,
-                    extra: Iterable = ()) -> tuple[list[str], dict]:
+def unshare_command(
+    job_dir: Path, limits: Limits, gpus: list[int] | None = None, extra: Iterable = ()
+) -> tuple[list[str], dict]:
     """unshare's namespaces; _sandbox_init builds the same file system inside (``--setup``)."""
-    cmd = [shutil.which("unshare"), "--user", "--map-root-user", "--mount", "--pid", "--fork",
-           "--kill-child", "--net", "--ipc", "--uts"]
-    newroot = job_dir.parent / (job_dir.name + ".root")     # an empty mount point, grader-owned
+    cmd = [
+        shutil.which("unshare"),
+        "--user",
+        "--map-root-user",
+        "--mount",
+        "--pid",
+        "--fork",
+        "--kill-child",
+        "--net",
+        "--ipc",
+        "--uts",
+    ]
+    newroot = job_dir.parent / (job_dir.name + ".root")  # an empty mount point, grader-owned
     newroot.mkdir(mode=0o700, exist_ok=True)
-    plan = {"layout": _system_layout(job_dir, extra), "hostname": HOSTNAME, "proc_read_only": PROC_READ_ONLY,
-            "dev_nodes": _dev_nodes(), "devices": _devices(gpus), "sys": gpus is not None,
-            "newroot": str(newroot),
-            "job": str(job_dir), "job_dest": JOB_DIR, "tmpfs_bytes": limits.tmpfs_bytes}
+    plan = {
+        "layout": _system_layout(job_dir, extra),
+        "hostname": HOSTNAME,
+        "proc_read_only": PROC_READ_ONLY,
+        "dev_nodes": _dev_nodes(),
+        "devices": _devices(gpus),
+        "sys": gpus is not None,
+        "newroot": str(newroot),
+        "job": str(job_dir),
+        "job_dest": JOB_DIR,
+        "tmpfs_bytes": limits.tmpfs_bytes,
+    }
     return cmd, plan
 
 
@@ -794,12 +886,13 @@ def _check_ok(out: dict) -> str | None:
     return None
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def probe_isolation(tool: str | None = None) -> dict:
     """The first sandbox that really isolates here (bwrap, then unshare; only ``tool`` or
     $SCALING_LABS_SANDBOX where given), checked by running a probe inside it; raises
     :class:`SandboxUnavailable` when none does."""
     import tempfile
+
     if not sys.platform.startswith("linux"):
         raise SandboxUnavailable("the grader's sandbox needs Linux namespaces; grade on Linux")
     forced = tool or os.environ.get(FORCE_VAR)
@@ -812,15 +905,24 @@ def probe_isolation(tool: str | None = None) -> dict:
         with tempfile.TemporaryDirectory(prefix="grader-probe-") as d:
             job = Path(d) / "job"
             job.mkdir(mode=0o700)
-            res = run([sys.executable, "-I", "-c", _CHECK, str(PACKAGE / "__init__.py")], job_dir=job,
-                      log_path=Path(d) / "log", env={}, budget_s=30,
-                      limits=Limits(1 << 30, 64, 1 << 20, 30, 1 << 20), tool=tool, cgroup=False)
+            res = run(
+                [sys.executable, "-I", "-c", _CHECK, str(PACKAGE / "__init__.py")],
+                job_dir=job,
+                log_path=Path(d) / "log",
+                env={},
+                budget_s=30,
+                limits=Limits(1 << 30, 64, 1 << 20, 30, 1 << 20),
+                tool=tool,
+                cgroup=False,
+            )
             text = (Path(d) / "log").read_bytes()[-2000:].decode(errors="replace")
             try:
                 out = json.loads(text.strip().splitlines()[-1])
             except (ValueError, IndexError):
-                tried.append(f"{tool}: {text.strip().splitlines()[-1][:150] if text.strip() else 'no output'}"
-                             f" (exit {res.returncode})")
+                tried.append(
+                    f"{tool}: {text.strip().splitlines()[-1][:150] if text.strip() else 'no output'}"
+                    f" (exit {res.returncode})"
+                )
                 continue
         why = _check_ok(out)
         if why:
@@ -835,26 +937,30 @@ def probe_isolation(tool: str | None = None) -> dict:
         return {"tool": tool, "cgroup": cgroup, "tried": tried}
     raise SandboxUnavailable(
         "refusing to grade: no sandbox can isolate a submission on this machine ("
-        + "; ".join(tried) + "). Install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) or "
+        + "; ".join(tried)
+        + "). Install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap) or "
         "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
-        "user.max_user_namespaces > 0); see utils/grader/README.md")
+        "user.max_user_namespaces > 0); see utils/grader/README.md"
+    )
 
 
 def isolation_summary(iso: dict, cgroup: dict | None, limits: Limits, spec_device: str) -> dict:
     """What was, and was not, in force: short lines for the report."""
     tool = iso["tool"]
-    inforce = [f"{tool}: new user, PID, IPC, UTS, mount and network namespaces",
-               "network: loopback only",
-               "no capabilities; " + ("uid 65534" if tool == "bwrap" else "uid 0, all capabilities dropped,")
-               + " in its own user namespace",
-               "system, Python, venv, the grader's import path and utils/ read-only; nothing else of the host",
-               "writable: its job dir (0700) and private tmpfs /tmp, /var/tmp, /dev/shm",
-               "environment cleared, then an allowlist",
-               "evidence over a socket the grader created; exit status from the grader's wait",
-               f"rlimits: FSIZE {limits.file_bytes >> 20} MiB, NPROC {limits.processes}, "
-               f"CPU {limits.cpu_seconds} s" + (f", AS {limits.memory_bytes >> 20} MiB"
-                                                if limits.address_space else ""),
-               "wall-clock deadline on the grader's clock, then SIGKILL"]
+    inforce = [
+        f"{tool}: new user, PID, IPC, UTS, mount and network namespaces",
+        "network: loopback only",
+        "no capabilities; "
+        + ("uid 65534" if tool == "bwrap" else "uid 0, all capabilities dropped,")
+        + " in its own user namespace",
+        "system, Python, venv, the grader's import path and utils/ read-only; nothing else of the host",
+        "writable: its job dir (0700) and private tmpfs /tmp, /var/tmp, /dev/shm",
+        "environment cleared, then an allowlist",
+        "evidence over a socket the grader created; exit status from the grader's wait",
+        f"rlimits: FSIZE {limits.file_bytes >> 20} MiB, NPROC {limits.processes}, "
+        f"CPU {limits.cpu_seconds} s" + (f", AS {limits.memory_bytes >> 20} MiB" if limits.address_space else ""),
+        "wall-clock deadline on the grader's clock, then SIGKILL",
+    ]
     not_inforce = []
     if cgroup:
         inforce.append(f"cgroup v{cgroup['version']}: " + ", ".join(cgroup["applied"]))
@@ -878,22 +984,23 @@ def isolation_summary(iso: dict, cgroup: dict | None, limits: Limits, spec_devic
 # Running
 # ----------------------------------------------------------------------------------------
 
+
 @dataclass
 class RunResult:
-    returncode: int | None         # of the sandbox's outermost process, as the grader waited on it
+    returncode: int | None  # of the sandbox's outermost process, as the grader waited on it
     wall_s: float
     timed_out: bool
-    messages: list                 # (sender's host pid or None, decoded JSON) from the channel
+    messages: list  # (sender's host pid or None, decoded JSON) from the channel
     workers: list[Seen]
-    stragglers: list[str]          # processes left running after torchrun exited (killed)
-    leftovers: list[str]           # processes the grader itself had to kill at the end
-    remaining: list[str] = field(default_factory=list)   # alive after all that (never expected)
+    stragglers: list[str]  # processes left running after torchrun exited (killed)
+    leftovers: list[str]  # processes the grader itself had to kill at the end
+    remaining: list[str] = field(default_factory=list)  # alive after all that (never expected)
     loopback_octets: int = 0
     pidns: str | None = None
     seen: list[Seen] = field(default_factory=list)
-    cgroup_escapes: list[str] = field(default_factory=list)   # processes seen outside the job's cgroup
-    cgroup: dict | None = None     # {"version", "applied"} of the job's cgroup, None without one
-    rlimits: dict = field(default_factory=dict)               # a rank's, read by the grader
+    cgroup_escapes: list[str] = field(default_factory=list)  # processes seen outside the job's cgroup
+    cgroup: dict | None = None  # {"version", "applied"} of the job's cgroup, None without one
+    rlimits: dict = field(default_factory=dict)  # a rank's, read by the grader
 
 
 class Channel:
@@ -908,7 +1015,7 @@ class Channel:
         self._thread = threading.Thread(target=self._read, daemon=True)
 
     def start(self) -> None:
-        self.w.close()                       # the job holds the only writing end now
+        self.w.close()  # the job holds the only writing end now
         self._thread.start()
 
     def _read(self):
@@ -922,7 +1029,7 @@ class Channel:
                 return
             self.bytes += len(msg)
             if self.bytes > MAX_CHANNEL_BYTES:
-                continue                     # keep draining, keep nothing more
+                continue  # keep draining, keep nothing more
             pid = None
             for level, kind, data in anc:
                 if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS:
@@ -945,17 +1052,40 @@ class Channel:
 
 def allowed_env(extra: dict | None = None) -> dict:
     """The job's whole environment: nothing of the grader's except what is listed here."""
-    env = {"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
-           "HOME": f"{JOB_DIR}/home", "TMPDIR": "/tmp", "USER": "student", "LOGNAME": "student",
-           "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8", "PYTHONNOUSERSITE": "1", "PYTHONDONTWRITEBYTECODE": "1",
-           "PYTHONUNBUFFERED": "1", "MPLCONFIGDIR": "/tmp", "OMP_NUM_THREADS": "1"}
+    env = {
+        "PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
+        "HOME": f"{JOB_DIR}/home",
+        "TMPDIR": "/tmp",
+        "USER": "student",
+        "LOGNAME": "student",
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "PYTHONNOUSERSITE": "1",
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "PYTHONUNBUFFERED": "1",
+        "MPLCONFIGDIR": "/tmp",
+        "OMP_NUM_THREADS": "1",
+    }
     env.update(extra or {})
     return env
 
 
-def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: float, limits: Limits,
-        tool: str | None = None, gpus: list[int] | None = None, cgroup: bool = True, channel: bool = False,
-        tick_s: float = 0.1, name: str | None = None, extra_ro: Iterable = ()) -> RunResult:
+def run(
+    cmd: list[str],
+    *,
+    job_dir: Path,
+    log_path: Path,
+    env: dict,
+    budget_s: float,
+    limits: Limits,
+    tool: str | None = None,
+    gpus: list[int] | None = None,
+    cgroup: bool = True,
+    channel: bool = False,
+    tick_s: float = 0.1,
+    name: str | None = None,
+    extra_ro: Iterable = (),
+) -> RunResult:
     """Run ``cmd`` in a fresh sandbox until it exits or ``budget_s`` passes; leave nothing behind.
     ``job_dir`` becomes /job (its cwd); ``env`` is added to :func:`allowed_env`; ``gpus``: the
     device minors of the GPUs to bind (:func:`gpu_binding`); ``extra_ro``: more folders bound
@@ -970,8 +1100,19 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
     # The init's own report (what it killed) comes over a socket only the init holds: it closes
     # it on exec, and being non-dumpable, nothing of the job can reach its file descriptors.
     status_r, status_w = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    init = [sys.executable, "-I", str(INIT), "--fsize", str(limits.file_bytes), "--nproc", str(limits.processes),
-            "--cpu", str(limits.cpu_seconds), "--status-fd", str(status_w.fileno())]
+    init = [
+        sys.executable,
+        "-I",
+        str(INIT),
+        "--fsize",
+        str(limits.file_bytes),
+        "--nproc",
+        str(limits.processes),
+        "--cpu",
+        str(limits.cpu_seconds),
+        "--status-fd",
+        str(status_w.fileno()),
+    ]
     if limits.address_space:
         init += ["--as", str(limits.memory_bytes)]
     if tool == "bwrap":
@@ -985,13 +1126,28 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
         # unshare keeps the environment it is given: pass only the allowlist
     # First, outside: die with the grader (a SIGKILLed grader takes the sandbox along, unshare's
     # as well as bwrap's), and join the job's cgroup(s) before anything of the job starts.
-    full = ([sys.executable, "-I", "-S", str(INIT), "--outer", str(os.getpid())]
-            + (cg.procs_files if cg is not None else []) + ["--"] + prefix + init + ["--"] + cmd)
+    full = (
+        [sys.executable, "-I", "-S", str(INIT), "--outer", str(os.getpid())]
+        + (cg.procs_files if cg is not None else [])
+        + ["--"]
+        + prefix
+        + init
+        + ["--"]
+        + cmd
+    )
     pass_fds = ((chan.w.fileno(),) if chan is not None else ()) + (status_w.fileno(),)
     with open(log_path, "wb") as log:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(full, cwd="/", env=inner_env, stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True, pass_fds=pass_fds)
+        proc = subprocess.Popen(
+            full,
+            cwd="/",
+            env=inner_env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            pass_fds=pass_fds,
+        )
     status_w.close()
     if chan is not None:
         chan.start()
@@ -1011,8 +1167,8 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
     if timed_out:
         watch.tick()
         try:
-            os.killpg(proc.pid, signal.SIGKILL)     # the sandbox's outer process: the kernel then
-        except (ProcessLookupError, PermissionError):   # kills its PID namespace (--die-with-parent)
+            os.killpg(proc.pid, signal.SIGKILL)  # the sandbox's outer process: the kernel then
+        except (ProcessLookupError, PermissionError):  # kills its PID namespace (--die-with-parent)
             pass
         proc.wait()
     # The init's own report: what it killed, and its PID namespace (a job that ends between two
@@ -1056,10 +1212,22 @@ def run(cmd: list[str], *, job_dir: Path, log_path: Path, env: dict, budget_s: f
     if cg is not None:
         # (an exiting process shows the root cgroup, and no command line: not an escape; the outer
         # step is the grader's own child, which may be seen before it moves itself into the cgroup)
-        escapes = [s.cmd for s in watch.seen.values()
-                   if s.pid != proc.pid and s.cmd and s.cgroup and not cg.contains(s.cgroup)]
-    return RunResult(None if timed_out else proc.returncode, wall, timed_out, messages, watch.workers(),
-                     stragglers, sorted(set(leftovers)), remaining, watch.loopback_octets, watch.pidns,
-                     list(watch.seen.values()), escapes,
-                     {"version": cg.version, "applied": cg.applied} if cg is not None else None,
-                     watch.rlimits)
+        escapes = [
+            s.cmd for s in watch.seen.values() if s.pid != proc.pid and s.cmd and s.cgroup and not cg.contains(s.cgroup)
+        ]
+    return RunResult(
+        None if timed_out else proc.returncode,
+        wall,
+        timed_out,
+        messages,
+        watch.workers(),
+        stragglers,
+        sorted(set(leftovers)),
+        remaining,
+        watch.loopback_octets,
+        watch.pidns,
+        list(watch.seen.values()),
+        escapes,
+        {"version": cg.version, "applied": cg.applied} if cg is not None else None,
+        watch.rlimits,
+    )

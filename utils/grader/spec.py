@@ -1,4 +1,5 @@
 """The assessment spec: one TOML file an instructor edits (see labs/assessment/spec_*.toml)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -6,9 +7,9 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-try:                                    # Python 3.11+
+try:  # Python 3.11+
     import tomllib
-except ModuleNotFoundError:             # pragma: no cover - Python 3.10
+except ModuleNotFoundError:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,28 +31,35 @@ class Spec:
     nprocs: int
     model: str = "net"
     model_kwargs: dict = field(default_factory=dict)
-    n_train: int = 0                    # 0 = the whole training split
-    n_val: int = 0                      # 0 = the dataset's whole held-out split
-    device: str = "cpu"                 # cpu | cuda
-    heldout: str = "val"                # "val" | "secret_split" | a path to an .npz (x, y)
-    heldout_seed: int = 0               # secret_split: the secret seed (never leaves the grader)
-    data_dir: str = ""                  # dataset cache ("" = utils.data default)
-    max_output_mb: int = 512            # RLIMIT_FSIZE of the submission's processes
-    max_memory_mb: int = 4096           # the job's memory (cgroup; RLIMIT_AS per process on the CPU)
-    max_processes: int = 1024           # processes and threads of the job (pids.max, RLIMIT_NPROC)
-    max_submission_kb: int = 20480      # a larger submission is refused unrun
+    n_train: int = 0  # 0 = the whole training split
+    n_val: int = 0  # 0 = the dataset's whole held-out split
+    device: str = "cpu"  # cpu | cuda
+    heldout: str = "val"  # "val" | "secret_split" | a path to an .npz (x, y)
+    heldout_seed: int = 0  # secret_split: the secret seed (never leaves the grader)
+    data_dir: str = ""  # dataset cache ("" = utils.data default)
+    max_output_mb: int = 512  # RLIMIT_FSIZE of the submission's processes
+    max_memory_mb: int = 4096  # the job's memory (cgroup; RLIMIT_AS per process on the CPU)
+    max_processes: int = 1024  # processes and threads of the job (pids.max, RLIMIT_NPROC)
+    max_submission_kb: int = 20480  # a larger submission is refused unrun
     points: float = 100.0
-    seed: int = 0                       # subset seed for n_train / n_val
-    path: str = ""                      # the file this came from (filled in by load_spec)
+    seed: int = 0  # subset seed for n_train / n_val
+    path: str = ""  # the file this came from (filled in by load_spec)
 
-    def replace(self, **changes) -> "Spec":
+    def replace(self, **changes) -> Spec:
         return dataclasses.replace(self, **changes)
 
     def public(self) -> dict:
         """What the submission is told (written to its data dir as assessment.json)."""
-        return {"name": self.name, "dataset": self.dataset, "model": self.model,
-                "model_kwargs": dict(self.model_kwargs), "target_val_acc": self.target_val_acc,
-                "time_budget_s": self.time_budget_s, "nprocs": self.nprocs, "device": self.device}
+        return {
+            "name": self.name,
+            "dataset": self.dataset,
+            "model": self.model,
+            "model_kwargs": dict(self.model_kwargs),
+            "target_val_acc": self.target_val_acc,
+            "time_budget_s": self.time_budget_s,
+            "nprocs": self.nprocs,
+            "device": self.device,
+        }
 
     def as_dict(self) -> dict:
         """Every field but the secret (for reports a student may see)."""
@@ -62,26 +70,31 @@ class Spec:
     def secret_missing(self) -> str | None:
         """Why this spec cannot be graded yet (a secret split without its secret), or None."""
         if self.heldout == "secret_split" and not self.heldout_seed:
-            return (f"{self.path or 'the spec'} draws the held-out set with a secret seed, and "
-                    "heldout_seed is not set: put a secret in YOUR copy of the spec (python -c "
-                    "'import secrets; print(secrets.randbits(62))'), outside the repository")
+            return (
+                f"{self.path or 'the spec'} draws the held-out set with a secret seed, and "
+                "heldout_seed is not set: put a secret in YOUR copy of the spec (python -c "
+                "'import secrets; print(secrets.randbits(62))'), outside the repository"
+            )
         return None
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Spec) if f.name != "path"}
-_REQUIRED = [n for n, f in _FIELDS.items()
-             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+_REQUIRED = [
+    n for n, f in _FIELDS.items() if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+]
 
 
 def default_spec_path() -> Path:
     """spec_gpu.toml for the gpu profile, else spec_ci.toml (LAB_PROFILE, as everywhere)."""
     from utils.config import default_profile_name
+
     return SPEC_DIR / ("spec_gpu.toml" if default_profile_name() == "gpu" else "spec_ci.toml")
 
 
 def validate(spec: Spec) -> Spec:
     problems = []
     from utils.data import DATASETS
+
     if spec.dataset not in DATASETS:
         problems.append(f"dataset {spec.dataset!r} is not one of {', '.join(DATASETS)}")
     if spec.model not in ("net", "resnet9", "linear"):

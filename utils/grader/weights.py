@@ -6,6 +6,7 @@ bombs), ``torch.load(weights_only=True)`` refuses any pickled object that is not
 plain container (a checkpoint that would run code when loaded is refused, never run), and the
 keys, shapes and values must match the instructor's model exactly.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,8 +14,6 @@ import zipfile
 from pathlib import Path
 
 import torch
-
-import utils.models
 
 from .spec import Spec
 
@@ -29,25 +28,35 @@ class CheckpointRejected(Exception):
 
 def inspect_archive(path: Path, max_bytes: int) -> None:
     if path.is_symlink() or not path.is_file():
-        raise CheckpointRejected("bad_checkpoint", f"{path.name} must be a regular file written by "
-                                 "torch.save (not a link, a pipe or a folder)")
+        raise CheckpointRejected(
+            "bad_checkpoint",
+            f"{path.name} must be a regular file written by torch.save (not a link, a pipe or a folder)",
+        )
     size = path.stat().st_size
     if size > max_bytes:
-        raise CheckpointRejected("too_large", f"{path.name} is {size / 2**20:.0f} MiB, over the "
-                                 f"{max_bytes / 2**20:.0f} MiB limit: save only model.state_dict()")
+        raise CheckpointRejected(
+            "too_large",
+            f"{path.name} is {size / 2**20:.0f} MiB, over the "
+            f"{max_bytes / 2**20:.0f} MiB limit: save only model.state_dict()",
+        )
     if size == 0:
         raise CheckpointRejected("bad_checkpoint", f"{path.name} is empty: the save did not finish")
     if not zipfile.is_zipfile(path):
-        raise CheckpointRejected("bad_checkpoint", f"{path.name} is not a torch.save archive (a zip "
-                                 "file): save with torch.save(model.state_dict(), path)")
+        raise CheckpointRejected(
+            "bad_checkpoint",
+            f"{path.name} is not a torch.save archive (a zip file): save with torch.save(model.state_dict(), path)",
+        )
     try:
         with zipfile.ZipFile(path) as z:
             infos = z.infolist()
     except (zipfile.BadZipFile, OSError, ValueError) as e:
         raise CheckpointRejected("bad_checkpoint", f"{path.name} is a damaged archive: {e}") from None
     if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
-        raise CheckpointRejected("bad_checkpoint", f"{path.name} has compressed members; torch.save "
-                                 "never writes those (refused: it could expand without bound)")
+        raise CheckpointRejected(
+            "bad_checkpoint",
+            f"{path.name} has compressed members; torch.save "
+            "never writes those (refused: it could expand without bound)",
+        )
     if sum(i.file_size for i in infos) > max_bytes:
         raise CheckpointRejected("too_large", f"{path.name} claims more than {max_bytes / 2**20:.0f} MiB")
 
@@ -57,28 +66,38 @@ def load_state_dict(path: Path, max_bytes: int) -> dict:
     inspect_archive(path, max_bytes)
     try:
         obj = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:                       # UnpicklingError and anything a crafted file causes
+    except Exception as e:  # UnpicklingError and anything a crafted file causes
         msg = str(e).strip().splitlines()
-        detail = next((l.strip() for l in msg if "Unsupported global" in l or "GLOBAL" in l),
-                      msg[0] if msg else type(e).__name__)
+        detail = next(
+            (l.strip() for l in msg if "Unsupported global" in l or "GLOBAL" in l), msg[0] if msg else type(e).__name__
+        )
         raise CheckpointRejected(
             "unsafe_checkpoint" if "weights_only" in str(e) or "global" in str(e).lower() else "bad_checkpoint",
             f"{path.name} was refused by torch.load(weights_only=True) and NOT executed: {detail[:300]}. "
             "It holds Python objects other than tensors: save model.state_dict() (not the model, "
-            "not an optimizer or a custom class) with torch.save") from None
+            "not an optimizer or a custom class) with torch.save",
+        ) from None
     if not isinstance(obj, dict):
-        raise CheckpointRejected("bad_checkpoint", f"{path.name} holds a {type(obj).__name__}, not a "
-                                 "state dict: save model.state_dict()")
-    if "state_dict" in obj and isinstance(obj["state_dict"], dict) and not any(
-            torch.is_tensor(v) for v in obj.values()):
-        raise CheckpointRejected("wrong_keys", f"{path.name} holds a dict with a 'state_dict' entry; "
-                                 "save model.state_dict() itself, not a wrapper around it")
+        raise CheckpointRejected(
+            "bad_checkpoint", f"{path.name} holds a {type(obj).__name__}, not a state dict: save model.state_dict()"
+        )
+    if (
+        "state_dict" in obj
+        and isinstance(obj["state_dict"], dict)
+        and not any(torch.is_tensor(v) for v in obj.values())
+    ):
+        raise CheckpointRejected(
+            "wrong_keys",
+            f"{path.name} holds a dict with a 'state_dict' entry; "
+            "save model.state_dict() itself, not a wrapper around it",
+        )
     return obj
 
 
 def fingerprint(sd: dict) -> str:
     """The probe's fingerprint of a state dict (sha256 of every tensor's bytes, keys sorted)."""
     import hashlib
+
     h = hashlib.sha256()
     for k in sorted(sd):
         t = sd[k].detach().cpu().contiguous()
@@ -97,33 +116,50 @@ def check_against(model: torch.nn.Module, sd: dict) -> None:
     if got != want:
         prefixes = [p for p in ("module.", "_orig_mod.") if all(str(k).startswith(p) for k in got)]
         if prefixes:
-            raise CheckpointRejected("wrong_keys", f"every key starts with {prefixes[0]!r}: you saved "
-                                     "the wrapper's state dict; save model.module.state_dict() (DDP) "
-                                     "or the unwrapped model's")
-        missing, unexpected = sorted(want - got, key=str), sorted(got - want, key=str)   # keys may be any type
-        raise CheckpointRejected("wrong_keys", "the keys do not match the assessment's model "
-                                 f"({type(model).__name__}): missing {missing[:5]}"
-                                 f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
-                                 f"{' ...' if len(unexpected) > 5 else ''}; keep the model as the "
-                                 "serial script builds it")
-    shapes = [f"{k}: {tuple(sd[k].shape)} != {tuple(v.shape)}" for k, v in expected.items()
-              if tuple(sd[k].shape) != tuple(v.shape)]
+            raise CheckpointRejected(
+                "wrong_keys",
+                f"every key starts with {prefixes[0]!r}: you saved "
+                "the wrapper's state dict; save model.module.state_dict() (DDP) "
+                "or the unwrapped model's",
+            )
+        missing, unexpected = sorted(want - got, key=str), sorted(got - want, key=str)  # keys may be any type
+        raise CheckpointRejected(
+            "wrong_keys",
+            "the keys do not match the assessment's model "
+            f"({type(model).__name__}): missing {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}, unexpected {unexpected[:5]}"
+            f"{' ...' if len(unexpected) > 5 else ''}; keep the model as the "
+            "serial script builds it",
+        )
+    shapes = [
+        f"{k}: {tuple(sd[k].shape)} != {tuple(v.shape)}"
+        for k, v in expected.items()
+        if tuple(sd[k].shape) != tuple(v.shape)
+    ]
     if shapes:
-        raise CheckpointRejected("wrong_shapes", "tensor shapes differ from the assessment's model: "
-                                 + "; ".join(shapes[:4]) + "; keep the model as the serial script builds it")
+        raise CheckpointRejected(
+            "wrong_shapes",
+            "tensor shapes differ from the assessment's model: "
+            + "; ".join(shapes[:4])
+            + "; keep the model as the serial script builds it",
+        )
     dtypes = [k for k, v in expected.items() if v.is_floating_point() != sd[k].is_floating_point()]
     if dtypes:
         raise CheckpointRejected("wrong_shapes", f"wrong dtype for {', '.join(dtypes[:4])}")
     nonfinite = [k for k, v in sd.items() if v.is_floating_point() and not torch.isfinite(v).all()]
     if nonfinite:
-        raise CheckpointRejected("nan_weights", f"weights with NaN or inf in {', '.join(nonfinite[:5])}: "
-                                 "training diverged (learning rate too high for the batch? warmup?)")
+        raise CheckpointRejected(
+            "nan_weights",
+            f"weights with NaN or inf in {', '.join(nonfinite[:5])}: "
+            "training diverged (learning rate too high for the batch? warmup?)",
+        )
 
 
 def evaluate(spec: Spec, sd: dict, heldout: torch.utils.data.TensorDataset, device: str = "cpu") -> float:
     """Accuracy of ``sd`` in the instructor's model on ``heldout`` (a TensorDataset)."""
     import utils.data
     import utils.train
+
     model = utils.models.build(spec.model, tuple(heldout.tensors[0].shape[1:]), **dict(spec.model_kwargs))
     check_against(model, sd)
     model.load_state_dict({k: v.to(model.state_dict()[k].dtype) for k, v in sd.items()}, strict=True)

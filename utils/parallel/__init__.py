@@ -30,23 +30,63 @@ One module per concern:
 The experiments the notebooks launch with these (``shard_demo``, ``tp_demo``, ``pp_demo``, ...)
 live in :mod:`utils.demos`; nothing here imports them.
 """
-from .checkpoint import (Checkpointer, EpochOffset, load_checkpoint, rng_state, save_checkpoint,
-                         set_rng_state)
-from .env import RendezvousEnv, expand_hostlist, expand_tasks_per_node, rendezvous_env
+
+from .checkpoint import Checkpointer, EpochOffset, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .collectives import alpha_beta_fit, average_gradients, ring_all_reduce, ring_allreduce_bytes
-from .group import (DEFAULT_TIMEOUT_S, DistContext, choose_backend, ddp, exact_fp32, free_port, setup, sizes_for_ranks,
-                    teardown)
+from .env import RendezvousEnv, expand_hostlist, expand_tasks_per_node, rendezvous_env
+from .group import (
+    DEFAULT_TIMEOUT_S,
+    DistContext,
+    choose_backend,
+    ddp,
+    exact_fp32,
+    free_port,
+    setup,
+    sizes_for_ranks,
+    teardown,
+)
 from .launcher import LaunchError, LaunchTimeout, WorkerNotImportable, launch, torchrun
 from .pipeline import bubble_fraction, gpipe_step, schedule
 from .shard import CommCounter, rank_bytes, ring_bytes, zero_bytes
 from .tensor_parallel import TPMLP, column_shard, row_shard
 
 __all__ = [
-    "DistContext", "setup", "teardown", "exact_fp32", "sizes_for_ranks", "choose_backend", "free_port", "ddp", "launch",
-    "LaunchError", "LaunchTimeout", "WorkerNotImportable", "ring_all_reduce", "average_gradients",
-    "rng_state", "set_rng_state", "save_checkpoint", "load_checkpoint", "EpochOffset",
-    "Checkpointer", "ring_allreduce_bytes", "alpha_beta_fit", "torchrun", "DEFAULT_TIMEOUT_S",
-    "zero_bytes", "rank_bytes", "ring_bytes", "CommCounter", "column_shard", "row_shard",
-    "TPMLP", "bubble_fraction", "schedule", "gpipe_step",
-    "rendezvous_env", "RendezvousEnv", "expand_hostlist", "expand_tasks_per_node",
+    "DistContext",
+    "setup",
+    "teardown",
+    "exact_fp32",
+    "sizes_for_ranks",
+    "choose_backend",
+    "free_port",
+    "ddp",
+    "launch",
+    "LaunchError",
+    "LaunchTimeout",
+    "WorkerNotImportable",
+    "ring_all_reduce",
+    "average_gradients",
+    "rng_state",
+    "set_rng_state",
+    "save_checkpoint",
+    "load_checkpoint",
+    "EpochOffset",
+    "Checkpointer",
+    "ring_allreduce_bytes",
+    "alpha_beta_fit",
+    "torchrun",
+    "DEFAULT_TIMEOUT_S",
+    "zero_bytes",
+    "rank_bytes",
+    "ring_bytes",
+    "CommCounter",
+    "column_shard",
+    "row_shard",
+    "TPMLP",
+    "bubble_fraction",
+    "schedule",
+    "gpipe_step",
+    "rendezvous_env",
+    "RendezvousEnv",
+    "expand_hostlist",
+    "expand_tasks_per_node",
 ]

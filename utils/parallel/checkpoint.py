@@ -1,6 +1,6 @@
 """Checkpoints: rank 0 writes, atomically; every rank resumes exactly."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import io
 import os
@@ -20,12 +20,15 @@ from ..data import EpochLoader
 # Checkpoints: rank 0 writes, atomically; every rank resumes
 # ----------------------------------------------------------------------------------------
 
+
 def rng_state() -> dict:
     """Every random generator a run may use: torch (CPU and CUDA), NumPy, Python."""
     np_state = np.random.get_state()
-    state = {"torch": torch.get_rng_state(),
-             "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-             "python": random.getstate()}
+    state = {
+        "torch": torch.get_rng_state(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "python": random.getstate(),
+    }
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state()
     return state
@@ -54,9 +57,17 @@ def _unwrap(model):
     return getattr(model, "module", model)
 
 
-def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any = None, *, epoch: int = 0,
-                    step: int = 0, sampler_epoch: int | None = None, extra: dict | None = None) -> bool:
+def save_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    *,
+    epoch: int = 0,
+    step: int = 0,
+    sampler_epoch: int | None = None,
+    extra: dict | None = None,
+) -> bool:
     """Save everything needed to resume exactly; only rank 0 writes. Call it on EVERY rank.
 
     Holds the model (unwrapped from DDP), optimizer, scheduler, ``epoch`` (epochs completed),
@@ -69,15 +80,20 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
     rngs = [rng_state()]
     if world > 1:
         rngs = [None] * world
-        dist.all_gather_object(rngs, rng_state())    # collective: every rank must call this
+        dist.all_gather_object(rngs, rng_state())  # collective: every rank must call this
     wrote = False
     if rank == 0:
-        state = {"model": _unwrap(model).state_dict(),
-                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
-                 "scheduler": scheduler.state_dict() if scheduler is not None else None,
-                 "epoch": int(epoch), "step": int(step),
-                 "sampler_epoch": int(epoch if sampler_epoch is None else sampler_epoch),
-                 "world_size": world, "rng": rngs, "extra": extra or {}}
+        state = {
+            "model": _unwrap(model).state_dict(),
+            "optimizer": optimizer.state_dict() if optimizer is not None else None,
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "epoch": int(epoch),
+            "step": int(step),
+            "sampler_epoch": int(epoch if sampler_epoch is None else sampler_epoch),
+            "world_size": world,
+            "rng": rngs,
+            "extra": extra or {},
+        }
         path = os.fspath(path)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         buf = io.BytesIO()
@@ -86,17 +102,23 @@ def save_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         with open(tmp, "wb") as f:
             f.write(buf.getvalue())
             f.flush()
-            os.fsync(f.fileno())                        # the bytes are on disk before the rename
-        os.replace(tmp, path)                           # atomic: old or new, never half
+            os.fsync(f.fileno())  # the bytes are on disk before the rename
+        os.replace(tmp, path)  # atomic: old or new, never half
         wrote = True
     if world > 1:
-        dist.barrier()                                  # nobody reads it before it is complete
+        dist.barrier()  # nobody reads it before it is complete
     return wrote
 
 
-def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scheduler: Any = None, *, map_location: Any = None,
-                    restore_rng: bool = True) -> dict:
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    scheduler: Any = None,
+    *,
+    map_location: Any = None,
+    restore_rng: bool = True,
+) -> dict:
     """Load a :func:`save_checkpoint` file on every rank and restore what was saved.
 
     The file is read onto the CPU, then each piece is moved where it belongs: the weights into
@@ -117,8 +139,10 @@ def load_checkpoint(path: str | os.PathLike, model: nn.Module, optimizer: torch.
         rank, world = _rank_world()
         rngs = ckpt["rng"]
         if len(rngs) != world:
-            raise RuntimeError(f"{path} was saved by {len(rngs)} rank(s) but {world} are resuming: RNG "
-                               "states cannot be matched (pass restore_rng=False to resume anyway)")
+            raise RuntimeError(
+                f"{path} was saved by {len(rngs)} rank(s) but {world} are resuming: RNG "
+                "states cannot be matched (pass restore_rng=False to resume anyway)"
+            )
         set_rng_state(rngs[rank])
     return ckpt
 
@@ -141,9 +165,16 @@ class Checkpointer:
     """A ``fit`` callback that saves a checkpoint at the end of every ``every`` epochs (all ranks
     call it; rank 0 writes). ``start_epoch`` / ``start_step``: where a resumed run began."""
 
-    def __init__(self, path: str | os.PathLike, optimizer: torch.optim.Optimizer | None = None, scheduler: Any = None,
-                 *, every: int = 1, start_epoch: int = 0,
-                 start_step: int = 0):
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        optimizer: torch.optim.Optimizer | None = None,
+        scheduler: Any = None,
+        *,
+        every: int = 1,
+        start_epoch: int = 0,
+        start_step: int = 0,
+    ):
         self.path, self.optimizer, self.scheduler = path, optimizer, scheduler
         self.every, self.start_epoch, self.start_step = every, start_epoch, start_step
         self.saved = []
@@ -152,8 +183,15 @@ class Checkpointer:
         pass
 
     def on_epoch_end(self, state: SimpleNamespace) -> None:
-        epoch = self.start_epoch + state.epoch + 1          # epochs completed so far
+        epoch = self.start_epoch + state.epoch + 1  # epochs completed so far
         if epoch % self.every == 0:
-            save_checkpoint(self.path, state.model, self.optimizer or state.optimizer, self.scheduler,
-                            epoch=epoch, step=self.start_step + state.step, sampler_epoch=epoch)
+            save_checkpoint(
+                self.path,
+                state.model,
+                self.optimizer or state.optimizer,
+                self.scheduler,
+                epoch=epoch,
+                step=self.start_step + state.step,
+                sampler_epoch=epoch,
+            )
             self.saved.append(epoch)

@@ -1,7 +1,6 @@
 """Collectives by hand: the ring all-reduce, gradient averaging, and the alpha-beta cost model."""
+
 from __future__ import annotations
-
-
 
 from collections.abc import Sequence
 
@@ -13,6 +12,7 @@ from torch import nn
 # ----------------------------------------------------------------------------------------
 # Collectives by hand
 # ----------------------------------------------------------------------------------------
+
 
 def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group=None) -> None:
     """Send ``send`` to ``dst`` while receiving ``recv`` from ``src``: one batched pair.
@@ -41,18 +41,18 @@ def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None
         return tensor
     rank = dist.get_rank(group)
     right, left = (rank + 1) % world, (rank - 1) % world
-    if group is not None:                       # P2POp takes global ranks
+    if group is not None:  # P2POp takes global ranks
         right = dist.get_global_rank(group, right)
         left = dist.get_global_rank(group, left)
     flat = tensor.view(-1) if tensor.is_contiguous() else tensor.reshape(-1)
-    chunks = list(flat.tensor_split(world))     # views of flat: contiguous
+    chunks = list(flat.tensor_split(world))  # views of flat: contiguous
     buf = torch.empty_like(chunks[0])
-    for step in range(world - 1):               # reduce-scatter
+    for step in range(world - 1):  # reduce-scatter
         send_i, recv_i = (rank - step) % world, (rank - step - 1) % world
         incoming = buf[: len(chunks[recv_i])]
         _exchange(chunks[send_i], right, incoming, left, group)
         chunks[recv_i] += incoming
-    for step in range(world - 1):               # all-gather
+    for step in range(world - 1):  # all-gather
         send_i, recv_i = (rank + 1 - step) % world, (rank - step) % world
         incoming = buf[: len(chunks[recv_i])]
         _exchange(chunks[send_i], right, incoming, left, group)
@@ -86,7 +86,7 @@ def alpha_beta_fit(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[f
     if len(x) < 2:
         raise ValueError("alpha_beta_fit needs timings for at least two message sizes")
     a = np.stack([np.ones_like(x), x], axis=1)
-    w = 1.0 / y                               # relative errors: small messages count as much as big
+    w = 1.0 / y  # relative errors: small messages count as much as big
     (alpha, beta), *_ = np.linalg.lstsq(a * w[:, None], y * w, rcond=None)
     alpha = max(float(alpha), 0.0)
     beta = max(float(beta), 1e-15)

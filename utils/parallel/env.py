@@ -19,6 +19,7 @@ MASTER_PORT          20000 + SLURM_JOB_ID % 10000 (if unset)          job 123456
 SLURM counts only inside a job *step* (``srun``, SLURM_STEP_ID set): the batch script itself
 sees SLURM_NTASKS=8 and SLURM_PROCID=0 but is one process, and must not wait for seven others.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,19 +27,20 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-PORT_BASE, PORT_SPAN = 20000, 10000      # MASTER_PORT = PORT_BASE + job id % PORT_SPAN (below Linux's ephemeral range)
+PORT_BASE, PORT_SPAN = 20000, 10000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN (below Linux's ephemeral range)
 
 
 @dataclass(frozen=True)
 class RendezvousEnv:
     """What a process needs to join its group, and where it came from."""
+
     rank: int
     world_size: int
     local_rank: int
     local_world_size: int
     master_addr: str | None
     master_port: int | None
-    source: str            # "torchrun" (torchrun or launch()), "slurm" or "alone"
+    source: str  # "torchrun" (torchrun or launch()), "slurm" or "alone"
 
 
 def expand_hostlist(hostlist: str) -> list[str]:
@@ -130,8 +132,9 @@ def rendezvous_env(env: Mapping[str, str] | None = None, *, export: bool = False
     addr, port = env.get("MASTER_ADDR") or None, _int(env, "MASTER_PORT")
     if "RANK" in env and "WORLD_SIZE" in env:
         rank, world = _int(env, "RANK", 0), _int(env, "WORLD_SIZE", 1)
-        return RendezvousEnv(rank, world, _int(env, "LOCAL_RANK", rank), _int(env, "LOCAL_WORLD_SIZE", world),
-                             addr, port, "torchrun")
+        return RendezvousEnv(
+            rank, world, _int(env, "LOCAL_RANK", rank), _int(env, "LOCAL_WORLD_SIZE", world), addr, port, "torchrun"
+        )
     in_step = env.get("SLURM_STEP_ID") not in (None, "") and env.get("SLURM_PROCID") not in (None, "")
     if not in_step:
         return RendezvousEnv(0, 1, 0, 1, addr, port, "alone")
@@ -147,15 +150,17 @@ def rendezvous_env(env: Mapping[str, str] | None = None, *, export: bool = False
     if addr is None:
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
         if not nodelist and world > 1:
-            raise RuntimeError("SLURM set SLURM_PROCID but no SLURM_JOB_NODELIST: set MASTER_ADDR to the "
-                               "first node's address in the job script")
+            raise RuntimeError(
+                "SLURM set SLURM_PROCID but no SLURM_JOB_NODELIST: set MASTER_ADDR to the "
+                "first node's address in the job script"
+            )
         addr = expand_hostlist(nodelist)[0] if nodelist else "127.0.0.1"
     if port is None:
         job = _int(env, "SLURM_JOB_ID")
         if job is None and world > 1:
             raise RuntimeError("SLURM set SLURM_PROCID but no SLURM_JOB_ID: set MASTER_PORT in the job script")
         port = PORT_BASE + (job or 0) % PORT_SPAN
-    if export and world > 1:             # a one-task step stays a group of one (its own free port)
+    if export and world > 1:  # a one-task step stays a group of one (its own free port)
         os.environ.setdefault("MASTER_ADDR", addr)
         os.environ.setdefault("MASTER_PORT", str(port))
     return RendezvousEnv(rank, world, local_rank, local_world, addr, port, "slurm")

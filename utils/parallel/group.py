@@ -1,6 +1,6 @@
 """The process group: setup from torchrun, SLURM or ``launch()``; backend choice; DDP wrap."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import contextlib
 import os
@@ -21,21 +21,23 @@ if TYPE_CHECKING:
     from ..config import Profile
 
 
-DEFAULT_TIMEOUT_S = 300.0   # seconds a collective may wait before the group gives up
+DEFAULT_TIMEOUT_S = 300.0  # seconds a collective may wait before the group gives up
 
 
 # ----------------------------------------------------------------------------------------
 # The process group
 # ----------------------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class DistContext:
     """What one process knows about the group it is in."""
-    rank: int            # 0 .. world_size-1, unique across all nodes
-    world_size: int      # processes in the job
-    local_rank: int      # 0 .. local_world_size-1 on this node: picks the GPU
+
+    rank: int  # 0 .. world_size-1, unique across all nodes
+    world_size: int  # processes in the job
+    local_rank: int  # 0 .. local_world_size-1 on this node: picks the GPU
     local_world_size: int
-    backend: str         # "nccl" or "gloo"
+    backend: str  # "nccl" or "gloo"
     device: torch.device
 
     @property
@@ -70,13 +72,17 @@ def sizes_for_ranks(cfg: Profile, nprocs: int, *, quiet: bool = False) -> Profil
     the CPU, one thread each: the gpu profile's sizes would take minutes there and time a CPU, so
     the smoke profile's sizes are returned, and a line says so (``quiet=True``: no line)."""
     from ..config import profile
+
     backend = choose_backend(nprocs)
     if backend == "nccl" or cfg.name == "smoke":
         return cfg
     if not quiet:
-        print(f"note: {nprocs} ranks, {visible_gpus()} GPU(s) in sight: the ranks run on gloo on the CPU (one thread "
-              f"each), so these multi-rank demos use the smoke profile's sizes, not the {cfg.name} profile's "
-              f"(with {nprocs} GPUs, one per rank, they use the {cfg.name} sizes on the GPUs)", flush=True)
+        print(
+            f"note: {nprocs} ranks, {visible_gpus()} GPU(s) in sight: the ranks run on gloo on the CPU (one thread "
+            f"each), so these multi-rank demos use the smoke profile's sizes, not the {cfg.name} profile's "
+            f"(with {nprocs} GPUs, one per rank, they use the {cfg.name} sizes on the GPUs)",
+            flush=True,
+        )
     return profile("smoke")
 
 
@@ -95,13 +101,17 @@ def rank_device(local_rank: int, device: torch.device | str | None = None) -> to
         return dev
     n = visible_gpus()
     if n == 0:
-        raise RuntimeError(f"device {str(dev)!r} was asked for but this process sees no GPU "
-                           f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use device='cpu'")
+        raise RuntimeError(
+            f"device {str(dev)!r} was asked for but this process sees no GPU "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); use device='cpu'"
+        )
     if dev.index is None:
         return torch.device("cuda", local_rank % n)
     if dev.index >= n:
-        raise RuntimeError(f"device {str(dev)!r} does not exist: this process sees {n} GPU(s) (cuda:0 to "
-                           f"cuda:{n - 1}); pass device='cuda' to let each rank take cuda:(local rank % {n})")
+        raise RuntimeError(
+            f"device {str(dev)!r} does not exist: this process sees {n} GPU(s) (cuda:0 to "
+            f"cuda:{n - 1}); pass device='cuda' to let each rank take cuda:(local rank % {n})"
+        )
     return dev
 
 
@@ -110,7 +120,7 @@ def _gpu_identity(dev: torch.device) -> str:
     name and the GPU's UUID (an index means different GPUs under different CUDA_VISIBLE_DEVICES)."""
     try:
         uuid = str(torch.cuda.get_device_properties(dev.index).uuid)
-    except (AttributeError, RuntimeError, AssertionError):    # torch without .uuid
+    except (AttributeError, RuntimeError, AssertionError):  # torch without .uuid
         entries = [e.strip() for e in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if e.strip()]
         uuid = entries[dev.index] if dev.index < len(entries) else f"index-{dev.index}"
     return f"{socket.gethostname()}/{uuid}"
@@ -121,7 +131,7 @@ def _agree_on_gpus(store, rank: int, world: int, identity: str | None, timeout: 
     (True if every rank has a GPU no other rank uses, how many ranks see none). Store counters
     only, O(1) per rank: each rank counts its GPU's users; a GPU counted twice, or a rank
     without one, vetoes NCCL for the whole group."""
-    n = store.add(f"lab/setups/{rank}", 1)          # a worker may call setup() more than once
+    n = store.add(f"lab/setups/{rank}", 1)  # a worker may call setup() more than once
     key = f"lab/agree{n}/"
     if identity is None:
         store.add(key + "no_gpu", 1)
@@ -134,9 +144,9 @@ def _agree_on_gpus(store, rank: int, world: int, identity: str | None, timeout: 
     return no_gpu == 0 and shared == 0, no_gpu
 
 
-
-def setup(backend: str | None = None, *, device: torch.device | str | None = None,
-          timeout: float | None = None) -> DistContext:
+def setup(
+    backend: str | None = None, *, device: torch.device | str | None = None, timeout: float | None = None
+) -> DistContext:
     """Join the process group and return this process's :class:`DistContext`.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT, as set by
@@ -154,12 +164,14 @@ def setup(backend: str | None = None, *, device: torch.device | str | None = Non
         ``cuda:(LOCAL_RANK % GPUs)``; "cuda:1"); default the rank's own GPU with NCCL, else CPU.
     timeout: seconds a collective may wait for the other ranks before failing.
     """
-    env = rendezvous_env(export=True)       # torchrun's / launch()'s variables, else SLURM's, else alone
+    env = rendezvous_env(export=True)  # torchrun's / launch()'s variables, else SLURM's, else alone
     rank, world, local_rank, local_world = env.rank, env.world_size, env.local_rank, env.local_world_size
     alone = world == 1 and "MASTER_PORT" not in os.environ
     if not alone and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
-        raise RuntimeError("RANK and WORLD_SIZE are set but MASTER_ADDR / MASTER_PORT are not: start the "
-                           "script with torchrun (or utils.parallel.launch from a notebook), which sets all four")
+        raise RuntimeError(
+            "RANK and WORLD_SIZE are set but MASTER_ADDR / MASTER_PORT are not: start the "
+            "script with torchrun (or utils.parallel.launch from a notebook), which sets all four"
+        )
     if timeout is None:
         timeout = float(os.environ.get("LAB_DIST_TIMEOUT", DEFAULT_TIMEOUT_S))
     backend = (backend or os.environ.get("LAB_DIST_BACKEND") or "").lower() or None
@@ -184,32 +196,37 @@ def setup(backend: str | None = None, *, device: torch.device | str | None = Non
     if backend is None:
         backend = "nccl" if own_gpus and dist.is_nccl_available() else "gloo"
     elif backend == "nccl" and not own_gpus:
-        why = (f"{no_gpu} rank(s) see no GPU" if no_gpu else "some ranks would share a GPU (NCCL needs one "
-               "GPU per rank)") if world > 1 else "this process sees no GPU"
-        raise RuntimeError(f"backend nccl needs a GPU of its own for every rank, but {why} (local rank "
-                           f"{local_rank} sees {n} GPU(s), {local_world} processes on this node). Start at "
-                           f"most one process per GPU, or use backend='gloo' (ranks may share a device).")
+        why = (
+            (f"{no_gpu} rank(s) see no GPU" if no_gpu else "some ranks would share a GPU (NCCL needs one GPU per rank)")
+            if world > 1
+            else "this process sees no GPU"
+        )
+        raise RuntimeError(
+            f"backend nccl needs a GPU of its own for every rank, but {why} (local rank "
+            f"{local_rank} sees {n} GPU(s), {local_world} processes on this node). Start at "
+            f"most one process per GPU, or use backend='gloo' (ranks may share a device)."
+        )
     if backend == "nccl":
         _check_shm_for_nccl(local_world)
         dev = own
     elif device is not None:
-        dev = rank_device(local_rank, device)        # gloo on a GPU: ranks may share it
+        dev = rank_device(local_rank, device)  # gloo on a GPU: ranks may share it
     else:
         dev = torch.device("cpu")
     if dev.type == "cuda":
-        torch.cuda.set_device(dev)                  # pin the GPU before the group exists
+        torch.cuda.set_device(dev)  # pin the GPU before the group exists
     dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=timeout))
     return DistContext(rank, world, local_rank, local_world, backend, dev)
 
 
 SHM_DIR = "/dev/shm"
-NCCL_MIN_SHM_BYTES = 256 * 2**20     # NCCL's shared-memory transport and proxy buffers between local ranks
+NCCL_MIN_SHM_BYTES = 256 * 2**20  # NCCL's shared-memory transport and proxy buffers between local ranks
 
 
 def _shm_free_bytes(path: str = SHM_DIR) -> int | None:
     try:
         st = os.statvfs(path)
-    except (AttributeError, OSError):          # not Linux, or no /dev/shm: nothing to check
+    except (AttributeError, OSError):  # not Linux, or no /dev/shm: nothing to check
         return None
     return st.f_bavail * st.f_frsize
 
@@ -225,7 +242,8 @@ def _check_shm_for_nccl(local_world: int) -> None:
         f"{SHM_DIR} has {free / 2**20:,.0f} MiB free, but NCCL between the {local_world} processes on this "
         f"node needs at least {NCCL_MIN_SHM_BYTES // 2**20} MiB of shared memory (it would fail with 'Error "
         f"while creating shared memory segment'). In Docker, start the container with a bigger --shm-size "
-        f"(e.g. --shm-size=8g) or with --ipc=host; or use backend='gloo'.")
+        f"(e.g. --shm-size=8g) or with --ipc=host; or use backend='gloo'."
+    )
 
 
 def exact_fp32() -> None:
@@ -257,7 +275,7 @@ def _store(rank: int, world: int, alone: bool, timeout: timedelta):
     return dist.TCPStore(host, port, world, rank == 0, timeout)
 
 
-TEARDOWN_TIMEOUT_S = 30.0   # seconds destroy_process_group may take before we stop waiting
+TEARDOWN_TIMEOUT_S = 30.0  # seconds destroy_process_group may take before we stop waiting
 
 
 def teardown(timeout: float | None = None) -> bool:
@@ -279,7 +297,7 @@ def teardown(timeout: float | None = None) -> bool:
     def destroy():
         try:
             dist.destroy_process_group()
-        except Exception as e:              # noqa: BLE001 - reported below
+        except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
         finally:
             done.set()
@@ -291,11 +309,14 @@ def teardown(timeout: float | None = None) -> bool:
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
         if abort is not None:
             with contextlib.suppress(Exception):
-                abort()                      # NCCL's ncclCommAbort: unblocks the destroy
+                abort()  # NCCL's ncclCommAbort: unblocks the destroy
             done.wait(min(timeout, 10.0))
-    print(f"utils.parallel.teardown: destroy_process_group did not return within {timeout:g} s "
-          f"({'aborted the NCCL communicators' if nccl else 'left to the exiting process'})",
-          file=sys.stderr, flush=True)
+    print(
+        f"utils.parallel.teardown: destroy_process_group did not return within {timeout:g} s "
+        f"({'aborted the NCCL communicators' if nccl else 'left to the exiting process'})",
+        file=sys.stderr,
+        flush=True,
+    )
     return False
 
 
@@ -308,6 +329,7 @@ def ddp(model: nn.Module, ctx: DistContext, *, channels_last: bool = False, **kw
     (``fit(..., channels_last=True)`` on the wrapper) leaves the buckets in the old layout, so
     every step copies each gradient and DDP warns that the strides do not match."""
     from torch.nn.parallel import DistributedDataParallel as DDP
+
     model = model.to(ctx.device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)

@@ -1,6 +1,6 @@
 """``launch()``: spawn ranks from a notebook, relay their output, name the rank that failed; ``torchrun()``."""
-from __future__ import annotations
 
+from __future__ import annotations
 
 import contextlib
 import importlib
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 # launch(): processes from a notebook
 # ----------------------------------------------------------------------------------------
 
+
 class LaunchError(RuntimeError):
     """A rank failed; ``rank`` says which, ``remote_traceback`` holds its traceback."""
 
@@ -53,26 +54,29 @@ _NOT_IMPORTABLE = (
     "'spawn'), and they find the worker by importing it by module and name. A function defined in a "
     "notebook lives in its __main__, which a new process cannot import. Either put the worker in a file "
     "and import it from there (in a notebook: a cell starting `%%writefile my_worker.py`, then "
-    "`from my_worker import worker`), or use a worker that ships with utils (e.g. utils.ddp_train.train).")
+    "`from my_worker import worker`), or use a worker that ships with utils (e.g. utils.ddp_train.train)."
+)
 
 
 def _check_worker(worker) -> None:
-    fn = getattr(worker, "func", worker)          # functools.partial
+    fn = getattr(worker, "func", worker)  # functools.partial
     if not callable(fn):
         raise TypeError(f"launch() needs a function, got {type(worker).__name__}")
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
     if module in (None, "__main__", "__mp_main__"):
         raise WorkerNotImportable(_NOT_IMPORTABLE.format(what=f"{qualname or fn!r}, defined in __main__"))
     if "<lambda>" in qualname or "<locals>" in qualname:
-        raise WorkerNotImportable(_NOT_IMPORTABLE.format(
-            what=f"{qualname}, a lambda or a function defined inside another function"))
+        raise WorkerNotImportable(
+            _NOT_IMPORTABLE.format(what=f"{qualname}, a lambda or a function defined inside another function")
+        )
     try:
         obj = importlib.import_module(module)
         for part in qualname.split("."):
             obj = getattr(obj, part)
     except (ImportError, AttributeError) as e:
-        raise WorkerNotImportable(_NOT_IMPORTABLE.format(
-            what=f"{module}.{qualname} (importing it failed: {e})")) from None
+        raise WorkerNotImportable(
+            _NOT_IMPORTABLE.format(what=f"{module}.{qualname} (importing it failed: {e})")
+        ) from None
 
 
 def _to_cpu(obj):
@@ -104,15 +108,24 @@ def _watch_parent(parent_pid: int) -> None:
 def _entry(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, parent_pid, timeout):
     """Runs in each spawned process: the environment torchrun would set, then the worker."""
     with contextlib.suppress(OSError, AttributeError):
-        os.setpgrp()            # own process group: the parent can stop our children too
+        os.setpgrp()  # own process group: the parent can stop our children too
     log = open(os.path.join(workdir, f"rank{rank}.log"), "w", buffering=1)
-    os.dup2(log.fileno(), 1)    # the notebook's kernel cannot see our fds: the parent relays them
+    os.dup2(log.fileno(), 1)  # the notebook's kernel cannot see our fds: the parent relays them
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nprocs),
-                      LOCAL_WORLD_SIZE=str(nprocs), GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), LAB_DIST_BACKEND=backend, LAB_DIST_PARENT_STORE="1",
-                      LAB_DIST_TIMEOUT=str(timeout), OMP_NUM_THREADS=str(threads))
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
+        GROUP_RANK="0",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        LAB_DIST_BACKEND=backend,
+        LAB_DIST_PARENT_STORE="1",
+        LAB_DIST_TIMEOUT=str(timeout),
+        OMP_NUM_THREADS=str(threads),
+    )
     torch.set_num_threads(threads)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
     code = 0
@@ -122,24 +135,26 @@ def _entry(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, 
         try:
             payload = pickle.dumps(out)
         except Exception as e:
-            raise TypeError(f"rank {rank}'s worker returned a value that cannot be sent back to the "
-                            f"notebook ({e}); return tensors, numbers, lists and dicts") from e
+            raise TypeError(
+                f"rank {rank}'s worker returned a value that cannot be sent back to the "
+                f"notebook ({e}); return tensors, numbers, lists and dicts"
+            ) from e
     except BaseException as e:  # noqa: BLE001 - everything goes back to the notebook
         code = 1
-        tb = traceback.format_exc()     # goes back to the notebook inside the LaunchError
+        tb = traceback.format_exc()  # goes back to the notebook inside the LaunchError
         payload = pickle.dumps(("error", time.time(), type(e).__name__, str(e), tb))
         # First the report, before the teardown (which can block, or wake the peers up with
         # errors of their own): the parent reads this file and stops every rank at once.
         _write_atomic_bytes(result_path, payload)
-        _write_atomic_bytes(os.path.join(workdir, f"rank{rank}.failed"), b"")   # the flag the parent polls
+        _write_atomic_bytes(os.path.join(workdir, f"rank{rank}.failed"), b"")  # the flag the parent polls
     finally:
         with contextlib.suppress(Exception):
-            teardown(timeout=5.0 if code else None)   # bounded: a stuck NCCL destroy cannot hang us
+            teardown(timeout=5.0 if code else None)  # bounded: a stuck NCCL destroy cannot hang us
     _write_atomic_bytes(result_path, payload)
     log.flush()
     if code:
-        os._exit(code)          # failed: exit now, whatever state the group and threads are in
-    sys.exit(0)                 # a normal exit: semaphores and temporary files are released
+        os._exit(code)  # failed: exit now, whatever state the group and threads are in
+    sys.exit(0)  # a normal exit: semaphores and temporary files are released
 
 
 class _LogRelay:
@@ -166,7 +181,7 @@ class _LogRelay:
             lines = text.split("\n")
             self.partial[r] = "" if final else lines.pop()
             for line in lines:
-                line = line.split("\r")[-1]           # progress bars: keep the last state
+                line = line.split("\r")[-1]  # progress bars: keep the last state
                 if line.strip():
                     print(f"[rank {r}] {line}", flush=True)
 
@@ -179,7 +194,7 @@ def _stop(procs, grace: float = 3.0) -> None:
             break
         for p in alive:
             try:
-                os.killpg(p.pid, sig)               # the rank and its DataLoader workers
+                os.killpg(p.pid, sig)  # the rank and its DataLoader workers
             except (ProcessLookupError, PermissionError, AttributeError, OSError):
                 with contextlib.suppress(Exception):
                     p.terminate() if sig == signal.SIGTERM else p.kill()
@@ -207,8 +222,16 @@ def _read_result(workdir, rank):
         return None
 
 
-def launch(worker: Callable[..., Any], nprocs: int, *args: Any, backend: str | None = None, timeout: float = 600.0,
-           threads: int | None = None, stream: bool = True, **kwargs: Any) -> list:
+def launch(
+    worker: Callable[..., Any],
+    nprocs: int,
+    *args: Any,
+    backend: str | None = None,
+    timeout: float = 600.0,
+    threads: int | None = None,
+    stream: bool = True,
+    **kwargs: Any,
+) -> list:
     """Run ``worker(*args, **kwargs)`` in ``nprocs`` new processes and return their results,
     a list indexed by rank.
 
@@ -231,23 +254,26 @@ def launch(worker: Callable[..., Any], nprocs: int, *args: Any, backend: str | N
     if backend == "nccl":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n < nprocs:
-            raise ValueError(f"backend='nccl' needs one GPU per process: {nprocs} processes but {n} GPU(s). "
-                             f"Use nprocs <= {n}, or backend='gloo' (several processes may share a device).")
-    threads = threads or 1      # more would oversubscribe the cores: each rank is one busy process
+            raise ValueError(
+                f"backend='nccl' needs one GPU per process: {nprocs} processes but {n} GPU(s). "
+                f"Use nprocs <= {n}, or backend='gloo' (several processes may share a device)."
+            )
+    threads = threads or 1  # more would oversubscribe the cores: each rank is one busy process
     ctx = mp.get_context("spawn")
     workdir = tempfile.mkdtemp(prefix="launch-")
     # The ranks meet in a store held here, on a port the OS assigns as it is bound: no window in
     # which another program could take the port (as with "find a free port, pass it on").
-    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout + 60.0),
-                          wait_for_workers=False)
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timedelta(seconds=timeout + 60.0), wait_for_workers=False)
     port = store.port
     procs = []
     relay = _LogRelay(workdir, nprocs, stream)
     try:
         for rank in range(nprocs):
-            p = ctx.Process(target=_entry, name=f"rank{rank}",
-                            args=(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir,
-                                  os.getpid(), timeout + 60.0))
+            p = ctx.Process(
+                target=_entry,
+                name=f"rank{rank}",
+                args=(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, os.getpid(), timeout + 60.0),
+            )
             p.start()
             procs.append(p)
         return _supervise(procs, workdir, timeout, relay)
@@ -258,7 +284,7 @@ def launch(worker: Callable[..., Any], nprocs: int, *args: Any, backend: str | N
         del store
 
 
-EXIT_GRACE_S = 15.0   # a rank that sent its result but has not exited by then is stopped
+EXIT_GRACE_S = 15.0  # a rank that sent its result but has not exited by then is stopped
 
 
 def _supervise(procs, workdir, timeout, relay) -> list:
@@ -268,8 +294,11 @@ def _supervise(procs, workdir, timeout, relay) -> list:
         pending = [p for p in procs if p.exitcode is None]
         # Failed: exited non-zero, or reported an error and is perhaps still stuck tearing down.
         failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) or _reported_error(workdir, r)]
-        if pending and not failed and all(
-                (res := _read_result(workdir, r)) is not None and res[0] == "ok" for r in range(len(procs))):
+        if (
+            pending
+            and not failed
+            and all((res := _read_result(workdir, r)) is not None and res[0] == "ok" for r in range(len(procs)))
+        ):
             # Every rank has sent its result; one may still be stuck exiting (a process-group
             # destructor can block at interpreter shutdown). Its work is done: don't wait forever.
             all_reported = all_reported or time.monotonic()
@@ -282,8 +311,11 @@ def _supervise(procs, workdir, timeout, relay) -> list:
             while any(p.exitcode is None for p in procs) and time.monotonic() < grace:
                 mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
             relay.pump()
-            raise _failure(procs, workdir, [r for r, p in enumerate(procs)
-                                            if p.exitcode not in (None, 0) or _reported_error(workdir, r)])
+            raise _failure(
+                procs,
+                workdir,
+                [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) or _reported_error(workdir, r)],
+            )
         if not pending:
             relay.pump()
             out = []
@@ -304,7 +336,9 @@ def _supervise(procs, workdir, timeout, relay) -> list:
                 + ". They were stopped. A hang usually means the ranks disagree on the collectives "
                 "they call: one rank has more batches than another (uneven inputs: pad them, or wrap "
                 "the loop in torch.distributed.algorithms.Join), or only some ranks call a barrier, "
-                "an all-reduce or a checkpoint save that synchronises.", rank=running[0] if running else None)
+                "an all-reduce or a checkpoint save that synchronises.",
+                rank=running[0] if running else None,
+            )
         mp.connection.wait([p.sentinel for p in pending], timeout=min(0.25, max(left, 0.01)))
         relay.pump()
 
@@ -315,50 +349,68 @@ _CONSEQUENCES = ("connection closed", "connection reset", "broken pipe", "connec
 def _failure(procs, workdir, failed) -> LaunchError:
     """The error to show: the rank that failed first, judged by what each rank reported."""
     errors = []
-    for r in range(len(procs)):                   # a rank still exiting may have reported already
+    for r in range(len(procs)):  # a rank still exiting may have reported already
         res = _read_result(workdir, r)
         if res is not None and res[0] == "error":
             _, t, name, msg, tb = res
-            secondary = any(c in msg.lower() for c in _CONSEQUENCES)   # "my peer vanished"
+            secondary = any(c in msg.lower() for c in _CONSEQUENCES)  # "my peer vanished"
             errors.append((secondary, t, r, name, msg, tb))
     reported = {e[2] for e in errors}
-    silent = [r for r in failed if r not in reported]       # killed or crashed: no Python exception
+    silent = [r for r in failed if r not in reported]  # killed or crashed: no Python exception
     primary = [e for e in errors if not e[0]]
     if silent and not primary:
         r = silent[0]
         code = procs[r].exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         then = f" Rank(s) {sorted(reported)} lost their connection to it." if reported else ""
-        return LaunchError(f"rank {r} {how} without a Python exception (killed, out of memory, or a crash "
-                           f"in native code; its output is above).{then} The other ranks were stopped.", rank=r)
+        return LaunchError(
+            f"rank {r} {how} without a Python exception (killed, out of memory, or a crash "
+            f"in native code; its output is above).{then} The other ranks were stopped.",
+            rank=r,
+        )
     if errors:
-        _, t, r, name, msg, tb = min(errors)      # primary before secondary, then the earliest
+        _, t, r, name, msg, tb = min(errors)  # primary before secondary, then the earliest
         others = sorted(e[2] for e in errors if e[2] != r) + silent
         extra = f" (rank(s) {others} failed too, after it)" if others else ""
-        return LaunchError(f"rank {r} raised {name}: {msg}{extra}. The other ranks were stopped.\n\n"
-                           f"Traceback from rank {r}:\n{tb}", rank=r, remote_traceback=tb)
+        return LaunchError(
+            f"rank {r} raised {name}: {msg}{extra}. The other ranks were stopped.\n\nTraceback from rank {r}:\n{tb}",
+            rank=r,
+            remote_traceback=tb,
+        )
     return LaunchError("a rank failed without reporting why; the other ranks were stopped", rank=None)
 
 
-def torchrun(args: Sequence[str], *, timeout: float = 600.0, env: dict | None = None,
-             cwd: str | os.PathLike | None = None) -> subprocess.CompletedProcess:
+def torchrun(
+    args: Sequence[str], *, timeout: float = 600.0, env: dict | None = None, cwd: str | os.PathLike | None = None
+) -> subprocess.CompletedProcess:
     """Run ``python -m torch.distributed.run ARGS`` (torchrun) and return the CompletedProcess
     (``stdout`` holds stdout and stderr). The agent and its workers get their own session, so a
     timeout stops all of them, not only the agent; then ``subprocess.TimeoutExpired`` is raised."""
     import subprocess
+
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", "1")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "LAB_DIST_PARENT_STORE", "LAB_DIST_BACKEND", "LAB_DIST_TIMEOUT"):
-        env.pop(k, None)        # torchrun sets the first ones; launch()'s own must not leak into it
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "LAB_DIST_PARENT_STORE",
+        "LAB_DIST_BACKEND",
+        "LAB_DIST_TIMEOUT",
+    ):
+        env.pop(k, None)  # torchrun sets the first ones; launch()'s own must not leak into it
     cmd = [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                         cwd=cwd, start_new_session=True)
+    p = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True
+    )
     try:
         out, _ = p.communicate(timeout=timeout)
     except BaseException:
-        workers = _descendants(p.pid)                 # torchrun puts workers in sessions of their own
-        p.terminate()                                 # SIGTERM: the agent stops its workers itself
+        workers = _descendants(p.pid)  # torchrun puts workers in sessions of their own
+        p.terminate()  # SIGTERM: the agent stops its workers itself
         try:
             p.communicate(timeout=15)
         except subprocess.TimeoutExpired:

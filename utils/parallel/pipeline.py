@@ -11,6 +11,7 @@
   ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``), each against the
   gradients of one process on the whole batch.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -25,9 +26,19 @@ from torch import nn
 if TYPE_CHECKING:
     from .group import DistContext
 
-__all__ = ["schedule", "replay", "bubble_fraction", "schedule_bubble", "in_flight", "gpipe_step",
-           "measured_bubble", "executed_bubble",
-           "library_step", "split_stages", "mse"]
+__all__ = [
+    "schedule",
+    "replay",
+    "bubble_fraction",
+    "schedule_bubble",
+    "in_flight",
+    "gpipe_step",
+    "measured_bubble",
+    "executed_bubble",
+    "library_step",
+    "split_stages",
+    "mse",
+]
 
 
 def bubble_fraction(p: int, m: int) -> float:
@@ -70,16 +81,15 @@ def replay(orders: list) -> list:
     Fed with the order a real run executed (:func:`executed_bubble`), it counts that run's
     idle slots."""
     p = len(orders)
-    done: dict = {}                       # (op, stage, i) -> slot it ends in
-    pos, free = [0] * p, [0] * p          # next op per stage; first free slot per stage
+    done: dict = {}  # (op, stage, i) -> slot it ends in
+    pos, free = [0] * p, [0] * p  # next op per stage; first free slot per stage
     while any(pos[s] < len(orders[s]) for s in range(p)):
         progressed = False
         for s in range(p):
             if pos[s] == len(orders[s]):
                 continue
             op, i = orders[s][pos[s]]
-            dep = (("F", s - 1, i) if s else None) if op == "F" else \
-                  (("B", s + 1, i) if s < p - 1 else ("F", s, i))
+            dep = (("F", s - 1, i) if s else None) if op == "F" else (("B", s + 1, i) if s < p - 1 else ("F", s, i))
             if dep is not None and dep not in done:
                 continue
             start = max(free[s], done[dep] if dep is not None else 0)
@@ -87,7 +97,7 @@ def replay(orders: list) -> list:
             free[s] = start + 1
             pos[s] += 1
             progressed = True
-        if not progressed:                # pragma: no cover - the orders above never deadlock
+        if not progressed:  # pragma: no cover - the orders above never deadlock
             raise RuntimeError("schedule deadlocked")
     end = max(free)
     grid = [[None] * end for _ in range(p)]
@@ -121,16 +131,24 @@ def split_stages(model: nn.Sequential, p: int) -> list:
     n = len(model)
     if n % p:
         raise ValueError(f"{n} blocks do not split evenly into {p} stages")
-    return [model[s * n // p:(s + 1) * n // p] for s in range(p)]
+    return [model[s * n // p : (s + 1) * n // p] for s in range(p)]
 
 
 def mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return (out.float() - target).pow(2).mean()
 
 
-def gpipe_step(stage: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, *, rank: int, world_size: int,
-               loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse,
-               trace: list | None = None) -> torch.Tensor | None:
+def gpipe_step(
+    stage: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    m: int,
+    *,
+    rank: int,
+    world_size: int,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse,
+    trace: list | None = None,
+) -> torch.Tensor | None:
     """One GPipe step of this rank's ``stage`` on the batch ``(x, y)`` cut in ``m`` micro-batches.
 
     Forward every micro-batch (receive its input from the previous stage, send the output on),
@@ -145,11 +163,11 @@ def gpipe_step(stage: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, *, ra
     xs, ys = x.chunk(m), y.chunk(m)
     inputs, outputs, sends = [], [], []
     total = 0.0
-    for i in range(m):                                    # all forwards
+    for i in range(m):  # all forwards
         if first:
             inp = xs[i]
         else:
-            inp = torch.empty_like(xs[i])                  # the stages keep the width
+            inp = torch.empty_like(xs[i])  # the stages keep the width
             _recv(inp, rank - 1)
             inp.requires_grad_(True)
         t0 = time.perf_counter()
@@ -162,7 +180,7 @@ def gpipe_step(stage: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, *, ra
             sends += _isend(out.detach().contiguous(), rank + 1)
         inputs.append(inp)
         outputs.append(out)
-    for i in range(m):                                    # all backwards
+    for i in range(m):  # all backwards
         if last:
             t0 = time.perf_counter()
             outputs[i].backward()
@@ -174,7 +192,7 @@ def gpipe_step(stage: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, *, ra
         _record(trace, "B", i, t0, outputs[i])
         if not first:
             sends += _isend(inputs[i].grad.contiguous(), rank - 1)
-        outputs[i] = inputs[i] = None                     # this micro-batch's activations go
+        outputs[i] = inputs[i] = None  # this micro-batch's activations go
     for w in sends:
         w.wait()
     return total if last else None
@@ -195,7 +213,7 @@ def _isend(tensor, dst: int) -> list:
 def _record(trace, op, i, t0, tensor):
     if trace is not None:
         if tensor.device.type == "cuda":
-            torch.cuda.synchronize(tensor.device)   # sync point: time the kernels, not their launch
+            torch.cuda.synchronize(tensor.device)  # sync point: time the kernels, not their launch
         trace.append((op, i, t0, time.perf_counter()))
 
 
@@ -214,16 +232,18 @@ def measured_bubble(traces: list) -> float:
     return 1.0 - busy / (len(traces) * (end - start))
 
 
-def library_step(kind: str, stage_mod: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int,
-                 ctx: DistContext) -> float | None:
+def library_step(
+    kind: str, stage_mod: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, ctx: DistContext
+) -> float | None:
     """One step with torch.distributed.pipelining; the loss scaled by 1/m ourselves, so the
     gradients mean the same on every version (2.6+ can scale them itself: scale_grads)."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
     p, r = ctx.world_size, ctx.rank
     kw = {}
     params = inspect.signature(PipelineStage.__init__).parameters
     if "input_args" in params and params["input_args"].default is inspect.Parameter.empty:
-        kw["input_args"] = (x.chunk(m)[0],)                # torch 2.4 wants an example micro-batch
+        kw["input_args"] = (x.chunk(m)[0],)  # torch 2.4 wants an example micro-batch
     stage = PipelineStage(stage_mod, r, p, ctx.device, **kw)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind]
     skw = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
@@ -236,5 +256,3 @@ def library_step(kind: str, stage_mod: nn.Module, x: torch.Tensor, y: torch.Tens
     else:
         sched.step()
     return float(sum(v.detach().item() for v in losses)) if losses else None
-
-

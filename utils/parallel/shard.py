@@ -15,6 +15,7 @@ sharded checkpoints.
 ``fully_shard`` lives in ``torch.distributed.fsdp`` from torch 2.6, in
 ``torch.distributed._composable.fsdp`` in 2.4 and 2.5: :data:`fully_shard` is whichever exists.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -26,32 +27,56 @@ from torch.utils._python_dispatch import TorchDispatchMode
 if TYPE_CHECKING:
     from .group import DistContext
 
-try:                                    # torch >= 2.6
+try:  # torch >= 2.6
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-except ImportError:                     # torch 2.4 and 2.5
+except ImportError:  # torch 2.4 and 2.5
     try:
         from torch.distributed._composable.fsdp import MixedPrecisionPolicy, fully_shard
-    except ImportError:                 # pragma: no cover - torch < 2.4
+    except ImportError:  # pragma: no cover - torch < 2.4
         fully_shard = MixedPrecisionPolicy = None
-try:                                    # offload to CPU memory (on a CPU-only box: pin_memory=False)
+try:  # offload to CPU memory (on a CPU-only box: pin_memory=False)
     from torch.distributed.fsdp import CPUOffloadPolicy
-except ImportError:                     # pragma: no cover - older layouts
+except ImportError:  # pragma: no cover - older layouts
     try:
         from torch.distributed._composable.fsdp import CPUOffloadPolicy
     except ImportError:
         CPUOffloadPolicy = None
 
-__all__ = ["ZERO_STAGES", "zero_bytes", "rank_bytes", "CommCounter", "ring_bytes", "shard_model",
-           "shard_model", "save_sharded", "load_sharded", "STRATEGIES", "fully_shard", "MixedPrecisionPolicy",
-           "CPUOffloadPolicy", "export_checkpoint"]
+__all__ = [
+    "ZERO_STAGES",
+    "zero_bytes",
+    "rank_bytes",
+    "CommCounter",
+    "ring_bytes",
+    "shard_model",
+    "shard_model",
+    "save_sharded",
+    "load_sharded",
+    "STRATEGIES",
+    "fully_shard",
+    "MixedPrecisionPolicy",
+    "CPUOffloadPolicy",
+    "export_checkpoint",
+]
 
-ZERO_STAGES = {0: "DDP (nothing sharded)", 1: "ZeRO-1 (optimizer state)", 2: "ZeRO-2 (+ gradients)",
-               3: "ZeRO-3 / FSDP (+ parameters)"}
+ZERO_STAGES = {
+    0: "DDP (nothing sharded)",
+    1: "ZeRO-1 (optimizer state)",
+    2: "ZeRO-2 (+ gradients)",
+    3: "ZeRO-3 / FSDP (+ parameters)",
+}
 STRATEGIES = ("ddp", "zero1", "fsdp2", "fsdp2_bf16")
 
 
-def zero_bytes(n_params: int, world_size: int, stage: int, *, param_bytes: float = 2,
-               grad_bytes: float = 2, optim_bytes: float = 12) -> dict:
+def zero_bytes(
+    n_params: int,
+    world_size: int,
+    stage: int,
+    *,
+    param_bytes: float = 2,
+    grad_bytes: float = 2,
+    optim_bytes: float = 12,
+) -> dict:
     """Bytes per rank for ``n_params`` parameters on ``world_size`` ranks at ZeRO ``stage``.
 
     Defaults are the ZeRO paper's mixed-precision Adam: 2-byte parameters and gradients, 12
@@ -64,15 +89,17 @@ def zero_bytes(n_params: int, world_size: int, stage: int, *, param_bytes: float
     if world_size < 1 or n_params < 0:
         raise ValueError(f"need world_size >= 1 and n_params >= 0, got {world_size}, {n_params}")
     n = world_size
-    out = {"params": param_bytes * n_params / (n if stage >= 3 else 1),
-           "grads": grad_bytes * n_params / (n if stage >= 2 else 1),
-           "optimizer": optim_bytes * n_params / (n if stage >= 1 else 1)}
+    out = {
+        "params": param_bytes * n_params / (n if stage >= 3 else 1),
+        "grads": grad_bytes * n_params / (n if stage >= 2 else 1),
+        "optimizer": optim_bytes * n_params / (n if stage >= 1 else 1),
+    }
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t      # a DTensor holds only its shard
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor holds only its shard
 
 
 def _nbytes(t) -> int:
@@ -85,11 +112,14 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     per-element optimizer state (0-dimensional step counters left out). For a
     ``ZeroRedundancyOptimizer``, the state of the parameters this rank owns."""
     params = list(model.parameters())
-    out = {"params": sum(_nbytes(p) for p in params),
-           "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None)}
-    opt = getattr(optimizer, "optim", optimizer)             # ZeroRedundancyOptimizer's local one
-    out["optimizer"] = sum(_nbytes(v) for st in opt.state.values() for v in st.values()
-                           if torch.is_tensor(v) and v.dim() > 0)
+    out = {
+        "params": sum(_nbytes(p) for p in params),
+        "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+    }
+    opt = getattr(optimizer, "optim", optimizer)  # ZeroRedundancyOptimizer's local one
+    out["optimizer"] = sum(
+        _nbytes(v) for st in opt.state.values() for v in st.values() if torch.is_tensor(v) and v.dim() > 0
+    )
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
 
@@ -98,9 +128,15 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
 # Communication volume
 # ----------------------------------------------------------------------------------------
 
-_KINDS = {"allreduce": "all_reduce", "all_reduce": "all_reduce", "allgather": "all_gather",
-          "all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "broadcast": "broadcast"}
-_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")   # process-group ops, functional ones
+_KINDS = {
+    "allreduce": "all_reduce",
+    "all_reduce": "all_reduce",
+    "allgather": "all_gather",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "broadcast": "broadcast",
+}
+_NAMESPACES = ("c10d", "_c10d_functional", "c10d_functional")  # process-group ops, functional ones
 
 
 def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
@@ -109,8 +145,12 @@ def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
     ``(N-1)/N`` each (an all-reduce *is* a reduce-scatter then an all-gather), broadcast
     ``(N-1)/N`` on average (a pipelined ring: every rank but the last forwards the buffer once)."""
     n = world_size
-    factor = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n, "reduce_scatter": (n - 1) / n,
-              "broadcast": (n - 1) / n}
+    factor = {
+        "all_reduce": 2 * (n - 1) / n,
+        "all_gather": (n - 1) / n,
+        "reduce_scatter": (n - 1) / n,
+        "broadcast": (n - 1) / n,
+    }
     if kind not in factor:
         raise ValueError(f"unknown collective {kind!r}; known: {', '.join(factor)}")
     return factor[kind] * nbytes
@@ -149,7 +189,8 @@ class CommCounter(TorchDispatchMode):
             if isinstance(x, (list, tuple)):
                 return sum(size(v) for v in x)
             return 0
-        if functional:     # (input, ...): all_gather_into_tensor(shard, group_size, group)
+
+        if functional:  # (input, ...): all_gather_into_tensor(shard, group_size, group)
             return size(args[0]) * (args[1] if kind == "all_gather" else 1)
         # process-group ops: all_gather's output (args[0]) is the full buffer; reduce-scatter's
         # input (args[1]); all-reduce and broadcast: the tensors themselves (args[0])
@@ -164,20 +205,24 @@ class CommCounter(TorchDispatchMode):
 # One model, four ways to shard it (utils.demos.shard_demo drives it)
 # ----------------------------------------------------------------------------------------
 
-def shard_model(model: nn.Module, strategy: str, ctx: DistContext,
-                lr: float) -> tuple[nn.Module, torch.optim.Optimizer]:
+
+def shard_model(
+    model: nn.Module, strategy: str, ctx: DistContext, lr: float
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """(model, optimizer) for ``strategy`` on the process group of ``ctx``."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from .group import ddp
+
     model = model.to(ctx.device)
     if strategy == "ddp":
         model = ddp(model, ctx)
         return model, torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
     if strategy == "zero1":
         model = ddp(model, ctx)
-        return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
-                                              lr=lr, foreach=False)
+        return model, ZeroRedundancyOptimizer(
+            model.parameters(), optimizer_class=torch.optim.Adam, lr=lr, foreach=False
+        )
     if strategy in ("fsdp2", "fsdp2_bf16"):
         if fully_shard is None:
             raise RuntimeError("FSDP2 (fully_shard) needs torch 2.4 or later")
@@ -186,10 +231,11 @@ def shard_model(model: nn.Module, strategy: str, ctx: DistContext,
         # the CPU of a box with fewer GPUs than ranks die ("invalid device ordinal"; torch 2.4
         # segfaults, pytorch#132471).
         from torch.distributed.device_mesh import init_device_mesh
+
         kw = {"mesh": init_device_mesh(ctx.device.type, (ctx.world_size,))}
         if strategy == "fsdp2_bf16":
             kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model:                  # one all-gather per block: only one is whole at a time
+        for block in model:  # one all-gather per block: only one is whole at a time
             fully_shard(block, **kw)
         fully_shard(model, **kw)
         return model, torch.optim.Adam(model.parameters(), lr=lr, foreach=False)
@@ -200,11 +246,13 @@ def shard_model(model: nn.Module, strategy: str, ctx: DistContext,
 # Sharded checkpoints (torch.distributed.checkpoint)
 # ----------------------------------------------------------------------------------------
 
+
 def save_sharded(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> dict[str, torch.Tensor]:
     """Every rank writes its own shards (and rank 0 the metadata) to the folder ``path``.
     Returns the full (unsharded) model state, gathered, for comparing after a reload."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -216,7 +264,8 @@ def load_sharded(model: nn.Module, opt: torch.optim.Optimizer, path: str) -> int
     wrote it: DCP reshards. Returns the number of steps it was saved after."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    model_sd, optim_sd = get_state_dict(model, opt)      # the layout this run wants, to fill
+
+    model_sd, optim_sd = get_state_dict(model, opt)  # the layout this run wants, to fill
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -232,6 +281,7 @@ def export_checkpoint(path: str, out_file: str) -> dict:
     import os
 
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
     tmp = f"{out_file}.tmp{os.getpid()}"
     dcp_to_torch_save(path, tmp)
     os.replace(tmp, out_file)

@@ -16,6 +16,7 @@ So one all-reduce of ``batch x d`` per MLP in forward and one in backward. ``Col
 and ``RowwiseParallel`` (DTensor) do the same. :func:`tp_worker` checks both against one
 process and counts the collectives each issues.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,8 +31,10 @@ def column_shard(linear: nn.Linear, rank: int, world_size: int) -> tuple:
     """(weight, bias) of rank ``rank``'s output features: rows ``rank`` of ``W.chunk(N, 0)``."""
     if linear.out_features % world_size:
         raise ValueError(f"{linear.out_features} output features do not split evenly over {world_size} ranks")
-    return (linear.weight.detach().chunk(world_size, 0)[rank].clone(),
-            linear.bias.detach().chunk(world_size, 0)[rank].clone())
+    return (
+        linear.weight.detach().chunk(world_size, 0)[rank].clone(),
+        linear.bias.detach().chunk(world_size, 0)[rank].clone(),
+    )
 
 
 def row_shard(linear: nn.Linear, rank: int, world_size: int) -> torch.Tensor:
@@ -79,13 +82,13 @@ class TPMLP(nn.Module):
         w1, b1 = column_shard(block[0], rank, world_size)
         self.w1, self.b1 = nn.Parameter(w1), nn.Parameter(b1)
         self.w2 = nn.Parameter(row_shard(block[2], rank, world_size))
-        self.b2 = nn.Parameter(block[2].bias.detach().clone())   # replicated, added once
+        self.b2 = nn.Parameter(block[2].bias.detach().clone())  # replicated, added once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _CopyToTP.apply(x)                                  # f
-        h = F.gelu(F.linear(x, self.w1, self.b1))               # [batch, hidden / N]
-        partial = F.linear(h, self.w2)                          # [batch, d], a partial sum
-        return _ReduceFromTP.apply(partial) + self.b2           # g
+        x = _CopyToTP.apply(x)  # f
+        h = F.gelu(F.linear(x, self.w1, self.b1))  # [batch, hidden / N]
+        partial = F.linear(h, self.w2)  # [batch, d], a partial sum
+        return _ReduceFromTP.apply(partial) + self.b2  # g
 
 
 def tp_comm_bytes(batch_size: int, width: int, world_size: int, element_size: int = 4) -> dict:
@@ -94,5 +97,3 @@ def tp_comm_bytes(batch_size: int, width: int, world_size: int, element_size: in
     buf = batch_size * width * element_size
     per = 2 * (world_size - 1) / world_size * buf
     return {"forward_calls": 1, "backward_calls": 1, "buffer": buf, "sent_forward": per, "sent_backward": per}
-
-

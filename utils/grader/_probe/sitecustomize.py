@@ -20,18 +20,28 @@ job's loopback traffic), whether every rank trained on its own data with gradien
 synchronised every step (core.verify_ranks). A submission runs in the same processes, so it
 could send messages itself: README.md says what that costs it and what the grader still checks.
 """
+
 import os
 import sys
 
 _FD = os.environ.get("SCALING_LABS_GRADER_FD")
 _SOCK = None
-_STATE = {"rank": None, "ddp": [], "steps": [], "bytes": 0, "calls": 0, "inputs": [], "grad_bytes": 0,
-          "custom_hook": False}
+_STATE = {
+    "rank": None,
+    "ddp": [],
+    "steps": [],
+    "bytes": 0,
+    "calls": 0,
+    "inputs": [],
+    "grad_bytes": 0,
+    "custom_hook": False,
+}
 _ORIG = {}
 
 
 def _send(record):
     import json
+
     if _SOCK is None:
         return
     try:
@@ -42,20 +52,21 @@ def _send(record):
 
 def _confirm(dist):
     import torch
+
     rank, world = dist.get_rank(), dist.get_world_size()
     backend = str(dist.get_backend())
     device = torch.device("cpu")
     if backend == "nccl" and torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     ones = torch.ones(1, device=device)
-    _ORIG["all_reduce"](ones)                              # every rank must take part
+    _ORIG["all_reduce"](ones)  # every rank must take part
     _STATE["rank"] = rank
-    _send({"kind": "rank", "rank": rank, "world_size": world, "all_reduce_sum": int(ones.item()),
-           "backend": backend})
+    _send({"kind": "rank", "rank": rank, "world_size": world, "all_reduce_sum": int(ones.item()), "backend": backend})
 
 
 def _note_reduce(tensors):
     import torch
+
     for t in tensors:
         if torch.is_tensor(t) and t.is_floating_point():
             _STATE["bytes"] += t.numel() * t.element_size()
@@ -67,6 +78,7 @@ def _patch_dist(dist):
     if not hasattr(dist, "init_process_group"):
         return
     import functools
+
     from torch.distributed import distributed_c10d as c10d
 
     orig_init = dist.init_process_group
@@ -76,7 +88,7 @@ def _patch_dist(dist):
         out = orig_init(*args, **kwargs)
         try:
             _confirm(dist)
-        except Exception as e:                               # never break the submission
+        except Exception as e:  # never break the submission
             _send({"kind": "error", "error": repr(e)[:300]})
         return out
 
@@ -111,7 +123,7 @@ def _patch_ddp(module):
         orig_init(self, *args, **kwargs)
         self._grader_hooked = False
         self._grader_examples, self._grader_breaks, self._grader_last = 0, 0, None
-        _check(self, moved=True)                  # the chain starts from the weights DDP broadcast
+        _check(self, moved=True)  # the chain starts from the weights DDP broadcast
         _STATE["ddp"].append(self)
         if len(_STATE["ddp"]) <= 4 and _STATE["rank"] == 0:
             try:
@@ -120,19 +132,21 @@ def _patch_ddp(module):
                 _send({"kind": "error", "error": f"probe could not send the weights DDP wrapped: {e!r}"[:300]})
 
     def register_comm_hook(self, state, hook):
-        self._grader_hooked = True                # a hook of the submission's: it calls dist.*
+        self._grader_hooked = True  # a hook of the submission's: it calls dist.*
         _STATE["custom_hook"] = True
         return orig_register(self, state, hook)
 
     def forward(self, *args, **kwargs):
         if not getattr(self, "_grader_hooked", True):
             self._grader_hooked = True
-            try:                                  # PyTorch's default all-reduce, through dist.all_reduce
+            try:  # PyTorch's default all-reduce, through dist.all_reduce
                 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
                 orig_register(self, self.process_group, default_hooks.allreduce_hook)
             except Exception as e:
                 _send({"kind": "error", "error": f"probe could not follow DDP's reductions: {e!r}"[:300]})
         import torch
+
         if torch.is_grad_enabled():
             self._grader_examples += _batch_size(args, kwargs)
         return orig_forward(self, *args, **kwargs)
@@ -143,6 +157,7 @@ def _patch_ddp(module):
 def _digest(ddp):
     """Cheap (two ops, no host sync): the float64 sum of every parameter's values."""
     import torch
+
     with torch.no_grad():
         return torch.cat([p.detach().reshape(-1) for p in ddp.module.parameters()]).sum(dtype=torch.float64)
 
@@ -155,7 +170,7 @@ def _check(ddp, moved=False):
         if not moved:
             ddp._grader_breaks = ddp._grader_breaks + (now != ddp._grader_last).long()
         ddp._grader_last = now
-    except Exception as e:                       # fail closed, and say why
+    except Exception as e:  # fail closed, and say why
         ddp._grader_breaks = ddp._grader_breaks + 1
         ddp._grader_last = None
         _send({"kind": "error", "error": f"probe could not digest the DDP model's weights: {e!r}"[:300]})
@@ -163,7 +178,7 @@ def _check(ddp, moved=False):
 
 def _batch_size(args, kwargs):
     for a in list(args) + list(kwargs.values()):
-        for t in (a if isinstance(a, (list, tuple)) else [a]):
+        for t in a if isinstance(a, (list, tuple)) else [a]:
             if hasattr(t, "shape") and hasattr(t, "dim"):
                 return int(t.shape[0]) if t.dim() else 1
     return 0
@@ -174,14 +189,24 @@ def _send_weights(state_dict, index=0):
     training must happen under DDP, not before it."""
     import base64
     import io
+
     import torch
+
     buf = io.BytesIO()
     torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, buf)
     data, chunk = buf.getvalue(), 96 << 10
     parts = (len(data) + chunk - 1) // chunk
     for i in range(parts):
-        _send({"kind": "wrap", "rank": 0, "model": index, "part": i, "parts": parts,
-               "data": base64.b64encode(data[i * chunk:(i + 1) * chunk]).decode()})
+        _send(
+            {
+                "kind": "wrap",
+                "rank": 0,
+                "model": index,
+                "part": i,
+                "parts": parts,
+                "data": base64.b64encode(data[i * chunk : (i + 1) * chunk]).decode(),
+            }
+        )
 
 
 def _patch_optim(module):
@@ -191,6 +216,7 @@ def _patch_optim(module):
 
     def before_step(optimizer, args, kwargs):
         import torch
+
         grads, nbytes = [], 0
         for group in optimizer.param_groups:
             for p in group["params"]:
@@ -218,6 +244,7 @@ def _patch_optim(module):
 def fingerprint(state_dict):
     """sha256 over the bytes of every tensor, keys sorted (the grader computes the same)."""
     import hashlib
+
     h = hashlib.sha256()
     for k in sorted(state_dict):
         t = state_dict[k].detach().cpu().contiguous()
@@ -231,7 +258,7 @@ def _at_exit():
         return
     prints, models = [], []
     for model in _STATE["ddp"][:8]:
-        _check(model)                            # the last link: no change after the last step
+        _check(model)  # the last link: no change after the last step
         models.append([int(model._grader_examples), int(model._grader_breaks)])
         if _STATE["rank"] == 0:
             try:
@@ -241,30 +268,44 @@ def _at_exit():
     steps = [[float(g), float(i), int(b), int(c)] for g, i, b, c in _STATE["steps"]]
     chunk = 1000
     for start in range(0, max(len(steps), 1), chunk):
-        _send({"kind": "exit", "rank": _STATE["rank"], "first_step": start, "steps": steps[start:start + chunk],
-               "total_steps": len(steps), "grad_bytes": _STATE["grad_bytes"], "ddp_models": len(_STATE["ddp"]),
-               "ddp": models if start == 0 else [],
-               "custom_hook": _STATE["custom_hook"], "fingerprints": prints if start == 0 else []})
+        _send(
+            {
+                "kind": "exit",
+                "rank": _STATE["rank"],
+                "first_step": start,
+                "steps": steps[start : start + chunk],
+                "total_steps": len(steps),
+                "grad_bytes": _STATE["grad_bytes"],
+                "ddp_models": len(_STATE["ddp"]),
+                "ddp": models if start == 0 else [],
+                "custom_hook": _STATE["custom_hook"],
+                "fingerprints": prints if start == 0 else [],
+            }
+        )
 
 
 def _pass_channel_to_children():
     """torchrun starts the ranks with subprocess.Popen(close_fds=True): keep the channel open."""
     import subprocess
+
     orig = subprocess.Popen.__init__
 
     def __init__(self, *args, **kwargs):
         if kwargs.get("close_fds", True):
             kwargs["pass_fds"] = tuple(sorted(set(kwargs.get("pass_fds") or ()) | {int(_FD)}))
         env = kwargs.get("env")
-        if env is not None and "RANK" in env:    # torchrun's ranks: tell them where the channel is
+        if env is not None and "RANK" in env:  # torchrun's ranks: tell them where the channel is
             kwargs["env"] = {**env, "SCALING_LABS_GRADER_FD": _FD}
         orig(self, *args, **kwargs)
 
     subprocess.Popen.__init__ = __init__
 
 
-_HOOKS = {"torch.distributed": _patch_dist, "torch.nn.parallel.distributed": _patch_ddp,
-          "torch.optim.optimizer": _patch_optim}
+_HOOKS = {
+    "torch.distributed": _patch_dist,
+    "torch.nn.parallel.distributed": _patch_ddp,
+    "torch.optim.optimizer": _patch_optim,
+}
 
 
 def _install():
@@ -272,6 +313,7 @@ def _install():
     import fcntl
     import importlib.abc
     import socket
+
     global _SOCK, _FD
     # Out of the way of a casual look: moved to a high fd, the variable removed from this
     # process's environment (children get it back from the Popen patch). Not a secret from code
@@ -280,7 +322,7 @@ def _install():
         high = fcntl.fcntl(int(_FD), fcntl.F_DUPFD_CLOEXEC, 900)
         os.close(int(_FD))
         _FD = str(high)
-    except OSError:                              # a low RLIMIT_NOFILE: stay where it is
+    except OSError:  # a low RLIMIT_NOFILE: stay where it is
         high = int(_FD)
     _SOCK = socket.socket(fileno=high)
     os.set_inheritable(high, True)
