@@ -43,3 +43,17 @@ def test_an_unserialisable_object_never_touches_the_target(tmp_path):
         files.atomic_save({"bad": lambda: 0}, target)  # pickling fails before any byte is written
     assert torch.load(target) == {"ok": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+
+
+def test_a_streaming_writer_that_fails_midway_leaves_the_old_file(tmp_path):
+    target = tmp_path / "archive.tar"
+    files.atomic_write(target, b"old")
+    with pytest.raises(RuntimeError, match="midway"):
+        with files.atomic_open(target) as f:
+            f.write(b"half of the new")
+            raise RuntimeError("the writer failed midway")
+    assert target.read_bytes() == b"old"
+    assert [p.name for p in tmp_path.iterdir()] == ["archive.tar"]
+    with files.atomic_open(target) as f:
+        f.write(b"new")
+    assert target.read_bytes() == b"new"

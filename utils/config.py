@@ -12,6 +12,7 @@ A notebook never asks "am I in CI?"; it asks the profile::
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable, KeysView
 from types import MappingProxyType
 
 PROFILE_NAMES = ("smoke", "cpu", "gpu")
@@ -178,13 +179,13 @@ class Profile:
     def __contains__(self, key):
         return key in self._values
 
-    def keys(self):
+    def keys(self) -> KeysView[str]:
         return self._values.keys()
 
     def as_dict(self) -> dict:
         return dict(self._values)
 
-    def summary(self, keys=None) -> str:
+    def summary(self, keys: Iterable[str] | None = None) -> str:
         keys = list(keys) if keys is not None else list(self._values)
         width = max(len(k) for k in keys)
         lines = [f"profile: {self.name}  (set LAB_PROFILE to one of {', '.join(PROFILE_NAMES)})"]

@@ -34,10 +34,13 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from .files import atomic_open
 
 NUM_CLASSES = 10
 
@@ -250,7 +253,13 @@ def load_digits(n_train: int | None = None, n_val: int | None = 397, seed: int =
     return _to_splits("digits", x_tr, y_tr, x[va], y[va])
 
 
-def load_fashion_mnist(n_train=None, n_val=None, seed=0, root=None, download=True) -> Splits:
+def load_fashion_mnist(
+    n_train: int | None = None,
+    n_val: int | None = None,
+    seed: int = 0,
+    root: str | os.PathLike | None = None,
+    download: bool = True,
+) -> Splits:
     if use_standins():
         paths = _standin_paths("fashion_mnist", root)
         print(standin_notice("fashion_mnist"), flush=True)
@@ -269,7 +278,13 @@ def load_fashion_mnist(n_train=None, n_val=None, seed=0, root=None, download=Tru
     return _to_splits("fashion_mnist", x_tr, y_tr, x_va, y_va)
 
 
-def load_cifar10(n_train=None, n_val=None, seed=0, root=None, download=True) -> Splits:
+def load_cifar10(
+    n_train: int | None = None,
+    n_val: int | None = None,
+    seed: int = 0,
+    root: str | os.PathLike | None = None,
+    download: bool = True,
+) -> Splits:
     if use_standins():
         (archive,) = _standin_paths("cifar10", root)
         print(standin_notice("cifar10"), flush=True)
@@ -281,7 +296,9 @@ def load_cifar10(n_train=None, n_val=None, seed=0, root=None, download=True) -> 
     return _to_splits("cifar10", x_tr, y_tr, x_va, y_va)
 
 
-def synthetic(n: int, shape=(3, 32, 32), num_classes: int = NUM_CLASSES, seed: int = 0) -> TensorDataset:
+def synthetic(
+    n: int, shape: tuple[int, ...] = (3, 32, 32), num_classes: int = NUM_CLASSES, seed: int = 0
+) -> TensorDataset:
     """Random images and labels of any shape, for throughput work where content doesn't matter."""
     g = torch.Generator().manual_seed(seed)
     return TensorDataset(torch.randn(n, *shape, generator=g), torch.randint(0, num_classes, (n,), generator=g))
@@ -396,7 +413,14 @@ def _class_templates(rng, shape, shift: int) -> np.ndarray:
 
 
 def standin_images(
-    n: int, shape, seed: int, *, shift: int = 3, blend: float = 0.45, noise: float = 0.25, templates_seed: int = 20
+    n: int,
+    shape: tuple[int, ...],
+    seed: int,
+    *,
+    shift: int = 3,
+    blend: float = 0.45,
+    noise: float = 0.25,
+    templates_seed: int = 20,
 ) -> tuple[np.ndarray, np.ndarray]:
     """``n`` uint8 images of ``shape`` (C, H, W) and balanced int64 labels 0..9.
 
@@ -428,13 +452,8 @@ def _idx_bytes(a: np.ndarray) -> bytes:
 
 
 def _write_atomic(path: Path, write) -> None:
-    part = path.with_name(f"{path.name}.part{os.getpid()}")
-    try:
-        with open(part, "wb") as f:
-            write(f)
-        os.replace(part, path)
-    finally:
-        part.unlink(missing_ok=True)
+    with atomic_open(path, fsync=False) as f:  # an archive of tens of MB, rewritten on demand
+        write(f)
 
 
 def _gzip_to(f, payload: bytes) -> None:
@@ -442,7 +461,9 @@ def _gzip_to(f, payload: bytes) -> None:
         g.write(payload)
 
 
-def write_standins(root: str | os.PathLike | None = None, *, which=("fashion_mnist", "cifar10")) -> list[Path]:
+def write_standins(
+    root: str | os.PathLike | None = None, *, which: tuple[str, ...] = ("fashion_mnist", "cifar10")
+) -> list[Path]:
     """Write the stand-ins (deterministic: the same bytes every time) into ``standin_dir(root)``:
     Fashion-MNIST's four IDX gz files (60,000 + 10,000 images, 1x28x28) and CIFAR-10's
     ``cifar-10-python.tar.gz`` (data_batch_1..5 + test_batch pickles, 10,000 3x32x32 images each)."""
@@ -507,7 +528,7 @@ def write_standins(root: str | os.PathLike | None = None, *, which=("fashion_mni
     return out
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m utils.data", description="dataset tools")
@@ -550,7 +571,7 @@ def shard_indices(
     return idx[rank:total:world_size]
 
 
-def set_epoch(loader, epoch: int) -> None:
+def set_epoch(loader: Any, epoch: int) -> None:
     """Tell ``loader`` (or its sampler / batch sampler) which epoch starts: a rank-sharded or
     shuffled loader draws that epoch's order from it. Loaders without ``set_epoch`` are left alone."""
     for obj in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
@@ -593,7 +614,7 @@ class DeviceLoader(EpochLoader):
         *,
         shuffle: bool = True,
         drop_last: bool = False,
-        device=None,
+        device: str | torch.device | None = None,
         rank: int = 0,
         world_size: int = 1,
         seed: int = 0,
@@ -678,7 +699,7 @@ def make_loader(
     *,
     kind: str = "device",
     shuffle: bool = True,
-    device=None,
+    device: str | torch.device | None = None,
     rank: int = 0,
     world_size: int = 1,
     seed: int = 0,
@@ -686,7 +707,7 @@ def make_loader(
     pin_memory: bool | None = None,
     drop_last: bool = False,
     multiprocessing_context: str | None = None,
-):
+) -> DeviceLoader | DataLoader:
     """A loader of either kind, sharded for ``rank`` of ``world_size``.
 
     ``kind="device"``: :class:`DeviceLoader`. ``kind="dataloader"``: ``DataLoader`` over a

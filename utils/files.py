@@ -4,31 +4,36 @@ A reader (a notebook, the grader, a resumed run, a second rank) sees the old fil
 never half of one: the bytes go to a temporary file in the same folder, are flushed to disk, and
 the temporary file is renamed onto the target (``os.replace`` is atomic on one file system). A
 failure on the way leaves the old file and no temporary file behind.
+
+One deliberate exception: ``data.fetch`` downloads to ``NAME.partPID`` and renames only after the
+whole file's MD5 matched, trying the next mirror on a mismatch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
-__all__ = ["atomic_write", "atomic_write_json", "atomic_save"]
+__all__ = ["atomic_open", "atomic_write", "atomic_write_json", "atomic_save"]
 
 
-def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = True) -> Path:
-    """Write ``data`` (bytes, or text as UTF-8 with newlines kept as given) to ``path`` atomically,
-    making its folder first; returns the path."""
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, *, fsync: bool = True) -> Iterator[BinaryIO]:
+    """A binary file to write ``path`` through, for writers that stream (a tar or gzip archive):
+    the target appears, whole, only when the block ends without an exception; an exception leaves
+    the old file and no temporary file."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(data, str):
-        data = data.encode("utf-8")
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            yield f
             if fsync:
                 f.flush()
                 os.fsync(f.fileno())  # the bytes are on disk before the rename
@@ -36,7 +41,16 @@ def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = Tr
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
-    return path
+
+
+def atomic_write(path: str | os.PathLike, data: bytes | str, *, fsync: bool = True) -> Path:
+    """Write ``data`` (bytes, or text as UTF-8 with newlines kept as given) to ``path`` atomically,
+    making its folder first; returns the path."""
+    if isinstance(data, str):
+        data = data.encode("utf-8")
+    with atomic_open(path, fsync=fsync) as f:
+        f.write(data)
+    return Path(path)
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1) -> Path:

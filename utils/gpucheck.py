@@ -60,6 +60,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .files import atomic_write_json
+
 try:
     import torch
 except ImportError:  # GPU_PY (or python3) without PyTorch: say what to do, no traceback
@@ -146,12 +148,6 @@ def hardware_lines(info: dict) -> list[str]:
 # ----------------------------------------------------------------------------------------
 
 
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
-    os.replace(tmp, path)
-
-
 class Report:
     def __init__(self, out: Path, info: dict, mode: str, profile: str):
         self.out, self.info, self.mode, self.profile = Path(out), info, mode, profile
@@ -170,7 +166,7 @@ class Report:
         }
 
     def write(self) -> None:
-        _write_json(self.out / "report.json", self.as_dict())
+        atomic_write_json(self.out / "report.json", self.as_dict())
 
     @property
     def failed(self) -> list[CheckResult]:
@@ -668,7 +664,7 @@ def check_amp_fp16(ctx: Context) -> str:
     dev = torch.device("cuda", 0)
     h = _amp_fit(dev, torch.float16)
     costs = bench.amp_step_costs(models.Net(128), 256, device=dev, steps=10, repeats=5)
-    _write_json(ctx.out / "amp_costs.json", costs)
+    atomic_write_json(ctx.out / "amp_costs.json", costs)
     parts = [f"{k}: {v['syncs_per_step']:.1f} syncs/step, {v['step_s'] * 1e3:.2f} ms/step" for k, v in costs.items()]
     if costs["fp16 + GradScaler"]["syncs_per_step"] < 1:
         raise RuntimeError("expected GradScaler.step to synchronise every step; " + "; ".join(parts))

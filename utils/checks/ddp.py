@@ -20,8 +20,11 @@ from __future__ import annotations
 import inspect
 import math
 import os
+import subprocess
 import tempfile
 import textwrap
+from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import torch
@@ -238,7 +241,7 @@ def _ring_expected(n, world):
     return sum(torch.arange(n, dtype=torch.float32) + 100.0 * (r + 1) for r in range(world))
 
 
-def check_ring_all_reduce(ring_all_reduce, world_size: int = 3) -> None:
+def check_ring_all_reduce(ring_all_reduce: Callable[..., Any], world_size: int = 3) -> None:
     """``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place (like
     ``dist.all_reduce``), with N-1 reduce-scatter and N-1 all-gather steps, each one send and
     one receive posted together with ``dist.batch_isend_irecv`` (the form that works on NCCL too).
@@ -327,7 +330,7 @@ def _avg_worker(source, fn_name):
     return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
 
 
-def check_average_gradients(average_gradients, world_size: int = 2) -> None:
+def check_average_gradients(average_gradients: Callable[..., Any], world_size: int = 2) -> None:
     """``average_gradients(model)``: after ``backward()``, replace every parameter's gradient by
     its mean over all ranks (all-reduce, then divide by the world size). Run on 2 processes,
     compared with one process on the whole batch."""
@@ -375,7 +378,7 @@ def _as_lists(batches):
     return [[int(i) for i in (b.tolist() if isinstance(b, torch.Tensor) else b)] for b in batches]
 
 
-def check_shard_batches(shard_batches) -> None:
+def check_shard_batches(shard_batches: Callable[..., Any]) -> None:
     """``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the list of batches (lists
     of example indices) that ``rank`` trains on in ``epoch``, as a ``DistributedSampler`` with
     ``set_epoch(epoch)`` gives them."""
@@ -426,7 +429,7 @@ def check_shard_batches(shard_batches) -> None:
 # ---------------------------------------------------------------------------- rank-0 checkpoint
 
 
-def check_save_on_rank0(save_on_rank0) -> None:
+def check_save_on_rank0(save_on_rank0: Callable[..., Any]) -> None:
     """``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save a dict with
     ``model``, ``optimizer`` (their state dicts) and ``epoch`` to ``path``, atomically: write a
     temporary file, then ``os.replace`` it onto ``path``."""
@@ -570,7 +573,7 @@ def _overlap_worker(source, fn_name):
     return out
 
 
-def check_overlap_ddp(overlap_ddp, world_size: int = 2) -> None:
+def check_overlap_ddp(overlap_ddp: Callable[..., Any], world_size: int = 2) -> None:
     """``overlap_ddp(model, bucket_numel)``: register a hook on every parameter that launches an
     asynchronous all-reduce of its gradient (grouped in buckets of at most ``bucket_numel``
     elements; 0: one per parameter) as soon as the gradients of its bucket are ready, and return
@@ -709,7 +712,7 @@ def _trace_worker(source, fn_name, bucket_numel):
     return None
 
 
-def check_overlap_trace(overlap_ddp, bucket_numel: int = 0, world_size: int = 2) -> list:
+def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0, world_size: int = 2) -> list:
     """Trace one step of ``overlap_ddp`` with torch.profiler on 2 processes (an MLP of 5 layers)
     and check the order of its events: at least one all-reduce is launched before backward ends.
     Returns rank 0's events, (name, start_us, end_us), sorted by start."""
@@ -905,7 +908,9 @@ def _probe(argv):
             json.dump(rec, f)
 
 
-def run_script(script, nprocs=2, *args, timeout=240.0):
+def run_script(
+    script: str | os.PathLike, nprocs: int = 2, *args: str, timeout: float = 240.0
+) -> tuple[subprocess.CompletedProcess, list]:
     """Run ``script`` under torchrun with ``nprocs`` processes on the CPU (gloo) and return
     ``(completed_process, records)``: torchrun's output, and what each rank called (the probe)."""
     import json
@@ -955,7 +960,7 @@ def _script_failed(name, problem, hint, output=""):
     raise err from None
 
 
-def check_ddp_script(path) -> None:
+def check_ddp_script(path: str | os.PathLike) -> None:
     """Run the script at ``path`` under torchrun on 2 processes (gloo, CPU) with
     ``--epochs 2 --batch-size 32 --ckpt <tmp>``, ``--batch-size`` being the GLOBAL batch, and
     compare the weights rank 0 saved with one process of the serial script on the same global

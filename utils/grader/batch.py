@@ -7,15 +7,14 @@ import csv
 import io
 import json
 import math
-import os
 import queue
 import statistics
-import tempfile
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from ..files import atomic_write
 from . import sandbox
 from .core import grade, grader_info, prepare_data, write_json
 from .spec import REFERENCE_SOLUTION, Spec
@@ -123,7 +122,7 @@ def write_gradebook(reports: list[dict], path: str | Path) -> None:
     w.writeheader()
     for r in reports:
         w.writerow({k: _fmt(k, r.get(k)) for k in GRADEBOOK_FIELDS})
-    _atomic(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
 
 
 RUN_CODES = {"no_entry", "syntax_error", "too_large_submission", "crashed", "timeout", "output_limit", "grader_error"}
@@ -250,17 +249,8 @@ def gradescope_batch(reports: list[dict], spec: Spec) -> dict:
     }
 
 
-def _atomic(path, text: str) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w", newline="") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def write_gradescope(doc: dict, path: str | Path) -> None:
-    _atomic(path, json.dumps(doc, indent=1))
+    atomic_write(path, json.dumps(doc, indent=1))
 
 
 def calibrate(

@@ -41,6 +41,7 @@ import utils.data
 import utils.models
 import utils.train
 
+from ..files import atomic_write_json
 from . import sandbox, static, weights
 from .spec import ROOT, Spec
 
@@ -981,9 +982,4 @@ def _cgroup_line(text: str) -> str:
 
 
 def write_json(report: dict, path: str | Path) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, path)
+    atomic_write_json(path, report)

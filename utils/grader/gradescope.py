@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import stat
 import zipfile
 from pathlib import Path
 
+from ..files import atomic_write
 from .spec import ROOT, Spec
 
 SETUP_SH = """#!/usr/bin/env bash
@@ -72,10 +72,7 @@ def build_zip(out: str | Path, spec_path: str | Path) -> list[str]:
                 rel = str(f.relative_to(ROOT))
                 z.write(f, rel)
                 names.append(rel)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_bytes(buf.getvalue())
-    os.replace(tmp, out)
+    atomic_write(out, buf.getvalue())
     return names
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import os
 import random
 from collections.abc import Iterable
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data import EpochLoader
+from ..files import atomic_save
 
 # ----------------------------------------------------------------------------------------
 # Checkpoints: rank 0 writes, atomically; every rank resumes
@@ -94,16 +94,7 @@ def save_checkpoint(
             "rng": rngs,
             "extra": extra or {},
         }
-        path = os.fspath(path)
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        tmp = f"{path}.tmp{os.getpid()}"
-        with open(tmp, "wb") as f:
-            f.write(buf.getvalue())
-            f.flush()
-            os.fsync(f.fileno())  # the bytes are on disk before the rename
-        os.replace(tmp, path)  # atomic: old or new, never half
+        atomic_save(state, path)  # atomic (old or new, never half), on disk before the rename
         wrote = True
     if world > 1:
         dist.barrier()  # nobody reads it before it is complete

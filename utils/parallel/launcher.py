@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from ..files import atomic_write
 from .group import choose_backend, teardown
 
 if TYPE_CHECKING:
@@ -90,13 +91,6 @@ def _to_cpu(obj):
     return obj
 
 
-def _write_atomic_bytes(path: str, data: bytes) -> None:
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
 def _watch_parent(parent_pid: int) -> None:
     """Exit if the notebook that started us goes away (kernel restart): never an orphan."""
     while True:
@@ -145,12 +139,12 @@ def _entry(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, 
         payload = pickle.dumps(("error", time.time(), type(e).__name__, str(e), tb))
         # First the report, before the teardown (which can block, or wake the peers up with
         # errors of their own): the parent reads this file and stops every rank at once.
-        _write_atomic_bytes(result_path, payload)
-        _write_atomic_bytes(os.path.join(workdir, f"rank{rank}.failed"), b"")  # the flag the parent polls
+        atomic_write(result_path, payload, fsync=False)
+        atomic_write(os.path.join(workdir, f"rank{rank}.failed"), b"", fsync=False)  # the flag the parent polls
     finally:
         with contextlib.suppress(Exception):
             teardown(timeout=5.0 if code else None)  # bounded: a stuck NCCL destroy cannot hang us
-    _write_atomic_bytes(result_path, payload)
+    atomic_write(result_path, payload, fsync=False)
     log.flush()
     if code:
         os._exit(code)  # failed: exit now, whatever state the group and threads are in
