@@ -474,7 +474,10 @@ def attacked(tmp_path_factory):
     # 1. ... and a folder whose torch/ would stand in for the launcher under `python -m`.
     fake = klass / "attack_launcher"
     (fake / "torch" / "distributed").mkdir(parents=True)
-    (fake / "assessment.py").write_text("print('the real launcher started me')\n")
+    # It stays a second, so that the grader's watch (every 0.1 s) sees both workers on a busy machine.
+    (fake / "assessment.py").write_text(
+        "import time\nprint('the real launcher started me', flush=True)\ntime.sleep(1)\n"
+    )
     (fake / "torch" / "__init__.py").write_text("")
     (fake / "torch" / "distributed" / "__init__.py").write_text("")
     (fake / "torch" / "distributed" / "run.py").write_text("print('LAUNCHER HIJACKED')\n")
