@@ -80,7 +80,7 @@ standins: $(VENV)/.installed-lab
 
 # The laptop profile end to end: every notebook and solution, cpu sizes, on the stand-ins.
 notebooks-cpu: $(VENV)/.installed-test standins
-	LAB_PROFILE=cpu LAB_DATA=standin $(PY) -m pytest -q -p no:cacheprovider --durations=20 notebooks solutions $(NBVAL_FLAGS)
+	LAB_PROFILE=cpu LAB_DATA=standin $(PY) -m pytest -q -p no:cacheprovider --durations=0 --durations-min=1 notebooks solutions $(NBVAL_FLAGS)
 
 labs: $(VENV)/.installed-lab
 	$(PY) -m utils.authoring
