@@ -16,7 +16,7 @@ from typing import Any
 
 from ..files import atomic_write
 from . import sandbox
-from .core import grade, grader_info, prepare_data, write_json
+from .core import MODEL_CODES, RUN_CODES, grade, grader_info, prepare_data, write_json
 from .spec import REFERENCE_SOLUTION, Spec
 
 GRADEBOOK_FIELDS = [
@@ -125,17 +125,7 @@ def write_gradebook(reports: list[dict], path: str | Path) -> None:
     atomic_write(path, buf.getvalue())
 
 
-RUN_CODES = {"no_entry", "syntax_error", "too_large_submission", "crashed", "timeout", "output_limit", "grader_error"}
 DP_CODES = {"not_distributed", "not_data_parallel", "not_ddp_weights", "weights_changed", "too_little_data"}
-MODEL_CODES = {
-    "no_output",
-    "bad_checkpoint",
-    "unsafe_checkpoint",
-    "too_large",
-    "wrong_keys",
-    "wrong_shapes",
-    "nan_weights",
-}
 
 
 def gradescope_tests(report: dict, spec: Spec) -> list[dict]:

@@ -57,13 +57,10 @@ MAX_FILES = 200  # files in a submission folder
 MAX_STEPS = 200_000  # optimizer steps per rank the grader looks at
 
 # Reasons after which there is no model to grade: the status is "error", not "failed".
-ERROR_CODES = {
-    "no_entry",
-    "syntax_error",
-    "too_large_submission",
-    "crashed",
-    "timeout",
-    "output_limit",
+# Reasons the run or the model could not be graded as a result ("error", not "failed"); the
+# gradebook (batch.py) groups them into its columns by these two sets.
+RUN_CODES = {"no_entry", "syntax_error", "too_large_submission", "crashed", "timeout", "output_limit", "grader_error"}
+MODEL_CODES = {
     "no_output",
     "bad_checkpoint",
     "unsafe_checkpoint",
@@ -71,8 +68,8 @@ ERROR_CODES = {
     "wrong_keys",
     "wrong_shapes",
     "nan_weights",
-    "grader_error",
 }
+ERROR_CODES = RUN_CODES | MODEL_CODES
 
 
 # ----------------------------------------------------------------------------------------
