@@ -179,9 +179,11 @@ def ddp_buckets(
     As DDP's reducer assigns them once it has seen backward's order (the rebuild after the first
     step; for a feed-forward model, reverse parameter order): walk the parameters from the last,
     add each to the open bucket, and close the bucket when its bytes reach the cap (the
-    parameter that crosses it stays in). ``first_bucket_mb``: a smaller cap for the first bucket
-    (PyTorch uses 1 MiB with the default ``bucket_cap_mb``, so the first all-reduce starts
-    early); None: the same cap for all."""
+    parameter that crosses it stays in). ``first_bucket_mb``: a smaller cap for the first bucket,
+    so the first all-reduce starts early (PyTorch's reducer uses ``dist._DEFAULT_FIRST_BUCKET_BYTES``,
+    1 MiB; recent versions only when ``bucket_cap_mb`` is left at its default); None: the same
+    cap for all. All parameters are taken to share one dtype and device (DDP buckets each kind
+    apart). The tests check this against PyTorch's own ``_compute_bucket_assignment_by_size``."""
     caps = [first_bucket_mb if first_bucket_mb is not None else bucket_cap_mb, bucket_cap_mb]
     if min(caps) <= 0:
         raise ValueError(f"bucket caps must be > 0 MB, got {caps}")
