@@ -143,7 +143,7 @@ def test_ring_schedule_is_what_collectives_ring_all_reduce_sends(n, monkeypatch)
         except Exception as e:  # pragma: no cover - reported below
             errors.append(e)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
