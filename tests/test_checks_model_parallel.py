@@ -142,6 +142,17 @@ def test_library_functions_passed_directly_are_refused():
         checks.check_zero2(torch.optim.Adam, torch.optim.Adam.step)
 
 
+def test_an_attribute_named_like_a_course_module_is_not_refused(tmp_path):
+    """The lab's setup cell imports utils.device as `device`; `grads.device` is not a use of it."""
+    source = _answer_cell().replace("torch.empty_like(grads)", "torch.empty(grads.shape, device=grads.device)")
+    assert "grads.device" in source
+    fns = _notebook(source, tmp_path)
+    from utils import device
+
+    fns[1].__globals__["device"] = device
+    assert any("grads.device" in src for _, src in mp._zero2_source("zero2", fns))
+
+
 def test_names_read_code_not_strings():
     def f():
         """all_reduce"""
@@ -171,6 +182,15 @@ MISTAKES = {
     "no_divide": (
         lambda s: _replace(s, "    shard.grad /= world\n", ""),
         r"gradients were 2x too large: reduce-scatter sums.*Try: divide your shard's gradient by the world size",
+    ),
+    # averaged in the collective and divided again: gradients N x too small
+    "averaged_twice": (
+        lambda s: _replace(
+            s,
+            "dist.reduce_scatter_tensor(shard.grad, grads)",
+            "dist.reduce_scatter_tensor(shard.grad, grads, op=dist.ReduceOp.AVG)",
+        ),
+        r"(2x too small: they were averaged twice|ReduceOp.AVG failed).*Try: .*(divide by the world size|then divide)",
     ),
     # shards cut without padding: unequal shards when numel % N != 0, and the collectives refuse them
     "no_padding": (
@@ -245,3 +265,15 @@ def test_each_mistake_is_named(mistake, tmp_path):
     text = str(err.value)
     assert re.search(message, text, re.S), text
     assert "\n" not in text.split("Try:")[0], "the diagnosis is one line"
+
+
+@pytest.mark.slow
+def test_a_crash_names_the_line_of_the_function(tmp_path):
+    source = _replace(_answer_cell(), "    optimizer.step()\n", "    optimizer.step()\n    undefined_name + 1\n")
+    with pytest.raises(CheckFailed) as err:
+        checks.check_zero2(*_notebook(source, tmp_path))
+    step_lines = next(c for c in source.split("\n\n\n") if c.startswith("def zero2_step(")).splitlines()
+    line = next(i for i, text in enumerate(step_lines, 1) if "undefined_name" in text)
+    first = str(err.value).split("\n")[0]
+    assert "NameError" in first and f"(line {line} of zero2_step)" in first, first
+    assert "failed too" not in first and "undefined_name" in err.value.remote_traceback

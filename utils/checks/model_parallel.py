@@ -10,8 +10,10 @@ and ``os`` in scope.
 
 from __future__ import annotations
 
+import dis
 import inspect
 import math
+import re
 import textwrap
 from collections.abc import Callable
 from typing import Any
@@ -223,6 +225,16 @@ def _names(code) -> set:
     return names
 
 
+def _globals(code) -> set:
+    """The global names a code object (and those nested in it) reads: ``device`` in
+    ``x.device`` is an attribute, not the notebook's ``device``."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            names |= _globals(c)
+    return names
+
+
 def _notebook_functions(fns) -> list:
     """``fns`` and the functions defined in the notebook (``__main__``) they call, helpers first."""
     out, seen = [], set()
@@ -232,7 +244,7 @@ def _notebook_functions(fns) -> list:
             return
         seen.add(id(fn))
         glb = getattr(fn, "__globals__", {})
-        for n in sorted(_names(fn.__code__)):
+        for n in sorted(_globals(fn.__code__)):
             obj = glb.get(n)
             if getattr(obj, "__module__", None) in ("__main__", "__mp_main__") and hasattr(obj, "__code__"):
                 visit(obj)
@@ -243,7 +255,9 @@ def _notebook_functions(fns) -> list:
     return out
 
 
-def _zero2_source(name, fns) -> str:
+def _zero2_source(name, fns) -> list:
+    """[(function name, source)] of ``fns`` and their notebook helpers, after refusing what they
+    must not use."""
     for fn in fns:
         mod = getattr(fn, "__module__", "") or ""
         if mod.startswith(("utils", "torch")):
@@ -260,14 +274,14 @@ def _zero2_source(name, fns) -> str:
     sources = []
     for fn in funcs:
         try:
-            sources.append(textwrap.dedent(inspect.getsource(fn)))
+            sources.append((fn.__name__, textwrap.dedent(inspect.getsource(fn))))
         except (OSError, TypeError):
             _fail(
                 name,
                 f"could not read the source of {fn.__name__}",
                 "define it with `def` in a notebook cell and run that cell",
             )
-    if any("NotImplementedError" in s for s in sources):
+    if any("NotImplementedError" in src for _, src in sources):
         _call(name, _raise_not_implemented)
     for fn in funcs:
         glb = fn.__globals__
@@ -287,23 +301,31 @@ def _zero2_source(name, fns) -> str:
                     "remove it; write the step from dist.reduce_scatter_tensor, an optimizer over your "
                     "shard, and dist.all_gather_into_tensor",
                 )
+        if "utils" in _names(fn.__code__):
+            _fail(
+                name,
+                f"{fn.__name__} uses the course's utils",
+                "write the steps yourself with torch and torch.distributed",
+            )
+        for n in sorted(_globals(fn.__code__)):
             obj = glb.get(n)
-            omod = getattr(obj, "__module__", None) or getattr(obj, "__name__", "") if obj is not None else ""
-            if n == "utils" or (isinstance(omod, str) and omod.startswith("utils.")):
+            omod = getattr(obj, "__module__", None) or getattr(obj, "__name__", "")
+            if obj is not None and isinstance(omod, str) and omod.startswith("utils"):
                 _fail(
                     name,
                     f"{fn.__name__} uses {n} from the course's utils",
                     "write the steps yourself with torch and torch.distributed",
                 )
-    return "\n\n".join(sources)
+    return sources
 
 
 def _raise_not_implemented():
     raise NotImplementedError
 
 
-def _scope(source: str) -> dict:
-    """In a spawned process: define the student's functions again, with the lab's names in scope."""
+def _scope(sources: list) -> dict:
+    """In a spawned process: define the student's functions again, with the lab's names in scope;
+    each from its own source, so a traceback's line numbers count from its ``def``."""
     import math
     import os
 
@@ -311,11 +333,12 @@ def _scope(source: str) -> dict:
     import torch.nn.functional as F
 
     scope = {"torch": torch, "dist": dist, "nn": nn, "F": F, "math": math, "os": os}
-    exec(compile(source, "<your exercise cell>", "exec"), scope)
+    for fn_name, source in sources:
+        exec(compile(source, f"<your function {fn_name}>", "exec"), scope)
     return scope
 
 
-def _zero2_worker(source: str, optimizer_name: str, step_name: str) -> list:
+def _zero2_worker(sources: list, optimizer_name: str, step_name: str) -> list:
     """One rank: every model and optimizer of the check, ZERO2_STEPS steps each, on this rank's
     half of the batch; per step the flat parameters, the collectives (CommCounter) and the bytes
     of gradients left on the model; at the end the optimizer's state bytes."""
@@ -324,7 +347,7 @@ def _zero2_worker(source: str, optimizer_name: str, step_name: str) -> list:
 
     parallel.exact_fp32()  # compared with one CPU process: no TF32 on a GPU
     ctx = parallel.setup(timeout=30)
-    scope = _scope(source)
+    scope = _scope(sources)
     make_optimizer, step = scope[optimizer_name], scope[step_name]
     out = []
     for label, sizes in ZERO2_MODELS:
@@ -361,11 +384,13 @@ def _zero2_worker(source: str, optimizer_name: str, step_name: str) -> list:
     return out
 
 
-def _zero2_launch(name, source, optimizer_name, step_name):
+def _zero2_launch(name, sources, optimizer_name, step_name):
     from utils import parallel
 
     try:
-        return parallel.launch(_zero2_worker, ZERO2_WORLD, source, optimizer_name, step_name, timeout=180, stream=False)
+        return parallel.launch(
+            _zero2_worker, ZERO2_WORLD, sources, optimizer_name, step_name, timeout=180, stream=False
+        )
     except parallel.LaunchTimeout:
         _fail(
             name,
@@ -379,8 +404,8 @@ def _zero2_launch(name, source, optimizer_name, step_name):
 
 def _zero2_crash(name, e):
     """Name the likely mistake behind a rank's exception, else show its traceback."""
-    text = str(e).split("\n")[0]
-    tb = e.remote_traceback or ""
+    text = re.sub(r" \(rank\(s\) \[[\d, ]*\] failed too, after it\)", "", str(e).split("\n")[0])
+    tb = (e.remote_traceback or "").split("\n\nThe above exception was the direct cause")[0]
     case = text.split(_CASE, 1)[1].split("]")[0] + "]" if _CASE in text else ""
     error = text.split("] ", 1)[1].split(". The other ranks")[0] if _CASE in text else text
     if "not a torch.optim optimizer" in text:
@@ -392,7 +417,7 @@ def _zero2_crash(name, e):
     if "AVG" in text:
         _fail(
             name,
-            f"a reduce-scatter with ReduceOp.AVG failed on {case}: gloo, the CPU backend, only sums",
+            f"a reduce-scatter with ReduceOp.AVG failed on {case}: this backend cannot average",
             "reduce-scatter with the default op (a sum), then divide the shard's gradient by the world size",
         )
     if case.startswith("[57"):
@@ -404,9 +429,10 @@ def _zero2_crash(name, e):
             "the same size (reduce-scatter and all-gather need equal shards); drop the padding when you "
             "copy back into the parameters",
         )
-    where = next((line.strip() for line in reversed(tb.splitlines()) if "<your exercise cell>" in line), "")
+    lines = re.findall(r'File "<your function (\w+)>", line (\d+)', tb)
+    where = f" (line {lines[-1][1]} of {lines[-1][0]})" if lines else ""
     err = CheckFailed(
-        f"{name}: your code raised on {case or 'a rank'}: {error}{'  (' + where + ')' if where else ''}. "
+        f"{name}: your code raised on {case or 'a rank'}: {error}{where}. "
         f"Try: read the traceback printed below, fix the line it names, rerun the cells"
         + (f"\n\nTraceback from the rank:\n{tb}" if tb else "")
     )
@@ -432,8 +458,8 @@ def check_zero2(zero2_optimizer: Callable[..., Any], zero2_step: Callable[..., A
     from utils.parallel.shard import ring_bytes
 
     name = "zero2"
-    src = _zero2_source(name, (zero2_optimizer, zero2_step))
-    ranks = _zero2_launch(name, src, zero2_optimizer.__name__, zero2_step.__name__)
+    sources = _zero2_source(name, (zero2_optimizer, zero2_step))
+    ranks = _zero2_launch(name, sources, zero2_optimizer.__name__, zero2_step.__name__)
     world = ZERO2_WORLD
     i = 0
     for label, sizes in ZERO2_MODELS:
@@ -477,6 +503,14 @@ def check_zero2(zero2_optimizer: Callable[..., Any], zero2_step: Callable[..., A
                         f"{where}: the parameters moved as if the gradients were {world}x too large: "
                         "reduce-scatter sums, it does not average",
                         "divide your shard's gradient by the world size after the reduce-scatter",
+                    )
+                if kind == "sgd" and _close(got[0], _zero2_reference(sizes, kind, grad_scale=1 / world)[k + 1]):
+                    _fail(
+                        name,
+                        f"{where}: the parameters moved as if the gradients were {world}x too small: they were "
+                        "averaged twice",
+                        "divide once: reduce-scatter with its default operation (a sum), then divide by the world "
+                        "size (not ReduceOp.AVG as well)",
                     )
                 if numel % world:
                     _fail(
