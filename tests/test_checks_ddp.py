@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from utils import checks, parallel
+from utils import checks, device, parallel  # device: the name lab 3's setup cell binds
 from utils.checks import CheckFailed
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +112,22 @@ def ring_with_a_helper(tensor):
 def test_ring_check_refuses_the_collective_and_the_library(fn, message):
     with pytest.raises(CheckFailed, match=message):
         checks.check_ring_all_reduce(fn)
+
+
+def reads_the_tensors_device(tensor):
+    return torch.zeros(1, device=tensor.device)
+
+
+def uses_the_device_module(tensor):
+    return torch.zeros(1, device=device.get_device())
+
+
+def test_an_attribute_named_like_a_course_module_is_not_that_module():
+    from utils.checks.ddp import _source
+
+    assert "def reads_the_tensors_device" in _source("probe", reads_the_tensors_device)
+    with pytest.raises(CheckFailed, match="course's utils.device"):
+        _source("probe", uses_the_device_module)
 
 
 def test_ring_check_names_the_deadlock_of_blocking_sends():

@@ -13,6 +13,7 @@ model_parallel.py); this package re-exports them all.
 
 from __future__ import annotations
 
+import dis
 import math
 import traceback
 import types
@@ -122,3 +123,13 @@ def check_prediction(
             f"{ratio:.3g} x your number." + (f" Likely: {if_off}" if if_off else "")
         )
     return ratio
+
+
+def global_names(code) -> set:
+    """The global names a code object (and those nested in it) reads: ``device`` in
+    ``x.device`` is an attribute, not the notebook's ``device``."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            names |= global_names(c)
+    return names

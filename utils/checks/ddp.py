@@ -30,7 +30,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
+from ._common import CheckFailed, _call, _close, _fail, _passed, global_names  # noqa: F401
 
 __all__ = [
     "check_ring_all_reduce",
@@ -109,7 +109,10 @@ def _source(name, fn, forbidden=()) -> str:
     for h in [g for g in (getattr(fn, "__globals__", {}).get(n) for n in used) if hasattr(g, "__code__")]:
         used |= _code_names(h.__code__)
     glb = getattr(fn, "__globals__", {})
-    for n in sorted(used):
+    read = global_names(fn.__code__)  # x.device is an attribute, not the notebook's `device` module
+    for h in [g for g in (glb.get(n) for n in read) if hasattr(g, "__code__")]:
+        read |= global_names(h.__code__)
+    for n in sorted(read):
         obj = glb.get(n)
         omod = getattr(obj, "__module__", None) or getattr(obj, "__name__", "") if obj is not None else ""
         if isinstance(omod, str) and omod.startswith("utils.") and obj is not None and n not in ("utils",):

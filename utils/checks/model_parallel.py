@@ -10,7 +10,6 @@ and ``os`` in scope.
 
 from __future__ import annotations
 
-import dis
 import inspect
 import math
 import re
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 from ..models import mlp
-from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
+from ._common import CheckFailed, _call, _close, _fail, _passed, global_names  # noqa: F401
 
 __all__ = ["check_tensor_parallel", "check_zero_memory", "check_zero2", "check_gpipe_microbatches"]
 
@@ -225,16 +224,6 @@ def _names(code) -> set:
     return names
 
 
-def _globals(code) -> set:
-    """The global names a code object (and those nested in it) reads: ``device`` in
-    ``x.device`` is an attribute, not the notebook's ``device``."""
-    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-    for c in code.co_consts:
-        if hasattr(c, "co_names"):
-            names |= _globals(c)
-    return names
-
-
 def _notebook_functions(fns) -> list:
     """``fns`` and the functions defined in the notebook (``__main__``) they call, helpers first."""
     out, seen = [], set()
@@ -244,7 +233,7 @@ def _notebook_functions(fns) -> list:
             return
         seen.add(id(fn))
         glb = getattr(fn, "__globals__", {})
-        for n in sorted(_globals(fn.__code__)):
+        for n in sorted(global_names(fn.__code__)):
             obj = glb.get(n)
             if getattr(obj, "__module__", None) in ("__main__", "__mp_main__") and hasattr(obj, "__code__"):
                 visit(obj)
@@ -307,7 +296,7 @@ def _zero2_source(name, fns) -> list:
                 f"{fn.__name__} uses the course's utils",
                 "write the steps yourself with torch and torch.distributed",
             )
-        for n in sorted(_globals(fn.__code__)):
+        for n in sorted(global_names(fn.__code__)):
             obj = glb.get(n)
             omod = getattr(obj, "__module__", None) or getattr(obj, "__name__", "")
             if obj is not None and isinstance(omod, str) and omod.startswith("utils"):
