@@ -6,6 +6,10 @@ sharded checkpoints.
 * :func:`rank_bytes`: the bytes one rank really holds (DTensor shards counted locally).
 * :class:`CommCounter`: every collective a rank issues (DDP's all-reduce, FSDP's all-gather and
   reduce-scatter, ZeRO's broadcast), with the bytes a ring moves per rank for each.
+* :func:`zero_traffic`: the ZeRO paper's communication per step and stage, as the collectives it
+  names and the ring bytes they move per rank: stages 1 and 2 move what DDP moves, stage 3 1.5x.
+  (PyTorch's ``ZeroRedundancyOptimizer`` on top of DDP is not the paper's stage 1: it keeps DDP's
+  all-reduce and adds a broadcast of the parameters, 1.5x; :class:`CommCounter` measures it.)
 * :func:`shard_worker`: trains :func:`utils.memory.block_mlp` under ``"ddp"``, ``"zero1"``
   (``ZeroRedundancyOptimizer``), ``"fsdp2"`` (``fully_shard``) and ``"fsdp2_bf16"`` (with a bf16
   ``MixedPrecisionPolicy``) on the same global batches, and reports losses, bytes, traffic and
@@ -48,7 +52,7 @@ __all__ = [
     "rank_bytes",
     "CommCounter",
     "ring_bytes",
-    "shard_model",
+    "zero_traffic",
     "shard_model",
     "save_sharded",
     "load_sharded",
@@ -154,6 +158,30 @@ def ring_bytes(kind: str, nbytes: int, world_size: int) -> float:
     if kind not in factor:
         raise ValueError(f"unknown collective {kind!r}; known: {', '.join(factor)}")
     return factor[kind] * nbytes
+
+
+def zero_traffic(nbytes: float, world_size: int, stage: int) -> dict:
+    """The ZeRO paper's communication for one training step at ``stage`` (Rajbhandari et al.,
+    arXiv 1910.02054, section 7): the collectives it issues over a gradient or parameter buffer of
+    ``nbytes`` (the whole model's), and the bytes a ring sends per rank for them (:func:`ring_bytes`).
+
+    * stage 0 (DDP): one all-reduce of the gradients;
+    * stages 1 and 2: a reduce-scatter of the gradients (each rank keeps the reduced part it
+      updates), then an all-gather of the updated parameters: together one all-reduce's volume;
+    * stage 3: an all-gather of the parameters before forward, another before backward, and a
+      reduce-scatter of the gradients: 1.5x.
+
+    Returns ``{"calls": {kind: count}, "sent": bytes per rank}``."""
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage must be 0 (DDP), 1, 2 or 3, got {stage!r}")
+    calls = {
+        0: {"all_reduce": 1},
+        1: {"reduce_scatter": 1, "all_gather": 1},
+        2: {"reduce_scatter": 1, "all_gather": 1},
+        3: {"reduce_scatter": 1, "all_gather": 2},
+    }[stage]
+    sent = sum(k * ring_bytes(kind, nbytes, world_size) for kind, k in calls.items())
+    return {"calls": calls, "sent": sent}
 
 
 class CommCounter(TorchDispatchMode):
