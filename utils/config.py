@@ -155,8 +155,8 @@ TABLE: dict[str, tuple] = {
     "lab6_lr": (0.05, 0.05, 0.05),  # SGD (momentum 0.9) learning rate
     "lab6_item_cost_s": (1e-4, 1e-4, 2e-5),  # planted host work per image read (s): 6.4 ms per batch of 64
     "lab6_prof_steps": ((1, 1, 4), (1, 2, 5), (2, 3, 10)),  # profiler schedule: (wait, warmup, active) steps
-    "lab6_timing_steps": (8, 10, 30),  # optimizer steps per timed run
-    "lab6_timing_repeats": (5, 7, 10),  # timed rounds per variant, interleaved (median and quartiles)
+    "lab6_timing_steps": (8, 8, 30),  # optimizer steps per timed run
+    "lab6_timing_repeats": (5, 5, 10),  # timed rounds per variant, interleaved (median and quartiles)
 }
 # fmt: on
 
