@@ -31,21 +31,24 @@ ROOT = Path(__file__).resolve().parents[1]
 LAB = "lab6_profiling"
 
 
-def _solutions() -> dict:
-    """The answers of solutions/lab6_profiling.ipynb: its exercise cells, run as they are."""
+def _exercises(folder: str) -> dict:
+    """The exercise cells of FOLDER/lab6_profiling.ipynb, run as they are: the answers in solutions/,
+    the placeholders in labs/."""
     ns = {}
     exec(
         "from collections import defaultdict\nimport torch\nfrom torch import nn\n"
         "from utils import data, profiling\nfrom utils.train import Callback\n",
         ns,
     )
-    for cell in nbformat.read(ROOT / "solutions" / f"{LAB}.ipynb", 4).cells:
-        if cell.cell_type == "code" and BEGIN in cell.source and END in cell.source:
+    for cell in nbformat.read(ROOT / folder / f"{LAB}.ipynb", 4).cells:
+        if cell.cell_type == "code" and (
+            (BEGIN in cell.source and END in cell.source) or "raise NotImplementedError(" in cell.source
+        ):
             exec(cell.source, ns)
     return ns
 
 
-SOL = _solutions()
+SOL = _exercises("solutions")
 EXERCISES = [
     (checks.check_self_times, "self_times"),
     (checks.check_data_wait_fraction, "data_wait_fraction"),
@@ -60,6 +63,13 @@ EXERCISES = [
 def test_the_solution_passes(check, name, capsys):
     check(SOL[name])
     assert "\u2714" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("check,name", EXERCISES, ids=[n for _, n in EXERCISES])
+def test_the_labs_untouched_exercise_says_not_implemented(check, name):
+    lab = _exercises("labs")
+    with pytest.raises(checks.CheckFailed, match="not implemented yet.*NotImplementedError"):
+        check(lab[name])
 
 
 def placeholder(*args, **kwargs):

@@ -35,7 +35,7 @@ def _step(n, ts, dur):
 
 
 @contextlib.contextmanager
-def _no_library(*names):
+def _no_library(check: str, *names):
     """While the student's function runs, the library's own answer to the exercise raises."""
     from .. import profiling
 
@@ -43,7 +43,7 @@ def _no_library(*names):
 
     def refuse(*a, **k):
         raise CheckFailed(
-            "the exercise is to read the events yourself, not to call utils.profiling's own "
+            f"{check}: the exercise is to read the events yourself, not to call utils.profiling's own "
             f"{'/'.join(names)}. Try: loop over the events and add up their durations"
         )
 
@@ -192,7 +192,7 @@ def check_data_wait_fraction(data_wait_fraction: Callable[..., Any], item_cost_s
         _ev("Optimizer.step#SGD.step", 30000, 10000),
     ]
     want = 8000 / 20000
-    with _no_library("phase_times", "phase_times_per_step"):
+    with _no_library(name, "phase_times", "phase_times_per_step"):
         got = _number(name, _call(name, data_wait_fraction, events))
     if abs(got - 100 * want) < 1:
         _fail(name, f"returned {got:g}: a percentage", "return a fraction between 0 and 1")
@@ -226,7 +226,7 @@ def check_data_wait_fraction(data_wait_fraction: Callable[..., Any], item_cost_s
     with tempfile.TemporaryDirectory() as tmp:
         loader = torch.utils.data.DataLoader(SlowDataset(_tiny_data(), item_cost_s), batch_size=16)
         _, real = _tiny_run(tmp, loader=loader, steps=(1, 1, 2))
-    with _no_library("phase_times", "phase_times_per_step"):
+    with _no_library(name, "phase_times", "phase_times_per_step"):
         got = _number(name, _call(name, data_wait_fraction, real))
     steps = profiling.profiler_steps(real)
     floor = 16 * item_cost_s * 1e6 * len(steps) / sum(s["dur"] for s in steps)
