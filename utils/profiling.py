@@ -10,6 +10,10 @@ The trace is the file ``tensorboard --logdir runs/profiles`` (with torch-tb-prof
 https://ui.perfetto.dev open. Nothing here edits the training loop: the profiler is stepped by a
 ``fit`` callback, the phases are labelled by a forward hook and a loader wrapper, and the rest
 (backward, optimizer, collectives, syncs) carries the names PyTorch already gives it.
+
+Lab 6 profiles a run with three planted bottlenecks, built from the pieces at the end of this
+module: :func:`planted_loader`, :class:`StandardizeEveryStep`, :class:`LogLossEveryStep`, and
+its model :func:`lab_model`.
 """
 
 from __future__ import annotations
