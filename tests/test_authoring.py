@@ -82,6 +82,7 @@ OWNED_TIERED = [
     "lab2_throughput",
     "lab4_large_batch",
     "lab5_memory_and_model_parallel",
+    "lab6_profiling",
 ]
 TRIVIAL = {"pass", "else:", "try:", "continue", "break", "return", "finally:"}
 

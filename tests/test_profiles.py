@@ -75,6 +75,7 @@ def _loads(cfg):
         ("03_ddp (utils.ddp_train)", cfg.dataset, cfg.ddp_n_train, cfg.ddp_n_val, cfg.ddp_batch_size),
         ("04_large_batch / lab4", cfg.lb_dataset, cfg.n_train, cfg.n_val, max(cfg.lb_batch_sizes)),
         ("06_clusters_and_profiling", cfg.dataset, prof_images, 64, cfg.prof_batch_size),
+        ("lab6_profiling", cfg.dataset, cfg.lab6_n_train, cfg.n_val, cfg.lab6_batch_size),
     ]
 
 

@@ -147,6 +147,16 @@ TABLE: dict[str, tuple] = {
     "prof_bucket_caps_mb": ((0.25, 100), (1, 100), (25, 1000)),  # small vs one-bucket DDP caps (MB)
     "rdzv_timeout_s": (2, 5, 10),  # seconds the failure demos wait before giving up
     # --- stage 5: assessment: its sizes live in the spec files (labs/assessment/spec_*.toml) ---
+    # --- lab 6: profiling a run with planted bottlenecks (solutions/lab6_profiling) ---
+    "lab6_n_train": (1400, 5_000, 50_000),  # training images; the planted standardisation reads all of them every step
+    "lab6_batch_size": (64, 64, 256),  # images per step
+    "lab6_width": (64, 256, 1024),  # MLP width (models.mlp)
+    "lab6_depth": (3, 3, 3),  # MLP Linear layers
+    "lab6_lr": (0.05, 0.05, 0.05),  # SGD (momentum 0.9) learning rate
+    "lab6_item_cost_s": (1e-4, 1e-4, 2e-5),  # planted host work per image read (s): 6.4 ms per batch of 64
+    "lab6_prof_steps": ((1, 1, 4), (1, 2, 5), (2, 3, 10)),  # profiler schedule: (wait, warmup, active) steps
+    "lab6_timing_steps": (8, 8, 30),  # optimizer steps per timed run
+    "lab6_timing_repeats": (5, 5, 10),  # timed rounds per variant, interleaved (median and quartiles)
 }
 # fmt: on
 

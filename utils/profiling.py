@@ -10,6 +10,10 @@ The trace is the file ``tensorboard --logdir runs/profiles`` (with torch-tb-prof
 https://ui.perfetto.dev open. Nothing here edits the training loop: the profiler is stepped by a
 ``fit`` callback, the phases are labelled by a forward hook and a loader wrapper, and the rest
 (backward, optimizer, collectives, syncs) carries the names PyTorch already gives it.
+
+Lab 6 profiles a run with three planted bottlenecks, built from the pieces at the end of this
+module: :func:`planted_loader`, :class:`StandardizeEveryStep`, :class:`LogLossEveryStep`, and
+its model :func:`lab_model`.
 """
 
 from __future__ import annotations
@@ -46,6 +50,9 @@ PHASE_COLORS = {
     "communication": "tab:red",
     "sync": "black",
 }
+# The categories of a trace's host-side events (the ones key_averages() counts as CPU time); the
+# device's own events (kernels, copies, gpu_user_annotation) sit on lanes of their own.
+HOST_EVENT_CATS = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
 SYNC_OPS = (
     "aten::item",
     "aten::_local_scalar_dense",
@@ -242,16 +249,20 @@ def profile_fit(
     steps: tuple[int, int, int] = (1, 1, 3),
     worker_name: str = "rank0",
     callbacks: Iterable[Callback] = (),
+    record_shapes: bool = False,
     **fit_kwargs: Any,
 ) -> tuple[torch.profiler.profile, str]:
     """Run ``fit`` for ``wait + warmup + active`` optimizer steps under the profiler, with phases
-    labelled; returns ``(profiler, trace_path)``. ``steps = (wait, warmup, active)``."""
+    labelled; returns ``(profiler, trace_path)``. ``steps = (wait, warmup, active)``;
+    ``record_shapes``: each op's input shapes go into the trace (``args["Input Dims"]``)."""
     wait, warmup, active = steps
     fit_kwargs.setdefault("progress", False)
     with (
         _quiet_kineto(),
         phase_labels(model),
-        make_profiler(trace_dir, worker_name=worker_name, wait=wait, warmup=warmup, active=active) as prof,
+        make_profiler(
+            trace_dir, worker_name=worker_name, wait=wait, warmup=warmup, active=active, record_shapes=record_shapes
+        ) as prof,
     ):
         fit(
             model,
@@ -546,3 +557,65 @@ def overlap_report(events: list[dict]) -> dict[str, float]:
         "backward_after_first_launch": sum(after) / len(after) if after else 0.0,
         "comm_overlapped": hidden / comm_total if comm_total > 0 else 0.0,
     }
+
+
+# ----------------------------------------------------------------------------------------
+# Lab 6: a training run with three planted bottlenecks
+# ----------------------------------------------------------------------------------------
+
+
+class StandardizeEveryStep(torch.nn.Module):
+    """``x -> (x - mean) / (std + eps)``, feature by feature, with the statistics of ``reference``
+    (the training images). PLANTED BOTTLENECK: the statistics are a constant, yet every call
+    computes them again from the whole ``reference`` (one pass over the training set per step)."""
+
+    def __init__(self, reference: torch.Tensor, eps: float = 1e-5):
+        super().__init__()
+        self.register_buffer("reference", reference, persistent=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        std, mean = torch.std_mean(self.reference, dim=0)  # the whole training set, every step
+        return (x - mean) / (std + self.eps)
+
+
+class LogLossEveryStep(Callback):
+    """A ``fit`` callback that keeps every step's loss in ``self.losses`` (floats). PLANTED
+    BOTTLENECK: ``.item()`` reads the loss on the host every step, a host sync: on a GPU the host
+    waits there until the device has finished the step, so it cannot queue the next one ahead."""
+
+    def __init__(self):
+        self.losses: list[float] = []
+
+    def on_step_end(self, state: SimpleNamespace) -> None:
+        self.losses.append(state.loss.item())  # a host sync, every step
+
+
+def planted_loader(dataset: torch.utils.data.Dataset, batch_size: int, item_cost_s: float, *, seed: int = 0):
+    """PLANTED BOTTLENECK: every image costs ``item_cost_s`` of host work when it is read
+    (``bench.SlowDataset``: decoding, in a real pipeline), in the training process itself
+    (``num_workers=0``), every epoch. Batches in ``data.make_loader``'s order for ``seed``."""
+    from .bench import SlowDataset
+    from .data import make_loader
+
+    return make_loader(SlowDataset(dataset, item_cost_s), batch_size, kind="dataloader", num_workers=0, seed=seed)
+
+
+def lab_model(
+    reference: torch.Tensor,
+    width: int,
+    depth: int,
+    *,
+    standardize: Callable[[torch.Tensor], torch.nn.Module] = StandardizeEveryStep,
+    num_classes: int = 10,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> torch.nn.Sequential:
+    """Lab 6's model: ``standardize(reference)`` (the planted :class:`StandardizeEveryStep` by
+    default), then the course's MLP (``models.mlp``, ``depth`` layers of ``width``, images
+    flattened), weights drawn from ``seed``: the same seed gives the same weights."""
+    from .models import mlp
+
+    reference = reference.to(device)
+    net = mlp(width, depth, in_features=reference[0].numel(), out_features=num_classes, flatten=True, seed=seed)
+    return torch.nn.Sequential(standardize(reference), net).to(device)

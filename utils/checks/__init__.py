@@ -6,4 +6,5 @@ from .environment import *  # noqa: F401,F403
 from .gd_sgd import *  # noqa: F401,F403
 from .large_batch import *  # noqa: F401,F403
 from .model_parallel import *  # noqa: F401,F403
+from .profiling import *  # noqa: F401,F403
 from .throughput import *  # noqa: F401,F403
