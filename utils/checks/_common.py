@@ -8,7 +8,7 @@ Usage in a lab, right after an exercise cell::
 Each ``check_*`` prints one line starting with a tick when everything passes and raises
 :class:`CheckFailed` (an AssertionError) with the diagnosis otherwise. Each topic keeps its
 checks in its own module here (environment.py, gd_sgd.py, throughput.py, ddp.py, large_batch.py,
-model_parallel.py); this package re-exports them all.
+model_parallel.py, profiling.py); this package re-exports them all.
 """
 
 from __future__ import annotations
