@@ -48,3 +48,8 @@ def batchnorm(ctx: parallel.DistContext, per_rank: int = 4) -> dict[str, Any]:
         sync = nn.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm2d(x.shape[1]))
         out["library"] = parallel.ddp(sync, ctx)(x).detach().cpu()
     return out
+
+
+def worker(per_rank: int = 4) -> dict[str, Any]:
+    """:func:`batchnorm` alone on every rank (``parallel.launch(batchnorm_demo.worker, N)``)."""
+    return batchnorm(parallel.setup(), per_rank)

@@ -156,3 +156,9 @@ def worker(n: int, batch: int, width: int, caps: Iterable[float], repeats: int) 
         "accumulation": accumulation(ctx, ds, batch),
         "buckets": buckets(ctx, width, caps, repeats),
     }
+
+
+def join_worker(divide_by_initial_world_size: bool = True) -> dict[str, Any]:
+    """:func:`uneven_with_join` alone on every rank (``parallel.launch(ddp_demo.join_worker, N)``)."""
+    parallel.exact_fp32()
+    return uneven_with_join(parallel.setup(), divide_by_initial_world_size)
