@@ -66,4 +66,6 @@ def test_batchnorm_synced_by_hand_is_the_global_batch_and_plain_ddp_is_ghost_bn(
 def test_dataparallel_on_a_cpu_just_calls_the_module():
     out = dataparallel_demo.run(batch=6)
     assert out["device_ids"] == [] and out["max_diff"] == 0.0
-    assert [(pid, tid, rows) for pid, tid, _, rows in out["calls"]] == [(out["pid"], threading.get_ident(), 6)]
+    assert [(pid, tid, rows) for pid, tid, _, rows in out["calls"]] == [
+        (out["pid"], threading.current_thread().name, 6)
+    ]

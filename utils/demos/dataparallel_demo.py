@@ -11,22 +11,23 @@ from torch import nn
 
 
 class WhereAmI(nn.Module):
-    """A linear layer that notes, for every forward call, the process, the thread, the device and
-    the number of rows it got. DataParallel's replicas share the list ``calls``."""
+    """A linear layer that notes, for every forward call, the process, the thread (by name, which is
+    unique; a finished thread's id can be reused), the device and the number of rows it got.
+    DataParallel's replicas share the list ``calls``."""
 
-    def __init__(self, calls: list[tuple[int, int, str, int]], features: int = 8):
+    def __init__(self, calls: list[tuple[int, str, str, int]], features: int = 8):
         super().__init__()
         self.calls = calls
         self.linear = nn.Linear(features, features)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.calls.append((os.getpid(), threading.get_ident(), str(x.device), x.shape[0]))
+        self.calls.append((os.getpid(), threading.current_thread().name, str(x.device), x.shape[0]))
         return self.linear(x)
 
 
 def run(batch: int = 16) -> dict[str, object]:
     """One forward of ``batch`` rows through ``nn.DataParallel`` on every visible GPU (none on a CPU)."""
-    calls: list[tuple[int, int, str, int]] = []
+    calls: list[tuple[int, str, str, int]] = []
     torch.manual_seed(0)
     model = WhereAmI(calls)
     x = torch.randn(batch, 8)
@@ -40,5 +41,5 @@ def run(batch: int = 16) -> dict[str, object]:
         "calls": calls,
         "max_diff": (y - expected).abs().max().item(),
         "pid": os.getpid(),
-        "thread": threading.get_ident(),
+        "thread": threading.current_thread().name,
     }
