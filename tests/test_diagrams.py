@@ -225,12 +225,6 @@ def test_ddp_timeline_hand_case():
     assert (tl["t_backward"], tl["t_overlap"], tl["t_serial"]) == pytest.approx((3, 7, 9))
 
 
-def test_allreduce_seconds_is_the_alpha_beta_formula():
-    n, s, alpha, bw = 8, 100e6, 5e-6, 50e9
-    assert diagrams.allreduce_seconds(s, n, alpha, bw) == pytest.approx(2 * (n - 1) * alpha + 2 * (n - 1) / n * s / bw)
-    assert diagrams.allreduce_seconds(s, 1, alpha, bw) == 0.0
-
-
 @pytest.mark.parametrize("cap", [0.5, 1, 4, 8, 25, 1000])
 def test_overlap_never_ends_after_serial(cap):
     model = models.mlp(512, 6)

@@ -42,7 +42,6 @@ __all__ = [
     "ring_allreduce_figure",
     "ddp_buckets",
     "ddp_timeline",
-    "allreduce_seconds",
     "ddp_overlap_figure",
     "zero_segments",
     "zero_stages_figure",
@@ -199,15 +198,6 @@ def ddp_buckets(
     return buckets
 
 
-def allreduce_seconds(nbytes: float, world_size: int, alpha_s: float, bandwidth: float) -> float:
-    """Ring all-reduce time in the alpha-beta model (notebook 03, section 3): ``2(N-1)`` steps of
-    latency ``alpha_s``, plus the ``2(N-1)/N`` of ``nbytes`` each rank sends over ``bandwidth``
-    (bytes/s)."""
-    if world_size < 2:
-        return 0.0
-    return 2 * (world_size - 1) * alpha_s + collectives.ring_allreduce_bytes(nbytes, world_size) / bandwidth
-
-
 def _layers(model: nn.Module) -> list[tuple[str, list[int]]]:
     """Modules that own parameters directly, in definition order, with the indices (into
     ``model.parameters()``) of their parameters."""
@@ -236,7 +226,7 @@ def ddp_timeline(
     Compute: the layers' backwards in reverse order, each ``4 x batch_size x its parameters``
     FLOPs (two matrix products: the input's gradient and the weight's) at ``flops`` per second;
     a layer's gradients are ready when its backward ends. Communication: the buckets of
-    :func:`ddp_buckets`, each all-reduced (:func:`allreduce_seconds`) when its last gradient is
+    :func:`ddp_buckets`, each all-reduced (:func:`utils.parallel.collectives.allreduce_time`) when its last gradient is
     ready and the previous all-reduce is done (one communication stream). The serial
     alternative all-reduces the same buckets one after another once backward has ended.
 
@@ -257,7 +247,7 @@ def ddp_timeline(
     buckets, comm_free, serial_free = [], 0.0, t_backward
     for b in ddp_buckets(nbytes, bucket_cap_mb, first_bucket_mb):
         size = sum(nbytes[i] for i in b)
-        cost = allreduce_seconds(size, world_size, alpha_s, bandwidth)
+        cost = collectives.allreduce_time(size, world_size, alpha_s, bandwidth)
         ready = max(ready_of_param[i] for i in b)
         start = max(ready, comm_free)
         comm_free = start + cost

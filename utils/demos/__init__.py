@@ -5,14 +5,18 @@ experiment and the small helpers it needs. The mechanisms themselves (process gr
 sharding, tensor and pipeline parallelism) live in :mod:`utils.parallel`, which never imports
 from here. A notebook shows a worker's code with :func:`show_source` before launching it.
 
-================== =====================================================================
+===================== ==================================================================
 ``collectives_demo`` notebook 03: the four collectives, the ring timed against all_reduce
 ``ddp_demo``         notebook 03: DDP by hand and with DDP, Join, no_sync, buckets and overlap
 ``hang_demo``        notebook 03: uneven inputs hang; a collective timeout ends it
+``plain_serial``     notebook 03: the serial script in plain PyTorch (run with ``python -m``)
+``plain_ddp``        notebook 03: the same script made data-parallel (run with ``torchrun -m``)
+``batchnorm_demo``   notebook 03: per-rank BatchNorm statistics against synchronised ones
+``dataparallel_demo`` notebook 03: threads of one process under ``nn.DataParallel``
 ``shard_demo``       notebook 05: DDP, ZeRO-1 and FSDP2 trained side by side, bytes and traffic
 ``tp_demo``          notebook 05: the Megatron split by hand and with parallelize_module
 ``pp_demo``          notebook 05: GPipe by hand and the library's GPipe/1F1B schedules
-================== =====================================================================
+===================== ==================================================================
 """
 
 from __future__ import annotations

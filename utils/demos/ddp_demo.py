@@ -1,11 +1,12 @@
-"""Notebook 03, sections 4 to 6: DDP by hand and with ``DistributedDataParallel`` (compared with one
-process), uneven inputs under ``Join``, gradient accumulation with ``no_sync``, and bucket sizes
-against overlap. One launch runs them all: ``parallel.launch(ddp_demo.worker, N, ...)``."""
+"""Notebook 03: DDP by hand and with ``DistributedDataParallel`` (compared with one process),
+uneven inputs under ``Join`` (and how its average is divided), gradient accumulation with
+``no_sync``, bucket sizes against overlap, and BatchNorm's statistics (``batchnorm_demo``). One launch runs them all: ``parallel.launch(ddp_demo.worker, N, ...)``."""
 
 # No `from __future__ import annotations` here: DDP's register_comm_hook compares the hook's annotations
 # with dist.GradBucket and Future[Tensor] themselves, and refuses them as strings.
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -18,6 +19,7 @@ from torch.distributed.algorithms.join import Join
 from torch.utils.data import TensorDataset
 
 from utils import data, device, models, parallel
+from utils.demos import batchnorm_demo
 from utils.train import fit
 
 
@@ -50,15 +52,23 @@ def with_ddp(ctx: parallel.DistContext, ds: TensorDataset, batch: int) -> dict[s
     return model.module.state_dict()
 
 
-def uneven_with_join(ctx: parallel.DistContext) -> int:
+def uneven_with_join(ctx: parallel.DistContext, divide_by_initial_world_size: bool = True) -> dict[str, Any]:
     model = parallel.ddp(small_net(0), ctx)
     n_batches = 3 if ctx.rank == 0 else 2  # the same uneven split
-    with Join([model]):
+    g = torch.Generator().manual_seed(ctx.rank)  # each rank its own data
+    with Join([model], divide_by_initial_world_size=divide_by_initial_world_size):
         for _ in range(n_batches):
-            x, y = torch.randn(8, 1, 8, 8, device=ctx.device), torch.randint(0, 10, (8,), device=ctx.device)
-            nn.functional.cross_entropy(model(x), y).backward()
+            x, y = torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
+            model.zero_grad()
+            nn.functional.cross_entropy(model(x.to(ctx.device)), y.to(ctx.device)).backward()
     dist.barrier()  # now reached by everyone
-    return n_batches
+    out = {"batches": n_batches}
+    if ctx.rank == 0:  # rank 0's last batch was all-reduced with rank 1 already joined
+        alone = small_net(0).to(ctx.device)  # the same weights (no step was taken), no DDP
+        nn.functional.cross_entropy(alone(x.to(ctx.device)), y.to(ctx.device)).backward()
+        out["own_grad"] = [p.grad.cpu() for p in alone.parameters()]  # rank 0's gradient, not averaged
+        out["ddp_grad"] = [p.grad.cpu() for p in model.parameters()]  # what DDP left after the all-reduce
+    return out
 
 
 def counting_hook(calls: list[int], bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -139,7 +149,16 @@ def worker(n: int, batch: int, width: int, caps: Iterable[float], repeats: int) 
         "init": init,
         "hand": hand,
         "ddp": with_ddp(ctx, ds, batch),
-        "join_batches": uneven_with_join(ctx),
+        "join": uneven_with_join(ctx),
+        "join_live_ranks": uneven_with_join(ctx, divide_by_initial_world_size=False),
+        "batchnorm": batchnorm_demo.batchnorm(ctx),
+        "pid": os.getpid(),
         "accumulation": accumulation(ctx, ds, batch),
         "buckets": buckets(ctx, width, caps, repeats),
     }
+
+
+def join_worker(divide_by_initial_world_size: bool = True) -> dict[str, Any]:
+    """:func:`uneven_with_join` alone on every rank (``parallel.launch(ddp_demo.join_worker, N)``)."""
+    parallel.exact_fp32()
+    return uneven_with_join(parallel.setup(), divide_by_initial_world_size)

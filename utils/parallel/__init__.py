@@ -32,7 +32,16 @@ live in :mod:`utils.demos`; nothing here imports them.
 """
 
 from .checkpoint import Checkpointer, EpochOffset, load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from .collectives import alpha_beta_fit, average_gradients, ring_all_reduce, ring_allreduce_bytes
+from .collectives import (
+    allreduce_time,
+    alpha_beta_fit,
+    average_gradients,
+    ddp_efficiency,
+    parameter_server_bytes,
+    ring_all_reduce,
+    ring_allreduce_bytes,
+    ring_alpha_beta_fit,
+)
 from .env import RendezvousEnv, expand_hostlist, expand_tasks_per_node, rendezvous_env
 from .group import (
     DEFAULT_TIMEOUT_S,
@@ -73,6 +82,10 @@ __all__ = [
     "Checkpointer",
     "ring_allreduce_bytes",
     "alpha_beta_fit",
+    "ring_alpha_beta_fit",
+    "allreduce_time",
+    "ddp_efficiency",
+    "parameter_server_bytes",
     "torchrun",
     "DEFAULT_TIMEOUT_S",
     "zero_bytes",

@@ -1,4 +1,10 @@
-"""Collectives by hand: the ring all-reduce, gradient averaging, and the alpha-beta cost model."""
+"""Collectives by hand: the ring all-reduce, gradient averaging, and the alpha-beta cost model.
+
+The cost model counts the latency alpha once per message. A ring all-reduce of N ranks takes
+2(N-1) steps, each one message per rank, so its time is
+``2(N-1) * alpha + 2(N-1)/N * nbytes / bandwidth`` (:func:`allreduce_time`).
+:func:`ring_alpha_beta_fit` fits exactly that form, so its alpha is the latency of one step, not
+of a whole all-reduce (:func:`alpha_beta_fit` is the plain line underneath)."""
 
 from __future__ import annotations
 
@@ -76,11 +82,51 @@ def ring_allreduce_bytes(nbytes: float, world_size: int) -> float:
     return 2.0 * (world_size - 1) / world_size * nbytes if world_size > 1 else 0.0
 
 
+def parameter_server_bytes(nbytes: float, world_size: int) -> float:
+    """Bytes the server sends per step with ``world_size`` workers (it receives as many): each
+    worker pushes its ``nbytes`` of gradients to the server and pulls ``nbytes`` of weights back.
+    The busiest node's traffic grows as N; a ring's (:func:`ring_allreduce_bytes`) stays below 2."""
+    return float(world_size) * nbytes
+
+
+def allreduce_time(nbytes: float, world_size: int, alpha: float, bandwidth: float) -> float:
+    """Seconds for a ring all-reduce of ``nbytes`` on ``world_size`` ranks: 2(N-1) steps of one
+    message each, every message paying the latency ``alpha`` (seconds), plus the bytes each rank
+    sends, ``2(N-1)/N * nbytes``, over ``bandwidth`` (bytes/s). Zero for one rank."""
+    if world_size <= 1:
+        return 0.0
+    return 2 * (world_size - 1) * alpha + ring_allreduce_bytes(nbytes, world_size) / bandwidth
+
+
+def ddp_efficiency(
+    t_compute: float, nbytes: float, world_size: int, alpha: float, bandwidth: float, overlap: float = 0.0
+) -> float:
+    """Predicted scaling efficiency of data parallelism: ``t_compute / (t_compute + exposed)``, where
+    ``exposed`` is the part of :func:`allreduce_time` not hidden behind backward (``overlap`` is the
+    hidden share, 0 to 1). One rank: 1. The model leaves out everything but the all-reduce."""
+    if not 0.0 <= overlap <= 1.0:
+        raise ValueError(f"overlap is a share of the communication, 0 to 1; got {overlap}")
+    t_comm = allreduce_time(nbytes, world_size, alpha, bandwidth)
+    return t_compute / (t_compute + (1.0 - overlap) * t_comm)
+
+
+def ring_alpha_beta_fit(nbytes: Sequence[float], seconds: Sequence[float], world_size: int) -> tuple[float, float]:
+    """Fit :func:`allreduce_time` to all-reduces of messages of ``nbytes`` timed on ``world_size``
+    ranks. Returns (alpha: seconds per message, one ring step; bandwidth: bytes/s, what each link
+    delivers, NCCL's "bus bandwidth"). Use both with :func:`allreduce_time`, which counts alpha
+    2(N-1) times: the fitted whole-all-reduce latency divided by 2(N-1)."""
+    if world_size < 2:
+        raise ValueError("an all-reduce on one rank sends nothing: time it on 2 or more")
+    latency, per_message_bw = alpha_beta_fit(nbytes, seconds)  # t = latency + nbytes / per_message_bw
+    return latency / (2 * (world_size - 1)), per_message_bw * ring_allreduce_bytes(1.0, world_size)
+
+
 def alpha_beta_fit(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
-    """Least-squares fit of ``t = alpha + nbytes / bandwidth`` to measured times.
+    """Least-squares fit of the line ``t = alpha + nbytes / bandwidth`` to measured times.
 
     Returns (alpha in seconds, bandwidth in bytes/s). The latency alpha dominates small
-    messages, the bandwidth term large ones."""
+    messages, the bandwidth term large ones. Here alpha is the whole fixed cost of one timed
+    operation; for a ring all-reduce, :func:`ring_alpha_beta_fit` splits it per message."""
     x = np.asarray(nbytes, dtype=float)
     y = np.asarray(seconds, dtype=float)
     if len(x) < 2:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import math
 
+from .collectives import allreduce_time
+
 __all__ = [
     "NCCL_NET_HOP_S",
     "IB_HDR_BW",
@@ -58,11 +60,9 @@ def tree_steps(world_size: int) -> int:
 
 
 def ring_allreduce_time(nbytes: float, world_size: int, alpha: float, bw: float) -> float:
-    """Seconds for a ring all-reduce of ``nbytes``: ``2(N-1) alpha + 2(N-1)/N nbytes / bw``."""
-    n = world_size
-    if n == 1:
-        return 0.0
-    return ring_steps(n) * alpha + 2 * (n - 1) / n * nbytes / bw
+    """Seconds for a ring all-reduce of ``nbytes``: ``2(N-1) alpha + 2(N-1)/N nbytes / bw``, the
+    course's one ring model (:func:`utils.parallel.collectives.allreduce_time`)."""
+    return allreduce_time(nbytes, world_size, alpha, bw)
 
 
 def tree_allreduce_time(nbytes: float, world_size: int, alpha: float, bw: float) -> float:
