@@ -147,6 +147,10 @@ TABLE: dict[str, tuple] = {
     "prof_bucket_caps_mb": ((0.25, 100), (1, 100), (25, 1000)),  # small vs one-bucket DDP caps (MB)
     "rdzv_timeout_s": (2, 5, 10),  # seconds the failure demos wait before giving up
     # --- stage 5: assessment: its sizes live in the spec files (labs/assessment/spec_*.toml) ---
+    # --- notebook 04_large_batch: sharp minima (Keskar et al.) ---
+    "lb_sharp_max_epochs": (200, 200, 400),  # cap on the large-batch run that trains to the small one's loss
+    "lb_sharp_rel": (0.1, 0.1, 0.1),  # perturbation size, relative to each parameter tensor's norm
+    "lb_sharp_draws": (20, 20, 20),  # random perturbations averaged
 }
 # fmt: on
 
