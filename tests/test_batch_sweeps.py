@@ -21,3 +21,20 @@ def test_steps_to_target_sweep_smoke():
     for r in rows:
         assert r["steps_to_target"] is not None and r["steps_to_target"] <= 60, r
         assert r["eval_every"] == max(1, 32 // r["batch_size"])
+
+
+def test_plot_marks_the_rows_at_the_rate_cap():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = [
+        {"batch_size": b, "lr": min(0.01 * b / 4, 0.05), "steps_to_target": s}
+        for b, s in [(4, 400), (16, 110), (64, 60), (256, 50)]
+    ]
+    fig, fitted = batch_sweeps.plot_steps_to_target(rows, lr_cap=0.05)
+    ax = fig.axes[0]
+    hollow = [ln for ln in ax.get_lines() if ln.get_label().startswith("measured, rate capped")]
+    assert len(hollow) == 1 and sorted(hollow[0].get_xdata()) == [64, 256], "the rows at the cap are 64 and 256"
+    filled = [ln for ln in ax.get_lines() if ln.get_label() == "measured"]
+    assert sorted(filled[0].get_xdata()) == [4, 16]
+    assert fitted["b_crit"] > 0

@@ -64,3 +64,32 @@ def test_loss_surface_matches_direct_mse(points):
     L = linear_regression.loss_surface(x, y, wg, bg)
     assert L.shape == (4, 5)
     assert math.isclose(float(L[1, 3]), linear_regression.mse(x, y, float(wg[3]), float(bg[1])), rel_tol=1e-9)
+
+
+def test_gd_threshold_is_two_over_the_largest_hessian_eigenvalue(points):
+    """Oracle: autograd's Hessian of the MSE and torch's symmetric eigensolver; then GD itself
+    converges just below the threshold and diverges just above it."""
+    x, y = points
+    H = torch.autograd.functional.hessian(
+        lambda v: ((v[0] * x + v[1] - y) ** 2).mean(), torch.zeros(2, dtype=torch.float64)
+    )
+    assert torch.allclose(linear_regression.hessian(x), H, rtol=1e-12)
+    threshold = linear_regression.gd_lr_threshold(x)
+    assert math.isclose(threshold, 2 / torch.linalg.eigvalsh(H).max().item(), rel_tol=1e-12)
+    w_star, b_star = linear_regression.least_squares(x, y)
+    below = linear_regression.gd(x, y, -1.0, 3.0, 0.95 * threshold, 2000)[-1]
+    above = linear_regression.gd(x, y, -1.0, 3.0, 1.05 * threshold, 2000)[-1]
+    assert abs(below[0] - w_star) < 1e-6 and abs(below[1] - b_star) < 1e-6
+    assert not torch.isfinite(above).all() or above.abs().max() > 1e6
+
+
+def test_panel_slider_reaches_past_the_divergence_threshold(points, monkeypatch):
+    pytest.importorskip("ipywidgets")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    monkeypatch.setattr("IPython.display.display", lambda *a, **k: None)
+    x, y = points
+    box = linear_regression.trajectory_panel(x, y, -1.0, 3.0, lr=0.1, steps=5, batch_size=16)
+    lr_slider = box.children[1]
+    assert lr_slider.max > 1.2 * linear_regression.gd_lr_threshold(x)

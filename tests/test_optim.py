@@ -11,11 +11,11 @@ from torch import nn
 from utils.models import GhostBatchNorm2d, Net
 from utils.optim import (
     LARS,
-    add_gradient_noise,
+    MultiplicativeNoiseLoss,
     lars_param_groups,
     make_optimizer,
-    multiply_gradient_noise_,
     noise_sigma,
+    sample_weighted_loss,
 )
 
 
@@ -275,29 +275,58 @@ def test_fits_a_small_batch_and_reports_ratios_by_name():
     assert set(ratios) == {n for n, p in model.named_parameters() if p.ndim >= 2}
 
 
-def test_gradient_noise():
-    assert noise_sigma(64, 16, 0.1) == pytest.approx(0.2)
-    g = torch.full((20000,), 2.0)
-    p = nn.Parameter(torch.zeros(20000))
-    p.grad = g.clone()
-    multiply_gradient_noise_([p], 0.5, generator=torch.Generator().manual_seed(0))
-    z = p.grad / 2.0
-    assert abs(z.mean().item() - 1.0) < 0.02 and abs(z.std().item() - 0.5) < 0.02
-    # the hook version: zero sigma leaves gradients alone, removal restores them
-    model = nn.Linear(3, 1)
-    x = torch.randn(8, 3)
-    model(x).sum().backward()
-    clean = model.weight.grad.clone()
-    h = add_gradient_noise(model, 0.3, generator=torch.Generator().manual_seed(1))
-    model.zero_grad()
-    model(x).sum().backward()
-    assert not torch.allclose(model.weight.grad, clean)
-    h.remove()
-    model.zero_grad()
-    model(x).sum().backward()
-    assert torch.equal(model.weight.grad, clean)
+def test_noise_sigma_matches_the_variance_argument():
+    assert noise_sigma(64, 16) == pytest.approx(math.sqrt(3))
+    assert noise_sigma(16, 16) == 0.0
+    with pytest.raises(ValueError, match="small_batch"):
+        noise_sigma(8, 16)
+
+
+def test_multiplicative_noise_gradient_equals_hand_computed_weighted_sum():
+    """Oracle by hand: for y_hat = w . x under squared error, loss_n = (w . x_n - y_n)^2 and its
+    gradient is g_n = 2 r_n x_n; the noisy gradient must be (1/B) sum z_n g_n with the z_n drawn
+    from the same generator state."""
+    torch.manual_seed(0)
+    B, d, sigma = 6, 3, 0.7
+    x, y = torch.randn(B, d, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
+    w = torch.randn(d, dtype=torch.float64, requires_grad=True)
+    sq = lambda out, target, reduction: (out - target) ** 2  # noqa: E731 - per-sample squared error
+    loss = MultiplicativeNoiseLoss(sigma, loss=sq, generator=torch.Generator().manual_seed(3))(x @ w, y)
+    loss.backward()
+    z = 1 + sigma * torch.randn(B, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    r = (x @ w - y).detach()
+    expected = sum(z[n] * 2 * r[n] * x[n] for n in range(B)) / B
+    assert torch.allclose(w.grad, expected, rtol=1e-12, atol=1e-12)
+    # sigma = 0 is exactly the plain mean, and so is a call without autograd (validation)
+    w.grad = None
+    MultiplicativeNoiseLoss(0.0, loss=sq)(x @ w, y).backward()
+    assert torch.allclose(w.grad, (2 * r[:, None] * x).mean(0), rtol=1e-12)
+    with torch.no_grad():
+        plain = nn.functional.cross_entropy(x, torch.tensor([0, 1, 2, 0, 1, 2]))
+        assert torch.equal(MultiplicativeNoiseLoss(5.0)(x, torch.tensor([0, 1, 2, 0, 1, 2])), plain)
     with pytest.raises(ValueError, match="sigma"):
-        add_gradient_noise(model, -1.0)
+        MultiplicativeNoiseLoss(-1.0)
+
+
+def test_multiplicative_noise_has_the_predicted_variance():
+    """Given the batch, the weighted gradient's variance is (sigma^2 / B^2) sum g_n^2 per
+    coordinate (z_n independent, variance sigma^2): checked over many draws."""
+    torch.manual_seed(1)
+    B, d, sigma, draws = 8, 2, 0.5, 20000
+    x, y = torch.randn(B, d, dtype=torch.float64), torch.randn(B, dtype=torch.float64)
+    w0 = torch.randn(d, dtype=torch.float64)
+    g_n = 2 * (x @ w0 - y)[:, None] * x  # per-sample gradients, by hand
+    gen = torch.Generator().manual_seed(0)
+    sq = lambda out, target, reduction: (out - target) ** 2  # noqa: E731
+    grads = []
+    for _ in range(draws):
+        w = w0.clone().requires_grad_(True)
+        sample_weighted_loss(sq(x @ w, y, "none"), sigma, gen).backward()
+        grads.append(w.grad)
+    grads = torch.stack(grads)
+    assert torch.allclose(grads.mean(0), g_n.mean(0), rtol=0.03, atol=0.03 * g_n.abs().mean().item())
+    predicted = sigma**2 * (g_n**2).sum(0) / B**2
+    assert torch.allclose(grads.var(0), predicted, rtol=0.05)
 
 
 def test_ghost_batch_norm_equals_batch_norm_when_virtual_batch_is_the_batch():

@@ -157,10 +157,15 @@ def plot_steps_to_target(
     ax: Axes | None = None,
     regime_factor: float = 4.0,
     title: str = "Steps to target accuracy vs batch size",
+    lr_cap: float | None = None,
 ) -> tuple[Figure, dict[str, float]]:
     """Log-log steps-to-target with the perfect-scaling line from the smallest batch, the fitted
-    S_min (1 + B_crit/B), the three regimes shaded (perfect scaling below B_crit/regime_factor,
-    no further gain above B_crit*regime_factor, diminishing returns between) and B_simple marked.
+    S_min (1 + B_crit/B), the three regimes shaded and B_simple marked.
+
+    The regime boundaries B_crit/regime_factor and B_crit*regime_factor (4 by default) are this
+    course's convention for drawing McCandlish et al.'s curve, not lines Shallue et al. draw.
+    With ``lr_cap`` (the cap on the scaled rate), the rows that trained at the cap are drawn
+    hollow, labelled "rate capped": they all share one rate, so part of their bend is the cap.
     Returns (figure, {"s_min", "b_crit"})."""
     if ax is None:
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
@@ -172,9 +177,10 @@ def plot_steps_to_target(
     grid = np.geomspace(lo, hi, 200)
     if math.isfinite(b_crit) and b_crit > 0:
         a, c = b_crit / regime_factor, b_crit * regime_factor
-        ax.axvspan(lo, max(lo, a), color="tab:green", alpha=0.08, label="perfect scaling")
+        f = f"{regime_factor:g}"
+        ax.axvspan(lo, max(lo, a), color="tab:green", alpha=0.08, label=f"perfect scaling (B < B_crit/{f})")
         ax.axvspan(max(lo, a), min(hi, c), color="tab:orange", alpha=0.08, label="diminishing returns")
-        ax.axvspan(min(hi, c), hi, color="tab:red", alpha=0.08, label="no further gain")
+        ax.axvspan(min(hi, c), hi, color="tab:red", alpha=0.08, label=f"no further gain (B > {f} B_crit)")
         ax.loglog(
             grid,
             s_min * (1 + b_crit / grid),
@@ -183,7 +189,19 @@ def plot_steps_to_target(
             label=f"fit $S_{{min}}(1+B_{{crit}}/B)$, $B_{{crit}}$={b_crit:.0f}",
         )
     ax.loglog(grid, S[0] * B[0] / grid, "k:", label="perfect scaling (steps ∝ 1/B)")
-    ax.loglog(B, S, "o", color="tab:blue", ms=7, label="measured")
+    capped = np.array([lr_cap is not None and r["lr"] >= lr_cap * (1 - 1e-9) for r in done], dtype=bool)
+    ax.loglog(B[~capped], S[~capped], "o", color="tab:blue", ms=7, label="measured")
+    if capped.any():
+        ax.loglog(
+            B[capped],
+            S[capped],
+            "o",
+            mfc="none",
+            mec="tab:blue",
+            mew=2,
+            ms=9,
+            label=f"measured, rate capped at {lr_cap:g}",
+        )
     for r in rows:
         if r["steps_to_target"] is None:
             ax.annotate("not reached", (r["batch_size"], S.max()), fontsize=7, ha="center")

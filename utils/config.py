@@ -157,6 +157,10 @@ TABLE: dict[str, tuple] = {
     "lab6_prof_steps": ((1, 1, 4), (1, 2, 5), (2, 3, 10)),  # profiler schedule: (wait, warmup, active) steps
     "lab6_timing_steps": (8, 8, 30),  # optimizer steps per timed run
     "lab6_timing_repeats": (5, 5, 10),  # timed rounds per variant, interleaved (median and quartiles)
+    # --- notebook 04_large_batch: sharp minima (Keskar et al.) ---
+    "lb_sharp_max_epochs": (200, 200, 400),  # cap on the large-batch run that trains to the small one's loss
+    "lb_sharp_rel": (0.1, 0.1, 0.1),  # perturbation size, relative to each parameter tensor's norm
+    "lb_sharp_draws": (20, 20, 20),  # random perturbations averaged
 }
 # fmt: on
 

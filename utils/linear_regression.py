@@ -83,6 +83,23 @@ def least_squares(x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
     return float(w), float(ym - w * xm)
 
 
+def hessian(x: torch.Tensor) -> torch.Tensor:
+    """The Hessian of mean((w x + b - y)^2) over (w, b): ``2 [[mean(x^2), mean(x)], [mean(x), 1]]``,
+    the same at every point (the loss is quadratic), a float64 (2, 2) tensor."""
+    x = torch.as_tensor(x, dtype=torch.float64)
+    m1, m2 = x.mean(), (x * x).mean()
+    return 2 * torch.stack([torch.stack([m2, m1]), torch.stack([m1, torch.ones_like(m1)])])
+
+
+def gd_lr_threshold(x: torch.Tensor) -> float:
+    """``2 / lambda_max`` of the loss surface: full-batch GD with a constant rate converges below
+    it and diverges above it (along the steepest direction each step multiplies the error by
+    ``1 - lr * lambda_max``). ``lambda_max`` of the 2x2 Hessian in closed form."""
+    (a, c), (_, d) = hessian(x).tolist()
+    lam_max = (a + d) / 2 + math.sqrt(((a - d) / 2) ** 2 + c * c)
+    return 2 / lam_max
+
+
 def mse(x: torch.Tensor, y: torch.Tensor, w: float | torch.Tensor, b: float | torch.Tensor) -> float:
     return float(((w * x + b - y) ** 2).mean())
 
@@ -166,22 +183,30 @@ def plot_trajectories(
         fig, ax = plt.subplots(figsize=(6.4, 5))
     fig = ax.figure
     w_star, b_star = least_squares(x, y)
-    pts = torch.cat([p for p in paths.values()] + [torch.tensor([[w_star, b_star]], dtype=torch.float64)])
+    star = torch.tensor([[w_star, b_star]], dtype=torch.float64)
+    # The view holds every point within 3x the farthest start's distance from the minimum; a path
+    # that leaves it (a rate past 2 / lambda_max) runs off the figure and is labelled "diverged".
+    radius = 3 * max(1.0, max(float(torch.dist(p[0], star[0])) for p in paths.values()))
+    inside = lambda p: p[torch.isfinite(p).all(1) & ((p - star).norm(dim=1) <= radius)]  # noqa: E731
+    pts = torch.cat([inside(p) for p in paths.values()] + [star])
     lo, hi = pts.min(0).values, pts.max(0).values
     span = (hi - lo).clamp_min(1.0)
     lo, hi = lo - margin * span / 2, hi + margin * span / 2
     wg, bg = torch.linspace(lo[0], hi[0], 160), torch.linspace(lo[1], hi[1], 160)
     L = loss_surface(x, y, wg, bg)
     lmin = mse(x, y, w_star, b_star)
-    levels = lmin + (L.max() - lmin) * np.geomspace(1e-3, 1, 18)
+    levels = lmin + (float(L.max()) - lmin) * np.geomspace(1e-3, 1, 18)
     cs = ax.contour(wg.numpy(), bg.numpy(), L.numpy(), levels=levels, cmap="viridis", linewidths=0.8)
     fig.colorbar(cs, ax=ax, label="MSE loss (y units$^2$)")
     for (label, p), color in zip(paths.items(), ["tab:red", "tab:orange", "tab:blue", "tab:purple", "tab:brown"]):
-        p = p.numpy()
-        ax.plot(p[:, 0], p[:, 1], "-", color=color, lw=1.2, alpha=0.85, label=label)
+        gone = not bool(torch.isfinite(p[-1]).all()) or float(torch.dist(p[-1], star[0])) > radius
+        p = torch.where(torch.isfinite(p), p, torch.nan).numpy()
+        ax.plot(p[:, 0], p[:, 1], "-", color=color, lw=1.2, alpha=0.85, label=label + (" (diverged)" if gone else ""))
         ax.plot(p[0, 0], p[0, 1], "o", color="black", ms=6)
         ax.plot(p[-1, 0], p[-1, 1], "s", color=color, ms=6)
     ax.plot([w_star], [b_star], "*", color="gold", mec="black", ms=15, label="least squares")
+    ax.set_xlim(float(lo[0]), float(hi[0]))
+    ax.set_ylim(float(lo[1]), float(hi[1]))
     ax.set(title=title, xlabel="slope w (y units per x unit)", ylabel="intercept b (y units)")
     ax.legend(fontsize=8, loc="best")
     return fig
@@ -221,17 +246,21 @@ def trajectory_panel(
     seed: int = 0,
     sgd_fn: Callable[..., torch.Tensor] | None = None,
     max_steps: int | None = None,
-    max_lr: float = 0.35,
+    max_lr: float | None = None,
 ) -> ipywidgets.HBox | None:
     """Draw the trajectories of :func:`compare_trajectories`, then attach sliders (batch size,
     learning rate, steps) that redraw the same figure in place.
 
     The figure is shown with ``display(..., display_id=True)`` and updated on every slider move,
     so without a widget front end (nbval, nbconvert) the cell still has the static figure.
-    Returns the widget box (None if ipywidgets is missing)."""
+    ``max_lr`` (the rate slider's end) defaults to 1.5 times :func:`gd_lr_threshold`, so the
+    slider reaches the rates where GD diverges. Returns the widget box (None if ipywidgets is
+    missing)."""
     from IPython.display import display
 
     n = len(x)
+    if max_lr is None:
+        max_lr = math.ceil(1.5 * gd_lr_threshold(x) / 0.005) * 0.005  # a whole number of slider steps
     fig, ax = plt.subplots(figsize=(6.4, 5))
 
     def draw(batch_size, lr, steps):

@@ -1,6 +1,7 @@
 """Optimizers: the one optimizer-by-name factory (:func:`make_optimizer`), large-batch
 optimizers (LARS and its LARC clipping mode), parameter groups that switch adaptation off, and
-multiplicative gradient noise.
+Hoffer et al.'s multiplicative noise (each sample's gradient weighted by ``z_n ~ N(1, sigma^2)``,
+done on the per-sample losses: :class:`MultiplicativeNoiseLoss`).
 
 LARS (You, Gitman and Ginsburg 2017, arXiv 1708.03888) gives every parameter tensor (a layer's
 weight) its own *local* rate. For a parameter ``w`` with gradient ``g`` in a group with global
@@ -366,56 +367,66 @@ def lars_param_groups(
 
 
 # ----------------------------------------------------------------------------------------
-# Multiplicative gradient noise
+# Multiplicative noise on per-sample gradients (Hoffer, Hubara and Soudry 2017)
 # ----------------------------------------------------------------------------------------
 
 
-def noise_sigma(batch_size: int, base_batch: int, base_sigma: float) -> float:
-    """sigma for a batch size when sigma^2 grows in proportion to the batch:
-    ``base_sigma * sqrt(batch_size / base_batch)``."""
-    if batch_size < 1 or base_batch < 1:
-        raise ValueError(f"batch sizes must be >= 1, got {batch_size} and {base_batch}")
-    _check_number("base_sigma", base_sigma)
-    return base_sigma * math.sqrt(batch_size / base_batch)
+def noise_sigma(batch_size: int, small_batch: int) -> float:
+    """The sigma of :class:`MultiplicativeNoiseLoss` that makes a ``batch_size`` gradient about
+    as noisy as a ``small_batch`` one: ``sqrt(batch_size / small_batch - 1)``.
+
+    Why: with weights ``z_n ~ N(1, sigma^2)`` the gradient is ``(1/B) sum z_n g_n``. Given the
+    batch, its added noise has covariance ``(sigma^2 / B^2) sum g_n g_n^T``, about
+    ``(sigma^2 / B) E[g g^T]``. With the batch's own sampling noise ``Sigma / B`` the total is
+    about ``(1 + sigma^2) Sigma / B`` when the mean gradient is small against the noise. It
+    equals the small batch's ``Sigma / small_batch`` when ``1 + sigma^2 = B / small_batch``.
+    So ``sigma^2`` grows in proportion to the batch, as Hoffer et al. ask."""
+    if batch_size < 1 or small_batch < 1:
+        raise ValueError(f"batch sizes must be >= 1, got {batch_size} and {small_batch}")
+    if batch_size < small_batch:
+        raise ValueError(f"batch_size ({batch_size}) must be >= small_batch ({small_batch}): noise is only added")
+    return math.sqrt(batch_size / small_batch - 1)
 
 
-def multiply_gradient_noise_(
-    params: Iterable[torch.Tensor], sigma: float, generator: torch.Generator | None = None
-) -> None:
-    """Multiply every gradient element by its own ``z ~ N(1, sigma^2)``, in place. Call it
-    between ``backward()`` and ``optimizer.step()``; :func:`add_gradient_noise` does that for
-    you inside :func:`utils.train.fit`."""
-    _check_number("sigma", sigma)
-    for p in params:
-        if p.grad is not None and sigma > 0:
-            z = torch.randn(p.grad.shape, generator=generator, device=p.grad.device, dtype=p.grad.dtype)
-            p.grad.mul_(z.mul_(sigma).add_(1.0))
-
-
-class GradientNoise:
-    """Handles of the hooks :func:`add_gradient_noise` installed; ``remove()`` takes them off."""
-
-    def __init__(self, handles: list[torch.utils.hooks.RemovableHandle]):
-        self.handles = handles
-
-    def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles = []
-
-
-def add_gradient_noise(model: nn.Module, sigma: float, generator: torch.Generator | None = None) -> GradientNoise:
-    """Make every gradient of ``model`` come out of ``backward()`` multiplied, element by
-    element, by ``z ~ N(1, sigma^2)`` (a tensor hook per parameter), so the training loop needs
-    no change. Returns a handle with ``remove()``. Under gradient accumulation each micro-batch
-    gets its own noise."""
+def sample_weighted_loss(
+    per_sample_loss: torch.Tensor, sigma: float, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``mean(z_n * loss_n)`` with one ``z_n ~ N(1, sigma^2)`` per sample (the batch's first
+    dimension). Its gradient is ``(1/B) sum z_n g_n``: Hoffer et al.'s multiplicative noise,
+    each *sample's* gradient weighted, exactly and for the cost of B random numbers.
+    ``generator`` must live on the loss's device."""
     sigma = _check_number("sigma", sigma)
+    if sigma == 0:
+        return per_sample_loss.mean()
+    n = per_sample_loss.shape[0]
+    z = torch.randn(n, generator=generator, device=per_sample_loss.device, dtype=per_sample_loss.dtype)
+    z = z.mul_(sigma).add_(1.0).view(n, *([1] * (per_sample_loss.dim() - 1)))
+    return (z * per_sample_loss).mean()
 
-    def hook(g):
-        z = torch.randn(g.shape, generator=generator, device=g.device, dtype=g.dtype)
-        return g * z.mul_(sigma).add_(1.0)
 
-    return GradientNoise([p.register_hook(hook) for p in model.parameters() if p.requires_grad])
+class MultiplicativeNoiseLoss:
+    """A loss function for :func:`utils.train.fit` (``loss_fn=``) that weights each sample's
+    loss by its own ``z_n ~ N(1, sigma^2)`` (see :func:`sample_weighted_loss`).
+
+    ``loss`` is a per-sample loss called as ``loss(output, target, reduction="none")``
+    (default: cross-entropy). Without autograd (``torch.no_grad``, as in
+    :func:`utils.train.evaluate`) it returns the plain mean, so validation losses stay clean."""
+
+    def __init__(
+        self, sigma: float, loss: Callable[..., torch.Tensor] | None = None, generator: torch.Generator | None = None
+    ):
+        self.sigma = _check_number("sigma", sigma)
+        self.loss = loss or nn.functional.cross_entropy
+        self.generator = generator
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        per_sample = self.loss(output, target, reduction="none")
+        if not torch.is_grad_enabled():
+            return per_sample.mean()
+        return sample_weighted_loss(per_sample, self.sigma, self.generator)
+
+    def __repr__(self):
+        return f"MultiplicativeNoiseLoss(sigma={self.sigma:g})"
 
 
 __all__ = [
@@ -425,7 +436,6 @@ __all__ = [
     "lars_param_groups",
     "is_excluded",
     "noise_sigma",
-    "multiply_gradient_noise_",
-    "add_gradient_noise",
-    "GradientNoise",
+    "sample_weighted_loss",
+    "MultiplicativeNoiseLoss",
 ]
