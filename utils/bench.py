@@ -53,6 +53,7 @@ __all__ = [
     "count_syncs",
     "amp_step_costs",
     "quartiles",
+    "matmul_flops_per_s",
 ]
 
 
@@ -513,6 +514,29 @@ def amp_step_costs(
         t = time_fn(fn, warmup=1, repeats=repeats, number=steps, device=device)
         out[name] = {"syncs_per_step": syncs, "step_s": t.median, "iqr_s": t.iqr}
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# A device's measured peak
+# ----------------------------------------------------------------------------------------
+
+
+def matmul_flops_per_s(
+    n: int,
+    *,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    warmup: int = 1,
+    repeats: int = 3,
+) -> float:
+    """FLOP/s of an ``n x n`` by ``n x n`` matrix multiply (``2 n^3`` FLOPs) on ``device``:
+    the peak a device reaches in practice, where no datasheet figure applies (a CPU, an unknown
+    GPU). Taken from the FASTEST repeat: other work on the machine only ever slows a repeat
+    down, so the fastest is the least disturbed."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    t = time_fn(lambda: torch.mm(a, b), warmup=warmup, repeats=repeats, device=device)
+    return 2 * n**3 / t.min
 
 
 # ----------------------------------------------------------------------------------------
