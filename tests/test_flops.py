@@ -100,3 +100,12 @@ def test_tf32_settings_follow_torch_flags():
     assert s["matmul_allow_tf32"] == torch.backends.cuda.matmul.allow_tf32
     assert s["float32_matmul_precision"] == torch.get_float32_matmul_precision()
     assert s["tensor_cores_tf32"] is False and s["convs_tf32"] is False  # no tensor cores on a CPU
+
+
+def test_matmul_peak_restores_precision_and_refuses_unknown():
+    before, threads = torch.get_float32_matmul_precision(), torch.get_num_threads()
+    assert bench.matmul_flops_per_s(32, precision="tf32", repeats=1) > 0
+    assert bench.matmul_flops_per_s(32, precision="bf16", repeats=1) > 0
+    assert torch.get_float32_matmul_precision() == before and torch.get_num_threads() == threads
+    with pytest.raises(ValueError):
+        bench.matmul_flops_per_s(32, precision="fp8")

@@ -148,8 +148,8 @@ TABLE: dict[str, tuple] = {
     "rdzv_timeout_s": (2, 5, 10),  # seconds the failure demos wait before giving up
     # --- stage 5: assessment: its sizes live in the spec files (labs/assessment/spec_*.toml) ---
     # --- 02_cpu_vs_gpu: MFU and the first kernel ---
-    "mfu_matmul_n": (512, 1024, 8192),  # side of the square matmul timed as a measured peak (CPU, unknown GPU)
-    "kernel_n": (1_000_003, 1_000_003, 50_000_003),  # float32 elements of the vector add (odd: the last block is partial)
+    "mfu_matmul_n": (512, 1024, 8192),  # side of the matmul timed as a measured peak (CPU, unknown GPU)
+    "kernel_n": (1_000_003, 1_000_003, 50_000_003),  # vector-add elements (odd: a partial last block)
 }
 # fmt: on
 
