@@ -83,9 +83,9 @@ def net_train_flops(net: nn.Module, image_size: int) -> int:
 
 
 def counted_flops(model: nn.Module, input_shape: tuple[int, ...], train: bool = True, batch: int = 1) -> int:
-    """FLOPs per example as PyTorch's ``FlopCounterMode`` counts them, on a CPU copy of the
-    shapes: one forward (and, with ``train``, one backward of the summed output) of ``batch``
-    random inputs, divided by ``batch``. The model's gradients are left as they were."""
+    """FLOPs per example as PyTorch's ``FlopCounterMode`` counts them: one forward (and, with
+    ``train``, one backward of the summed output) of ``batch`` random inputs on the model's
+    device, divided by ``batch``. The model's gradients are left as they were."""
     from torch.utils.flop_counter import FlopCounterMode
 
     p = next(model.parameters())
