@@ -53,6 +53,7 @@ __all__ = [
     "count_syncs",
     "amp_step_costs",
     "quartiles",
+    "matmul_flops_per_s",
 ]
 
 
@@ -513,6 +514,48 @@ def amp_step_costs(
         t = time_fn(fn, warmup=1, repeats=repeats, number=steps, device=device)
         out[name] = {"syncs_per_step": syncs, "step_s": t.median, "iqr_s": t.iqr}
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# A device's measured peak
+# ----------------------------------------------------------------------------------------
+
+
+def matmul_flops_per_s(
+    n: int,
+    *,
+    device: torch.device | str = "cpu",
+    precision: str = "fp32",
+    warmup: int = 1,
+    repeats: int = 3,
+) -> float:
+    """FLOP/s of an ``n x n`` by ``n x n`` matrix multiply (``2 n^3`` FLOPs) on ``device``:
+    the peak a device reaches in practice, where no datasheet figure applies (a CPU, an unknown
+    GPU). ``precision``: "fp32", "tf32" (fp32 tensors with TF32 matrix multiplies allowed, for
+    the duration of the measurement) or "bf16". Taken from the FASTEST repeat: other work on
+    the machine only ever slows a repeat down, so the fastest is the least disturbed.
+
+    On a CPU the multiply runs on ONE thread and the rate is multiplied by the threads torch
+    uses (``torch.get_num_threads()``): a chip's peak is the sum of its cores' peaks. One
+    thread has no partner to wait for, so a busy neighbour on another core cannot slow it;
+    and one core alone may clock higher than all of them together, so this peak errs high."""
+    if precision not in ("fp32", "tf32", "bf16"):
+        raise ValueError(f"precision must be fp32, tf32 or bf16, got {precision!r}")
+    device = torch.device(device)
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    before = torch.get_float32_matmul_precision()
+    threads = torch.get_num_threads()
+    torch.set_float32_matmul_precision("high" if precision == "tf32" else "highest")
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        t = time_fn(lambda: torch.mm(a, b), warmup=warmup, repeats=repeats, device=device)
+    finally:
+        torch.set_float32_matmul_precision(before)
+        torch.set_num_threads(threads)
+    return 2 * n**3 / t.min * (threads if device.type == "cpu" else 1)
 
 
 # ----------------------------------------------------------------------------------------

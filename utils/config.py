@@ -161,6 +161,9 @@ TABLE: dict[str, tuple] = {
     "lb_sharp_max_epochs": (200, 200, 400),  # cap on the large-batch run that trains to the small one's loss
     "lb_sharp_rel": (0.1, 0.1, 0.1),  # perturbation size, relative to each parameter tensor's norm
     "lb_sharp_draws": (20, 20, 20),  # random perturbations averaged
+    # --- 02_cpu_vs_gpu: MFU and the first kernel ---
+    "mfu_matmul_n": (512, 1024, 8192),  # side of the matmul timed as a measured peak (CPU, unknown GPU)
+    "kernel_n": (1_000_003, 1_000_003, 50_000_003),  # vector-add elements (odd: a partial last block)
 }
 # fmt: on
 

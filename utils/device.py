@@ -31,9 +31,12 @@ def get_device(prefer: str | None = None) -> torch.device:
 
 
 def bf16_supported(device: torch.device | str | None = None) -> bool:
-    """True where bf16 runs natively: any CPU, and NVIDIA GPUs from Ampere on (compute
-    capability 8.0: A100, RTX 30xx, H100). Older GPUs (V100, T4, RTX 20xx) only emulate it,
-    slower than fp32, and cuDNN has no bf16 convolutions there; use fp16 with a GradScaler."""
+    """True where bf16 autocast is worth using: every CPU (PyTorch's CPU kernels accept bf16 on
+    any x86 or Arm CPU; they are native and fast only with AVX512-BF16 or AMX, see
+    :func:`cpu_bf16_features`, and converted to and from fp32 elsewhere), and NVIDIA GPUs from
+    Ampere on (compute capability 8.0: A100, RTX 30xx, H100). Older GPUs (V100, T4, RTX 20xx)
+    only emulate it, slower than fp32, and cuDNN has no bf16 convolutions there; use fp16 with
+    a GradScaler."""
     device = torch.device(device) if device is not None else get_device()
     if device.type != "cuda":
         return device.type == "cpu"
@@ -41,6 +44,72 @@ def bf16_supported(device: torch.device | str | None = None) -> bool:
         return bool(torch.cuda.is_bf16_supported(including_emulation=False))
     except TypeError:  # torch < 2.5: no emulation argument
         return bool(torch.cuda.is_bf16_supported())
+
+
+def cpu_bf16_features(cpuinfo: str | None = None) -> dict:
+    """Which native bf16 instructions this CPU has: ``avx512_bf16`` (AVX512-BF16 dot products,
+    Intel Cooper Lake and Sapphire Rapids on, AMD Zen 4 on) and ``amx_bf16`` (AMX tile
+    multiplies, Intel Sapphire Rapids on), and on Arm ``arm_bf16`` (the BF16 extension,
+    ARMv8.6). Each is True, False, or None when unknown.
+    ``source`` says where they were read: the kernel's ``/proc/cpuinfo`` flags (Linux; pass
+    its text as ``cpuinfo`` to parse another), else PyTorch's own CPU detection (``cpuinfo``
+    library, any OS), else nothing. ``native`` is True when either is present."""
+    flags = None
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            cpuinfo = None
+    if cpuinfo is not None:
+        for line in cpuinfo.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("flags", "Features"):  # x86 / Arm
+                flags = set(value.split())
+                break
+    if flags is not None:
+        out = {
+            "avx512_bf16": "avx512_bf16" in flags,
+            "amx_bf16": "amx_bf16" in flags,
+            "arm_bf16": "bf16" in flags,  # Arm's BF16 extension (ARMv8.6), listed as "bf16"
+            "source": "/proc/cpuinfo",
+        }
+    else:
+        avx = getattr(torch.cpu, "_is_avx512_bf16_supported", None)
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", None)
+        out = {
+            "avx512_bf16": bool(avx()) if avx else None,
+            "amx_bf16": bool(amx()) if amx else None,
+            "arm_bf16": None,
+            "source": "PyTorch's CPU detection" if (avx or amx) else "unknown",
+        }
+    out["native"] = bool(out["avx512_bf16"] or out["amx_bf16"] or out["arm_bf16"])
+    return out
+
+
+def tf32_settings(device: torch.device | str | None = None) -> dict:
+    """The switches that decide whether "fp32" work runs as TF32 (a 19-bit format with fp32's
+    range and 10 stored mantissa bits) on tensor cores: ``cudnn_allow_tf32`` (convolutions,
+    default True), ``matmul_allow_tf32`` and ``float32_matmul_precision`` (matrix multiplies,
+    default off / "highest"), and ``tensor_cores_tf32``, True on an NVIDIA GPU of compute
+    capability 8.0 or later (Ampere on), which has TF32 tensor cores. ``convs_tf32`` and
+    ``matmuls_tf32`` are True where that work really runs in TF32 on ``device``. On torch 2.9+
+    ``cudnn_conv_fp32_precision`` is the newer switch for convolutions ("tf32" or "ieee"; the
+    two stay in step)."""
+    device = torch.device(device) if device is not None else get_device()
+    ampere = device.type == "cuda" and torch.cuda.is_available() and torch.cuda.get_device_capability(device)[0] >= 8
+    out = {
+        "cudnn_allow_tf32": bool(torch.backends.cudnn.allow_tf32),
+        "matmul_allow_tf32": bool(torch.backends.cuda.matmul.allow_tf32),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "tensor_cores_tf32": bool(ampere),
+    }
+    conv = getattr(torch.backends.cudnn, "conv", None)  # torch 2.9+ also has the newer per-backend switch
+    if conv is not None and hasattr(conv, "fp32_precision"):
+        out["cudnn_conv_fp32_precision"] = conv.fp32_precision
+    out["convs_tf32"] = out["cudnn_allow_tf32"] and out["tensor_cores_tf32"]
+    out["matmuls_tf32"] = out["matmul_allow_tf32"] and out["tensor_cores_tf32"]
+    return out
 
 
 _AMP_DTYPES = {

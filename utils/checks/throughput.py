@@ -200,8 +200,8 @@ def check_time_step(time_step: Callable[..., Any]) -> None:
         _fail(
             name,
             f"measured {got * 1e3:.1f} ms per step, expected about {normal * 1e3:.0f} ms",
-            "per repeat: sync(); t0 = perf_counter(); step(); sync(); append(perf_counter() - t0); "
-            "then return the median",
+            "time each repeat on its own, with sync() before starting the clock and before stopping it; "
+            "then return the median of the repeats",
         )
     _passed(name, f"{got * 1e3:.1f} ms per step on a simulated GPU whose step takes {normal * 1e3:.0f} ms")
 
@@ -270,7 +270,7 @@ def check_wait_fraction(wait_fraction: Callable[..., Any]) -> None:
             _fail(
                 name,
                 f"returned {got:.2f} for {case}, expected about {want:.2f}",
-                "it = iter(loader); around each next(it) add up perf_counter() differences; "
-                "divide by the pass's total time",
+                "time only each request for the next batch (an explicit iterator over the loader), add those "
+                "times up, and divide by the time of the whole pass",
             )
     _passed(name, "waiting share measured right on a data-bound and a compute-bound pipeline")
