@@ -591,7 +591,9 @@ class LogLossEveryStep(Callback):
         self.losses.append(state.loss.item())  # a host sync, every step
 
 
-def planted_loader(dataset: torch.utils.data.Dataset, batch_size: int, item_cost_s: float, *, seed: int = 0):
+def planted_loader(
+    dataset: torch.utils.data.Dataset, batch_size: int, item_cost_s: float, *, seed: int = 0
+) -> torch.utils.data.DataLoader:
     """PLANTED BOTTLENECK: every image costs ``item_cost_s`` of host work when it is read
     (``bench.SlowDataset``: decoding, in a real pipeline), in the training process itself
     (``num_workers=0``), every epoch. Batches in ``data.make_loader``'s order for ``seed``."""

@@ -125,7 +125,7 @@ def check_prediction(
     return ratio
 
 
-def global_names(code) -> set:
+def global_names(code: types.CodeType) -> set:
     """The global names a code object (and those nested in it) reads: ``device`` in
     ``x.device`` is an attribute, not the notebook's ``device``."""
     names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
