@@ -306,12 +306,14 @@ def check_ring_all_reduce(ring_all_reduce: Callable[..., Any], world_size: int =
             finished = [ok.index(True) for ok in rs_done if sum(ok) == 1]
             rs_right = len(finished) == world_size and sorted(finished) == list(range(world_size))
             if rs_right and not all(sum(ok) == 1 for ok in chunks_ok):
-                full = ", ".join(f"rank {r}: {[i for i, ok in enumerate(c) if ok]}" for r, c in enumerate(chunks_ok))
+                full = "; ".join(
+                    f"rank {r}: {[i for i, ok in enumerate(c) if ok] or 'none'}" for r, c in enumerate(chunks_ok)
+                )
                 _fail(
                     name,
                     f"reduce-scatter is right (after N-1 steps each rank held the full sum of one chunk) but "
-                    f"the all-gather is wrong: at the end the fully summed chunks are only {full} of "
-                    f"{world_size} ({n} elements)",
+                    f"the all-gather is wrong: at the end each rank holds the full sum only for some of the "
+                    f"{world_size} chunks, or none (fully summed chunks: {full}; {n} elements)",
                     "in the all-gather, a rank first sends the chunk it finished (the one it added to last), "
                     "then passes on the chunk it just received, and copies what it receives into place",
                 )
@@ -1076,7 +1078,17 @@ def _first_failure(out: str) -> tuple[int, str] | None:
     for r, ls in sorted(lines.items()):
         starts = [i for i, ln in enumerate(ls) if ln.startswith("Traceback (most recent call last)")]
         if starts:
-            tracebacks[r] = "\n".join(ls[starts[0] :])
+            tb = ls[starts[0] :]
+            # drop the probe's own frames (runpy, this module) above the script's first frame
+            first = next(
+                (
+                    i
+                    for i, ln in enumerate(tb)
+                    if ln.startswith('  File "') and "<frozen runpy>" not in ln and "utils/checks" not in ln
+                ),
+                1,
+            )
+            tracebacks[r] = "\n".join(tb[:1] + tb[first:])
     if not tracebacks:
         return None
     own = {r: tb for r, tb in tracebacks.items() if not any(p in tb.strip().splitlines()[-1] for p in _PEER_ERRORS)}
