@@ -238,17 +238,21 @@ def _ring_worker(source, fn_name):
     for n in RING_SIZES:
         x = (torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device)  # NCCL: GPU tensors
         # The tensor as it stands when step N starts (N-1 exchanges done): the end of reduce-scatter,
-        # when each step is one batch_isend_irecv (or one blocking send).
+        # when each step is one batch_isend_irecv of a send and a receive (or one blocking send).
         seen = {"steps": 0, "after_rs": None}
 
-        def spy(real, *a, _seen=seen, _x=x, **k):
-            if _seen["steps"] == ctx.world_size - 1:
-                _seen["after_rs"] = _x.detach().clone()
-            _seen["steps"] += 1
+        def spy(real, *a, _seen=seen, _x=x, _step=True, **k):
+            if _step:
+                if _seen["steps"] == ctx.world_size - 1:
+                    _seen["after_rs"] = _x.detach().clone()
+                _seen["steps"] += 1
             return real(*a, **k)
 
+        def batch(ops, *a, _r=dist.batch_isend_irecv, **k):
+            return spy(_r, ops, *a, _step=len(ops) >= 2, **k)
+
         with (
-            mock.patch.object(dist, "batch_isend_irecv", lambda *a, _r=dist.batch_isend_irecv, **k: spy(_r, *a, **k)),
+            mock.patch.object(dist, "batch_isend_irecv", batch),
             mock.patch.object(dist, "send", lambda *a, _r=dist.send, **k: spy(_r, *a, **k)),
         ):
             ret = fn(x)
