@@ -228,6 +228,8 @@ RING_SIZES = (12, 7, 2)  # divisible by 3 ranks, not divisible, fewer elements t
 
 
 def _ring_worker(source, fn_name):
+    import torch.distributed as dist
+
     from utils import parallel
 
     ctx = parallel.setup(timeout=20)
@@ -235,8 +237,28 @@ def _ring_worker(source, fn_name):
     out = []
     for n in RING_SIZES:
         x = (torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device)  # NCCL: GPU tensors
-        ret = fn(x)
-        out.append({"inplace": x, "returned": ret if isinstance(ret, torch.Tensor) else None})
+        # The tensor as it stands when step N starts (N-1 exchanges done): the end of reduce-scatter,
+        # when each step is one batch_isend_irecv of a send and a receive (or one blocking send).
+        seen = {"steps": 0, "after_rs": None}
+
+        def spy(real, *a, _seen=seen, _x=x, _step=True, **k):
+            if _step:
+                if _seen["steps"] == ctx.world_size - 1:
+                    _seen["after_rs"] = _x.detach().clone()
+                _seen["steps"] += 1
+            return real(*a, **k)
+
+        def batch(ops, *a, _r=dist.batch_isend_irecv, **k):
+            return spy(_r, ops, *a, _step=len(ops) >= 2, **k)
+
+        with (
+            mock.patch.object(dist, "batch_isend_irecv", batch),
+            mock.patch.object(dist, "send", lambda *a, _r=dist.send, **k: spy(_r, *a, **k)),
+        ):
+            ret = fn(x)
+        out.append(
+            {"inplace": x, "returned": ret if isinstance(ret, torch.Tensor) else None, "after_rs": seen["after_rs"]}
+        )
     return out
 
 
@@ -269,13 +291,44 @@ def check_ring_all_reduce(ring_all_reduce: Callable[..., Any], world_size: int =
         if all(torch.equal(g, o) for g, o in zip(got, own)):
             _fail(
                 name,
-                "every rank still holds its own tensor: nothing was added",
-                "in reduce-scatter, add the received chunk into your own: chunks[i] += buffer",
+                "every rank still holds its own tensor: what it received never landed in `tensor`, so "
+                "your chunks are probably copies (clone, cat, a list of new tensors) or were rebound "
+                "(chunk = chunk + buffer), not views of `tensor` changed in place",
+                "cut with tensor.view(-1).tensor_split(N), which gives views, and add in place into them "
+                "(chunks[i] += buffer; all-gather: chunks[i].copy_(buffer))",
             )
         chunks_ok = [
             [torch.equal(gc, wc) for gc, wc in zip(g.tensor_split(world_size), want.tensor_split(world_size))]
             for g in got
         ]
+        after_rs = [r["after_rs"] for r in per_size]
+        if n >= world_size and all(a is not None for a in after_rs):
+            rs_done = [
+                [torch.equal(ac, wc) for ac, wc in zip(a.tensor_split(world_size), want.tensor_split(world_size))]
+                for a in after_rs
+            ]
+            finished = [ok.index(True) for ok in rs_done if sum(ok) == 1]
+            rs_right = len(finished) == world_size and sorted(finished) == list(range(world_size))
+            if rs_right and not all(sum(ok) == 1 for ok in chunks_ok):
+                full = "; ".join(
+                    f"rank {r}: {[i for i, ok in enumerate(c) if ok] or 'none'}" for r, c in enumerate(chunks_ok)
+                )
+                _fail(
+                    name,
+                    f"reduce-scatter is right (after N-1 steps each rank held the full sum of one chunk) but "
+                    f"the all-gather is wrong: at the end each rank holds the full sum only for some of the "
+                    f"{world_size} chunks, or none (fully summed chunks: {full}; {n} elements)",
+                    "in the all-gather, a rank first sends the chunk it finished (the one it added to last), "
+                    "then passes on the chunk it just received, and copies what it receives into place",
+                )
+            if not rs_right and not any(sum(ok) for ok in rs_done):
+                _fail(
+                    name,
+                    f"reduce-scatter is wrong: after its N-1 steps no rank held the full sum of any chunk "
+                    f"({n} elements)",
+                    "at step 0 each rank sends a different chunk; at every later step it sends on the chunk "
+                    "it received and added to at the step before; add what it receives into the same-numbered chunk",
+                )
         if n >= world_size and all(sum(ok) == 1 for ok in chunks_ok):
             _fail(
                 name,
@@ -294,8 +347,9 @@ def check_ring_all_reduce(ring_all_reduce: Callable[..., Any], world_size: int =
             name,
             f"wrong sum for a tensor of {n} elements on {world_size} ranks: rank 0 got "
             f"{got[0].tolist()}, expected {want.tolist()}",
-            "at step s, rank r sends chunk (r - s) % N to the right and receives chunk (r - s - 1) % N "
-            "from the left; use tensor_split(N) so sizes that do not divide by N work too",
+            "at every step send one chunk to the right and receive the chunk your left neighbour sends; "
+            "after the first step, pass on the chunk you last received; use tensor_split(N) so sizes "
+            "that do not divide by N work too",
         )
     _passed(name, f"{world_size} processes, {len(RING_SIZES)} tensor sizes, equal to all_reduce")
 
@@ -533,6 +587,7 @@ def _overlap_worker(source, fn_name):
                     "async": bool(async_op),
                     "in_backward": _state["in_backward"],
                     "ready": sum(p.grad is not None for p in _params),
+                    "numel": tensor.numel(),
                 }
             )
             return _real(tensor, *a, **k)
@@ -567,6 +622,7 @@ def _overlap_worker(source, fn_name):
             "finish": callable(finish),
             "calls": calls,
             "nparams": len(params),
+            "sizes": [p.numel() for p in params],
             "weights": [p.detach().clone() for p in params],
             "ref": [p.detach().clone() for p in ref.module.parameters()],
             "grads0": grads0,
@@ -574,6 +630,32 @@ def _overlap_worker(source, fn_name):
             "local0": [p.grad.clone() for p in local0.parameters()],
         }
     return out
+
+
+def _bucket_numels(sizes, cap) -> list:
+    """Elements per bucket when ``sizes`` are grouped greedily in that order, at most ``cap`` each."""
+    out, current = [], 0
+    for k in sizes:
+        if current and current + k > cap:
+            out.append(current)
+            current = 0
+        current += k
+    return out + [current]
+
+
+def _forward_buckets(launched, sizes, cap) -> bool:
+    """Were the all-reduced buckets (their element counts) built in forward order, not in the order
+    backward produces gradients (reversed)?"""
+    fwd, bwd = sorted(_bucket_numels(sizes, cap)), sorted(_bucket_numels(sizes[::-1], cap))
+    return fwd != bwd and sorted(launched) == fwd
+
+
+_FORWARD_ORDER = (
+    "your buckets follow the forward order of model.parameters(); but gradients become ready last "
+    "layer first, so a bucket that holds the first layer's parameters fills only at the very end of "
+    "backward, and its all-reduce waits for the whole backward instead of overlapping with it",
+    "build the buckets walking reversed(list(model.parameters())), the order in which the hooks fire",
+)
 
 
 def check_overlap_ddp(overlap_ddp: Callable[..., Any], world_size: int = 2) -> None:
@@ -603,19 +685,20 @@ def check_overlap_ddp(overlap_ddp: Callable[..., Any], world_size: int = 2) -> N
                     "in each parameter's hook, launch dist.all_reduce "
                     "on its gradient (or its bucket's), with async_op=True",
                 )
+            if not any(c["in_backward"] for c in calls):
+                _fail(
+                    name,
+                    "every all-reduce started after backward() returned: none started during backward, so "
+                    "communication cannot overlap with it",
+                    "launch the all-reduces from gradient hooks, which fire during backward (look up "
+                    "Tensor.register_post_accumulate_grad_hook), with async_op=True; finish() only waits",
+                )
             if not all(c["async"] for c in calls):
                 _fail(
                     name,
                     "an all-reduce was blocking (async_op not set): backward stops at every hook until "
                     "that all-reduce is done, so nothing overlaps",
                     "pass async_op=True, keep the work handle it returns, and wait() on it in finish()",
-                )
-            if not any(c["in_backward"] for c in calls):
-                _fail(
-                    name,
-                    "every all-reduce started after backward() returned: communication does not overlap with backward",
-                    "launch each all-reduce from a hook that fires when a gradient is "
-                    "ready (look up Tensor.register_post_accumulate_grad_hook); finish() only waits",
                 )
             if cap == 0 and all(c["ready"] == n for c in calls if c["in_backward"]):
                 _fail(
@@ -659,6 +742,9 @@ def check_overlap_ddp(overlap_ddp: Callable[..., Any], world_size: int = 2) -> N
                     "of every finish(), so the next backward starts clean",
                 )
             per_step = [sum(1 for c in calls if c["step"] == s) for s in range(OVERLAP_STEPS)]
+            launched = sorted(c["numel"] for c in calls if c["step"] == 0)
+            if 0 < cap < 10**9 and _forward_buckets(launched, out["sizes"], cap):
+                _fail(name, *_FORWARD_ORDER)
             if cap == 0 and any(k != n for k in per_step):
                 _fail(
                     name,
@@ -687,6 +773,7 @@ def check_overlap_ddp(overlap_ddp: Callable[..., Any], world_size: int = 2) -> N
 
 
 def _trace_worker(source, fn_name, bucket_numel):
+    import torch.distributed as dist
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from utils import parallel
@@ -695,23 +782,35 @@ def _trace_worker(source, fn_name, bucket_numel):
     fn = _define(source, fn_name)
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.Tanh())], nn.Linear(256, 10))
-    finish = fn(model, bucket_numel)
-    x = torch.randn(64, 256)
-    for _ in range(2):  # warm-up, then the traced step
-        model.zero_grad(set_to_none=True)
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            loss = model(x).pow(2).mean()
-            with record_function("backward"):
-                loss.backward()
-            with record_function("finish"):
-                finish()
+    numels = []
+    real = dist.all_reduce
+
+    def spy(tensor, *a, **k):
+        numels.append(tensor.numel())
+        return real(tensor, *a, **k)
+
+    with mock.patch.object(dist, "all_reduce", spy):
+        finish = fn(model, bucket_numel)
+        x = torch.randn(64, 256)
+        for _ in range(2):  # warm-up, then the traced step
+            numels.clear()
+            model.zero_grad(set_to_none=True)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                loss = model(x).pow(2).mean()
+                with record_function("backward"):
+                    loss.backward()
+                with record_function("finish"):
+                    finish()
+    forward = 0 < bucket_numel < 10**9 and _forward_buckets(
+        numels, [p.numel() for p in model.parameters()], bucket_numel
+    )
     events = [
         (e.name, e.time_range.start, e.time_range.end)
         for e in prof.events()
         if e.name in ("backward", "finish") or "allreduce" in e.name.lower().replace("_", "")
     ]
     if ctx.rank == 0:
-        return sorted(events, key=lambda e: e[1])
+        return sorted(events, key=lambda e: e[1]), forward
     return None
 
 
@@ -721,13 +820,15 @@ def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0, 
     Returns rank 0's events, (name, start_us, end_us), sorted by start."""
     name = "overlap trace"
     src = _source(name, overlap_ddp)
-    events = _launch(name, _trace_worker, world_size, src, overlap_ddp.__name__, bucket_numel, source=src)[0]
+    events, forward = _launch(name, _trace_worker, world_size, src, overlap_ddp.__name__, bucket_numel, source=src)[0]
     t0 = min(e[1] for e in events)
     bw = [e for e in events if e[0] == "backward"]
     ar = [e for e in events if e[0] not in ("backward", "finish")]
     for n, s, e in events:
         if n in ("backward", "finish") or e - s > 0:
             print(f"  {n[:40]:40s} {s - t0:9.0f} us -> {e - t0:9.0f} us")
+    if forward:
+        _fail(name, *_FORWARD_ORDER)
     if not bw or not ar:
         _fail(
             name,
@@ -952,12 +1053,67 @@ def run_script(
 
 
 SCRIPT_EPOCHS, SCRIPT_BATCH = 2, 32
+SCRIPT_SEED = 3  # not the script's default (0): a script that ignores --seed trains on other batches
+SCRIPT_TIMEOUT = 240.0
+
+# Errors a rank raises because ANOTHER rank died: never the first failure.
+_PEER_ERRORS = (
+    "Connection closed by peer",
+    "remote worker crashing",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "SIGTERM",
+)
 
 
-def _script_failed(name, problem, hint, output=""):
+def _first_failure(out: str) -> tuple[int, str] | None:
+    """The rank that failed first and its Python traceback, from torchrun's output (each worker's
+    stderr line starts with ``[rankN]:``): the first rank whose error is its own, not a lost
+    connection to a rank that crashed."""
+    import re
+
+    lines: dict[int, list] = {}
+    for line in out.splitlines():
+        m = re.match(r"\[rank(\d+)\]:(.*)", line)
+        if m:
+            lines.setdefault(int(m.group(1)), []).append(m.group(2)[1:] if m.group(2).startswith(" ") else m.group(2))
+    tracebacks = {}
+    for r, ls in sorted(lines.items()):
+        starts = [i for i, ln in enumerate(ls) if ln.startswith("Traceback (most recent call last)")]
+        if starts:
+            tb = ls[starts[0] :]
+            # drop the probe's own frames (runpy, this module) above the script's first frame
+            first = next(
+                (
+                    i
+                    for i, ln in enumerate(tb)
+                    if ln.startswith('  File "') and "<frozen runpy>" not in ln and "utils/checks" not in ln
+                ),
+                1,
+            )
+            tracebacks[r] = "\n".join(tb[:1] + tb[first:])
+    if not tracebacks:
+        return None
+    own = {r: tb for r, tb in tracebacks.items() if not any(p in tb.strip().splitlines()[-1] for p in _PEER_ERRORS)}
+    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", out, re.S)
+    root = int(m.group(1)) if m else None
+    pick = own or tracebacks
+    r = root if root in pick else min(pick)
+    return r, pick[r]
+
+
+def _hard_coded_rendezvous(src: str) -> str:
+    """The literal address of an ``init_method="tcp://..."`` (or file://) in the script, or ''."""
+    import re
+
+    m = re.search(r"init_method\s*=\s*[fr]?([\"'])((?:tcp|file)://[^\"']*)\1", src)
+    return m.group(2) if m else ""
+
+
+def _script_failed(name, problem, hint, output="", heading="The last lines torchrun printed"):
     err = CheckFailed(
-        f"{name}: {problem.rstrip('.')}. Try: {hint}"
-        + (f"\n\nThe last lines torchrun printed:\n{output[-3000:]}" if output else "")
+        f"{name}: {problem.rstrip('.')}. Try: {hint}" + (f"\n\n{heading}:\n{output[-3000:]}" if output else "")
     )
     err.output = output
     raise err from None
@@ -965,7 +1121,7 @@ def _script_failed(name, problem, hint, output=""):
 
 def check_ddp_script(path: str | os.PathLike) -> None:
     """Run the script at ``path`` under torchrun on 2 processes (gloo, CPU) with
-    ``--epochs 2 --batch-size 32 --ckpt <tmp>``, ``--batch-size`` being the GLOBAL batch, and
+    ``--epochs 2 --batch-size 32 --seed 3 --ckpt <tmp>``, ``--batch-size`` being the GLOBAL batch, and
     compare the weights rank 0 saved with one process of the serial script on the same global
     batches. Also reads the script, and records on each rank what it called."""
     import re
@@ -984,16 +1140,40 @@ def check_ddp_script(path: str | os.PathLike) -> None:
             "your script uses the course's `utils`",
             "write it with torch.distributed and torch.nn.parallel only: it is the script you would take to a cluster",
         )
+    fixed = _hard_coded_rendezvous(src)
+    if fixed:
+        _fail(
+            name,
+            f"your script joins the group at a fixed address (init_method={fixed!r}): under torchrun the "
+            "ranks then wait for a rendezvous at an address nobody serves, and hang",
+            "call dist.init_process_group(backend) with no init_method, rank or world_size: torchrun's "
+            "environment variables give all three",
+        )
     with tempfile.TemporaryDirectory() as d:
         ckpt = os.path.join(d, "ckpt.pt")
         try:
-            proc, recs = run_script(path, 2, "--epochs", SCRIPT_EPOCHS, "--batch-size", SCRIPT_BATCH, "--ckpt", ckpt)
+            proc, recs = run_script(
+                path,
+                2,
+                "--epochs",
+                SCRIPT_EPOCHS,
+                "--batch-size",
+                SCRIPT_BATCH,
+                "--seed",
+                SCRIPT_SEED,
+                "--ckpt",
+                ckpt,
+                timeout=SCRIPT_TIMEOUT,
+            )
         except subprocess.TimeoutExpired:
             _fail(
                 name,
-                "the script hung under torchrun (stopped after 240 s)",
-                "a rank waits in a collective "
-                "the other never calls: e.g. a barrier or an all-reduce inside `if rank == 0:`",
+                f"the script hung under torchrun (stopped after {SCRIPT_TIMEOUT:.0f} s). The likely causes: "
+                "(1) the ranks never met, because the group was not joined from the environment (an "
+                "init_method, MASTER_PORT, rank or world_size written in the script); (2) a collective "
+                "that only some ranks reach, e.g. a barrier or an all-reduce inside `if rank == 0:`",
+                "join with dist.init_process_group(backend) alone; make every rank call every collective "
+                "(dist.barrier, DDP's backward) the same number of times",
             )
         out = proc.stdout or ""
         finished = all(r is not None and r["destroy"] for r in recs)
@@ -1024,11 +1204,23 @@ def check_ddp_script(path: str | os.PathLike) -> None:
                     "call dist.init_process_group(backend) first; torchrun's environment variables tell it the rest",
                     out,
                 )
+            first = _first_failure(out)
+            if first:
+                r, tb = first
+                last = tb.strip().splitlines()[-1]
+                _script_failed(
+                    name,
+                    f"rank {r} failed first, with {last}",
+                    f"read rank {r}'s traceback below: the last line in your script is where it failed; "
+                    f"run the script yourself: !python -m torch.distributed.run --nproc-per-node 2 {path}",
+                    tb,
+                    heading=f"Traceback from rank {r}",
+                )
             _script_failed(
                 name,
                 f"the script failed under torchrun (exit status {proc.returncode})",
                 "read the output below (each line starts with [rank]: ...); run the script "
-                "yourself: !python -m torch.distributed.run --nproc-per-node 2 ddp_train.py",
+                f"yourself: !python -m torch.distributed.run --nproc-per-node 2 {path}",
                 out,
             )
         if any(r is None for r in recs):
@@ -1069,7 +1261,7 @@ def check_ddp_script(path: str | os.PathLike) -> None:
             "the saved weights' names start with 'module.': you saved the DDP wrapper",
             "save model.module.state_dict() (the model inside DDP), so the file loads in a serial model",
         )
-    want = _simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2)
+    want = _simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, seed=SCRIPT_SEED)
 
     def same(a):
         return set(a) == set(state) and all(torch.allclose(state[k].float(), a[k], atol=1e-5) for k in a)
@@ -1082,7 +1274,7 @@ def check_ddp_script(path: str | os.PathLike) -> None:
         )
     if not same(want):
         if (
-            same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, shard=False))
+            same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, shard=False, seed=SCRIPT_SEED))
             or not all(r["sampler"] for r in recs)
             or not all(r["loaders"] and all(r["loaders"]) for r in recs)
         ):
@@ -1092,13 +1284,22 @@ def check_ddp_script(path: str | os.PathLike) -> None:
                 "DistributedSampler",
                 "give that DataLoader sampler=DistributedSampler(dataset, seed=args.seed), instead of its own shuffle",
             )
-        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, reshuffle=False)) or not all(r["set_epoch"] for r in recs):
+        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, reshuffle=False, seed=SCRIPT_SEED)) or not all(
+            r["set_epoch"] for r in recs
+        ):
             _fail(
                 name,
                 "every epoch used the same order of examples: the sampler was never told the epoch",
                 "call sampler.set_epoch(epoch) at the start of every epoch, on every rank",
             )
-        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, per_rank_batch=SCRIPT_BATCH)):
+        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2)):  # the default seed, 0
+            _fail(
+                name,
+                f"the check ran your script with --seed {SCRIPT_SEED}, but it shuffled as with seed 0: the "
+                "sampler ignores --seed (DistributedSampler's default seed is 0)",
+                "pass the script's seed to the sampler: DistributedSampler(..., seed=args.seed)",
+            )
+        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, per_rank_batch=SCRIPT_BATCH, seed=SCRIPT_SEED)):
             _fail(
                 name,
                 f"each rank took --batch-size={SCRIPT_BATCH} examples per step, so the global batch was "
