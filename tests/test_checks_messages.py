@@ -211,3 +211,63 @@ def test_a_kernel_shows_a_failed_check_as_the_cell_and_one_line():
         assert sum(line.startswith(("Cell In[", "File ")) for line in lines) == 1, text
         assert "utils/checks" not in text and "During handling" not in text and "direct cause" not in text, text
         assert len(lines) <= cell.count("\n") + 1 + 5, text
+
+
+# ------------------------------------------------------------------ lab 4: MyLARS and MyGhostBatchNorm2d
+
+
+def _lab4_class(defines: str):
+    """The untouched exercise cell of labs/lab4 that defines class `defines` (the placeholders)."""
+    import json
+
+    cells = json.loads((Path(__file__).resolve().parents[1] / "labs" / "lab4_large_batch.ipynb").read_text())["cells"]
+    src = next("".join(c["source"]) for c in cells if "".join(c["source"]).startswith(f"class {defines}("))
+    ns = {"torch": torch, "nn": torch.nn}
+    exec(src, ns)
+    return ns[defines]
+
+
+class LarsNotAnOptimizer:  # forgot to subclass torch.optim.Optimizer
+    def __init__(self, params, lr, **kw):
+        self.param_groups = [dict(kw, lr=lr, **g) for g in params]
+
+    def step(self):
+        pass
+
+
+class GhostWholeBatch(torch.nn.Module):
+    def __init__(self, c, virtual_batch_size=32):
+        super().__init__()
+        self.weight, self.bias = torch.nn.Parameter(torch.ones(c)), torch.nn.Parameter(torch.zeros(c))
+        self.register_buffer("running_mean", torch.zeros(c))
+        self.register_buffer("running_var", torch.ones(c))
+
+    def forward(self, x):
+        mean, var = x.mean(dim=(0, 2, 3), keepdim=True), x.var(dim=(0, 2, 3), keepdim=True, correction=0)
+        return (x - mean) / torch.sqrt(var + 1e-5) * self.weight.view(1, -1, 1, 1) + self.bias.view(1, -1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "check,wrong,expected",
+    [
+        (checks.check_lars_optimizer, LarsNotAnOptimizer, "not a torch.optim.Optimizer"),
+        (checks.check_ghost_batch_norm, GhostWholeBatch, "statistics are over the whole batch"),
+    ],
+    ids=["lars_not_an_optimizer", "ghost_whole_batch"],
+)
+def test_lab4_classes_name_a_mistake_in_one_line(check, wrong, expected):
+    with pytest.raises(checks.CheckFailed) as info:
+        check(wrong)
+    assert re.search(expected, _one_line(str(info.value))), str(info.value)
+    assert info.value.__suppress_context__
+
+
+@pytest.mark.parametrize(
+    "check,cls", [(checks.check_lars_optimizer, "MyLARS"), (checks.check_ghost_batch_norm, "MyGhostBatchNorm2d")]
+)
+def test_lab4_untouched_classes_say_not_implemented(check, cls):
+    with pytest.raises(checks.CheckFailed) as info:
+        check(_lab4_class(cls))
+    msg = _one_line(str(info.value))
+    assert "not implemented yet" in msg and "NotImplementedError" in msg, msg
+    assert info.value.__cause__ is None and info.value.__suppress_context__
