@@ -80,6 +80,7 @@ OWNED_TIERED = [
     "lab0_example",
     "lab1_gd_sgd_batch",
     "lab2_throughput",
+    "lab3_ddp",
     "lab4_large_batch",
     "lab5_memory_and_model_parallel",
     "lab6_profiling",
