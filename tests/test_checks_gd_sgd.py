@@ -238,3 +238,37 @@ def test_check_fit_critical_batch_catches_typical_mistakes():
     ]:
         with pytest.raises(CheckFailed, match=expected):
             checks.check_fit_critical_batch(wrong)
+
+
+def _dataset_scale(model, loss_fn, x, y, chunk, per_chunk=False, first_only=False):
+    gs = [_per_example_vmap(model, loss_fn, x[i : i + chunk], y[i : i + chunk]) for i in range(0, len(x), chunk)]
+    if first_only:
+        return _scale(gs[0])
+    if per_chunk:
+        return sum(_scale(g) for g in gs) / len(gs)
+    N = len(x)
+    mean = sum(g.sum(0) for g in gs) / N
+    trS = (sum((g**2).sum() for g in gs) - N * (mean**2).sum()) / (N - 1)
+    return float(trS / ((mean**2).sum() - trS / N))
+
+
+def test_check_dataset_noise_scale():
+    checks.check_dataset_noise_scale(_dataset_scale)
+    with pytest.raises(CheckFailed, match="not implemented yet"):
+        checks.check_dataset_noise_scale(_placeholder)
+    with pytest.raises(CheckFailed, match="averaged the per-chunk"):
+        checks.check_dataset_noise_scale(lambda *a: _dataset_scale(*a, per_chunk=True))
+    with pytest.raises(CheckFailed, match="only the first chunk"):
+        checks.check_dataset_noise_scale(lambda *a: _dataset_scale(*a, first_only=True))
+    with pytest.raises(CheckFailed, match="called utils.gradient_noise's own"):
+        checks.check_dataset_noise_scale(lambda m, f, x, y, c: gradient_noise.per_example_grads(x, y, 1.0, 0.0))
+
+
+def test_check_examples_to_target():
+    checks.check_examples_to_target(lambda bs, s, b: s * b * (1 + np.asarray(bs, float) / b))
+    with pytest.raises(CheckFailed, match="not implemented yet"):
+        checks.check_examples_to_target(_placeholder)
+    with pytest.raises(CheckFailed, match="the steps S\\(B\\)"):
+        checks.check_examples_to_target(lambda bs, s, b: s * (1 + b / np.asarray(bs, float)))
+    with pytest.raises(CheckFailed, match="perfect scaling"):
+        checks.check_examples_to_target(lambda bs, s, b: s * np.asarray(bs, float))

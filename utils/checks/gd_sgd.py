@@ -22,6 +22,8 @@ __all__ = [
     "check_per_example_grads",
     "check_noise_scale_from_per_example",
     "check_fit_critical_batch",
+    "check_dataset_noise_scale",
+    "check_examples_to_target",
 ]
 
 # A tiny dataset for hand computation: mean((w x + b - y)^2) at w=0.5, b=0.5 has gradient
@@ -578,3 +580,102 @@ def check_fit_critical_batch(fit_critical_batch: Callable[..., Any]) -> None:
             "use every point, unweighted: numpy.polyfit(1 / B, S, 1) or numpy.linalg.lstsq on columns [1, 1/B]",
         )
     _passed(name, f"exact data gives (200, 64); noisy data ({want[0]:.1f}, {want[1]:.1f}) as numpy.polyfit")
+
+
+def _unbiased_scale(g: torch.Tensor) -> float:
+    B = g.shape[0]
+    mean = g.mean(0)
+    trS = ((g - mean) ** 2).sum() / (B - 1)
+    return float(trS / ((mean**2).sum() - trS / B))
+
+
+def check_dataset_noise_scale(dataset_noise_scale: Callable[..., Any]) -> None:
+    """``dataset_noise_scale(model, loss_fn, x, y, chunk)``: B_simple over all N examples of (x, y),
+    from per-example gradients computed ``chunk`` examples at a time and accumulated (their sum and
+    their summed squared norms), with the same unbiased estimates as noise_scale_from_per_example."""
+    name = "dataset_noise_scale"
+    from .. import models
+
+    gen = torch.Generator().manual_seed(1)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        cnn = models.net_for((1, 8, 8), width=4).double()
+    x = torch.randn(10, 1, 8, 8, generator=gen, dtype=torch.float64)
+    y = torch.tensor([3, 3, 3, 3, 3, 3, 3, 1, 3, 7])  # mostly one class: a clear mean gradient, |G|^2 > 0
+    loss_fn = torch.nn.CrossEntropyLoss()
+    g = _loop_per_example(cnn, loss_fn, x, y)
+    want = _unbiased_scale(g)
+    with _refusing(name, _noise, ("per_example_grads", "noise_scale", "dataset_noise_scale"), "accumulate yourself"):
+        got = _one_number(
+            name, _call(name, dataset_noise_scale, cnn, loss_fn, x.clone(), y.clone(), 4), "tr_sigma / G2"
+        )
+    if _close(got, want, rtol=1e-6):
+        _passed(name, f"10 examples in chunks of 4 give B_simple = {want:.4f}, as all 10 per-example gradients at once")
+        return
+    chunks = [g[i : i + 4] for i in range(0, 10, 4)]
+    mean = g.mean(0)
+    trS_pop = float(((g - mean) ** 2).sum() / 10)
+    mistakes = [
+        (
+            sum(_unbiased_scale(c) for c in chunks) / len(chunks),
+            "you averaged the per-chunk B_simple values",
+            "accumulate sums over ALL examples (sum of the gradients, sum of their squared norms), divide once at the end",
+        ),
+        (
+            _unbiased_scale(chunks[0]),
+            "only the first chunk was used",
+            "loop over every chunk, x[i : i + chunk] for i in range(0, N, chunk), and add up before dividing",
+        ),
+        (
+            trS_pop / float((mean**2).sum() - trS_pop / 10),
+            "tr(Sigma) divides by N, not N - 1",
+            "tr(Sigma) = (sum of |g_i|^2 - N |mean|^2) / (N - 1)",
+        ),
+        (
+            (10 / 9 * trS_pop) / float((mean**2).sum()),
+            "|G|^2 is |mean|^2 without the correction for the mean's own noise",
+            "|G|^2 = |mean|^2 - tr(Sigma) / N",
+        ),
+    ]
+    for value, problem, hint in mistakes:
+        if _close(got, value, rtol=1e-6):
+            _fail(name, f"returned {got:.4f} instead of {want:.4f}: {problem}", hint)
+    _fail(
+        name,
+        f"on 10 examples in chunks of 4 it returned {got:.4f}; all 10 per-example gradients at once give {want:.4f}",
+        "add up g.sum(0) and (g ** 2).sum() over the chunks; mean = total / N; "
+        "tr(Sigma) = (sum of squares - N |mean|^2) / (N - 1); |G|^2 = |mean|^2 - tr(Sigma) / N",
+    )
+
+
+def check_examples_to_target(examples_to_target: Callable[..., Any]) -> None:
+    """``examples_to_target(batch_sizes, s_min, b_crit)``: E(B) = E_min (1 + B / B_crit) with
+    E_min = S_min B_crit, one value per batch size (a numpy array)."""
+    import numpy as np
+
+    name = "examples_to_target"
+    bs = [16, 64, 256]
+    want = np.array([16000.0, 25600.0, 64000.0])  # 200 * 64 * (1 + B / 64)
+    got = _call(name, examples_to_target, bs, 200.0, 64.0)
+    try:
+        got = np.asarray(got, dtype=float).reshape(-1)
+    except (TypeError, ValueError):
+        _fail(name, f"returned {type(got).__name__}, expected one number per batch size", "return a numpy array")
+    if got.shape != want.shape:
+        _fail(name, f"returned {got.shape[0]} values for 3 batch sizes", "one E(B) per batch size")
+    if np.allclose(got, want, rtol=1e-9):
+        _passed(name, "E(16, 64, 256) = 16000, 25600, 64000 for S_min = 200, B_crit = 64")
+        return
+    mistakes = [
+        (200 * (1 + 64 / np.array(bs)), "these are the steps S(B), not the examples", "examples = steps * B"),
+        (200 * np.array(bs, float), "this is S_min * B, the examples of perfect scaling", "E(B) = S(B) * B"),
+        (200 * 64 * (1 + 64 / np.array(bs)), "B and B_crit are swapped", "E(B) = E_min (1 + B / B_crit)"),
+    ]
+    for value, problem, hint in mistakes:
+        if np.allclose(got, value, rtol=1e-9):
+            _fail(name, f"returned {got.tolist()}: {problem}", hint)
+    _fail(
+        name,
+        f"for S_min = 200, B_crit = 64, B = {bs} it returned {got.tolist()}, expected {want.tolist()}",
+        "E_min = S_min * B_crit; E(B) = E_min * (1 + B / B_crit)",
+    )
