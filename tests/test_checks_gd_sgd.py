@@ -272,3 +272,15 @@ def test_check_examples_to_target():
         checks.check_examples_to_target(lambda bs, s, b: s * (1 + b / np.asarray(bs, float)))
     with pytest.raises(CheckFailed, match="perfect scaling"):
         checks.check_examples_to_target(lambda bs, s, b: s * np.asarray(bs, float))
+
+
+def test_check_steps_to_target():
+    checks.check_steps_to_target(lambda bs, s, b: s * (1 + b / np.asarray(bs, float)))
+    with pytest.raises(CheckFailed, match="not implemented yet"):
+        checks.check_steps_to_target(_placeholder)
+    with pytest.raises(CheckFailed, match="swapped"):
+        checks.check_steps_to_target(lambda bs, s, b: s * (1 + np.asarray(bs, float) / b))
+    with pytest.raises(CheckFailed, match="add the floor"):
+        checks.check_steps_to_target(lambda bs, s, b: s * b / np.asarray(bs, float))
+    with pytest.raises(CheckFailed, match="the examples E\\(B\\)"):
+        checks.check_steps_to_target(lambda bs, s, b: s * (np.asarray(bs, float) + b))

@@ -139,6 +139,10 @@ def dataset_scale_first_chunk(model, loss_fn, x, y, chunk):
     return noise_scale_unbiased(torch.stack(grads))
 
 
+def steps_swapped(batch_sizes, s_min, b_crit):
+    return [s_min * (1 + b / b_crit) for b in batch_sizes]
+
+
 def noise_scale_unbiased(g):
     mean = g.mean(0)
     tr = ((g - mean) ** 2).sum() / (len(g) - 1)
@@ -164,6 +168,7 @@ CASES = [
     (checks.check_fit_critical_batch, fit_critical_batch_slope, "the slope S_min \\* B_crit itself"),
     (checks.check_examples_to_target, examples_as_steps, "the steps S\\(B\\), not the examples"),
     (checks.check_dataset_noise_scale, dataset_scale_first_chunk, "only the first chunk"),
+    (checks.check_steps_to_target, steps_swapped, "B and B_crit are swapped"),
 ]
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "check_fit_critical_batch",
     "check_dataset_noise_scale",
     "check_examples_to_target",
+    "check_steps_to_target",
 ]
 
 # A tiny dataset for hand computation: mean((w x + b - y)^2) at w=0.5, b=0.5 has gradient
@@ -678,4 +679,41 @@ def check_examples_to_target(examples_to_target: Callable[..., Any]) -> None:
         name,
         f"for S_min = 200, B_crit = 64, B = {bs} it returned {got.tolist()}, expected {want.tolist()}",
         "E_min = S_min * B_crit; E(B) = E_min * (1 + B / B_crit)",
+    )
+
+
+def check_steps_to_target(steps_to_target: Callable[..., Any]) -> None:
+    """``steps_to_target(batch_sizes, s_min, b_crit)``: S(B) = S_min (1 + B_crit / B) for each batch
+    size (a numpy array)."""
+    import numpy as np
+
+    name = "steps_to_target"
+    bs = [16, 64, 256]
+    want = np.array([1000.0, 400.0, 250.0])  # 200 * (1 + 64 / B)
+    got = _call(name, steps_to_target, bs, 200.0, 64.0)
+    try:
+        got = np.asarray(got, dtype=float).reshape(-1)
+    except (TypeError, ValueError):
+        _fail(name, f"returned {type(got).__name__}, expected one number per batch size", "return a numpy array")
+    if got.shape != want.shape:
+        _fail(name, f"returned {got.shape[0]} values for 3 batch sizes", "one S(B) per batch size")
+    if np.allclose(got, want, rtol=1e-9):
+        _passed(name, "S(16, 64, 256) = 1000, 400, 250 for S_min = 200, B_crit = 64")
+        return
+    mistakes = [
+        (np.array([250.0, 400.0, 1000.0]), "B and B_crit are swapped", "S(B) = S_min (1 + B_crit / B): B below"),
+        (np.array([1000.0, 400.0, 250.0]) * np.array(bs), "these are the examples E(B), not the steps", "drop the * B"),
+        (
+            200 * 64 / np.array(bs, float),
+            "this is only the perfect-scaling part S_min B_crit / B",
+            "add the floor S_min",
+        ),
+    ]
+    for value, problem, hint in mistakes:
+        if np.allclose(got, value, rtol=1e-9):
+            _fail(name, f"returned {got.tolist()}: {problem}", hint)
+    _fail(
+        name,
+        f"for S_min = 200, B_crit = 64, B = {bs} it returned {got.tolist()}, expected {want.tolist()}",
+        "S(B) = S_min * (1 + B_crit / B), with B as a float array",
     )
