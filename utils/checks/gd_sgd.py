@@ -1,8 +1,12 @@
 """Self-checks for stage 1: gradient descent vs SGD, batch size (lab1).
 
 Each check runs the student's function on a small case whose answer is known (hand-computed,
-the closed-form least-squares solution, or the references in utils.linear_regression and
-utils.gradient_noise) and, when it is wrong, names the likely mistake."""
+the closed-form least-squares solution, the references in utils.linear_regression and
+utils.gradient_noise, a loop of torch.autograd.grad over examples for per-example gradients,
+numpy.polyfit for the critical-batch fit) and, when it is wrong, names the likely mistake. The
+checks of exercises 4 and 5 refuse the library's own functions (utils.gradient_noise's
+per_example_grads/noise_scale/dataset_noise_scale/two_batch_estimates, utils.batch_sweeps'
+fit_critical_batch), passed in or called."""
 
 import contextlib
 import math
