@@ -110,6 +110,45 @@ def lr_upside_down(base_lr, base_batch, batch, rule):
     return base_lr * (k if rule == "linear" else math.sqrt(k))
 
 
+def per_example_grads_summed(model, loss_fn, x, y):
+    grads = torch.autograd.grad(loss_fn(model(x), y), list(model.parameters()))
+    return torch.cat([g.reshape(-1) for g in grads])
+
+
+def noise_scale_uncorrected(g):
+    mean = g.mean(0)
+    return float(((g - mean) ** 2).sum() / (len(g) - 1) / (mean**2).sum())
+
+
+def fit_critical_batch_slope(batch_sizes, steps):
+    import numpy as np
+
+    slope, s_min = np.polyfit(1 / np.asarray(batch_sizes, float), np.asarray(steps, float), 1)
+    return float(s_min), float(slope)
+
+
+def examples_as_steps(batch_sizes, s_min, b_crit):
+    return [s_min * (1 + b_crit / b) for b in batch_sizes]
+
+
+def dataset_scale_first_chunk(model, loss_fn, x, y, chunk):
+    grads = []
+    for i in range(chunk):
+        gs = torch.autograd.grad(loss_fn(model(x[i : i + 1]), y[i : i + 1]), list(model.parameters()))
+        grads.append(torch.cat([g.reshape(-1) for g in gs]))
+    return noise_scale_unbiased(torch.stack(grads))
+
+
+def steps_swapped(batch_sizes, s_min, b_crit):
+    return [s_min * (1 + b / b_crit) for b in batch_sizes]
+
+
+def noise_scale_unbiased(g):
+    mean = g.mean(0)
+    tr = ((g - mean) ** 2).sum() / (len(g) - 1)
+    return float(tr / ((mean**2).sum() - tr / len(g)))
+
+
 CASES = [
     (checks.check_gd_step, gd_step_forgets_b, "the residual leaves out b"),
     (checks.check_gd_step, gd_step_keeps_b, "w moves correctly but b does not"),
@@ -124,6 +163,12 @@ CASES = [
     (checks.check_trust_ratio, trust_ratio_as_float, "not a tensor"),
     (checks.check_lars_step, lars_step_in_place, "changed its input w in place"),
     (checks.check_lr_for_batch, lr_upside_down, "upside down"),
+    (checks.check_per_example_grads, per_example_grads_summed, "not one per example"),
+    (checks.check_noise_scale_from_per_example, noise_scale_uncorrected, "the mean's own noise"),
+    (checks.check_fit_critical_batch, fit_critical_batch_slope, "the slope S_min \\* B_crit itself"),
+    (checks.check_examples_to_target, examples_as_steps, "the steps S\\(B\\), not the examples"),
+    (checks.check_dataset_noise_scale, dataset_scale_first_chunk, "only the first chunk"),
+    (checks.check_steps_to_target, steps_swapped, "B and B_crit are swapped"),
 ]
 
 

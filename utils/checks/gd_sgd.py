@@ -1,9 +1,15 @@
 """Self-checks for stage 1: gradient descent vs SGD, batch size (lab1).
 
 Each check runs the student's function on a small case whose answer is known (hand-computed,
-the closed-form least-squares solution, or the references in utils.linear_regression and
-utils.gradient_noise) and, when it is wrong, names the likely mistake."""
+the closed-form least-squares solution, the references in utils.linear_regression and
+utils.gradient_noise, a loop of torch.autograd.grad over examples for per-example gradients,
+numpy.polyfit for the critical-batch fit) and, when it is wrong, names the likely mistake. The
+checks of exercises 4 and 5 refuse the library's own functions (utils.gradient_noise's
+per_example_grads/noise_scale/dataset_noise_scale/two_batch_estimates, utils.batch_sweeps'
+fit_critical_batch), passed in or called."""
 
+import contextlib
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -13,7 +19,17 @@ from .. import gradient_noise as _noise
 from .. import linear_regression as _linreg
 from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
 
-__all__ = ["check_gd_step", "check_sgd", "check_noise_scale"]
+__all__ = [
+    "check_gd_step",
+    "check_sgd",
+    "check_noise_scale",
+    "check_per_example_grads",
+    "check_noise_scale_from_per_example",
+    "check_fit_critical_batch",
+    "check_dataset_noise_scale",
+    "check_examples_to_target",
+    "check_steps_to_target",
+]
 
 # A tiny dataset for hand computation: mean((w x + b - y)^2) at w=0.5, b=0.5 has gradient
 # dw = 2 mean(r x) = -26/3 and db = 2 mean(r) = -11/3, with r = (-1, -1.5, -3). b is not 0, so a
@@ -274,3 +290,434 @@ def check_noise_scale(b_simple: Callable[..., Any]) -> None:
             "the dtype (use all the pairs, in float64)",
         )
     _passed(name, f"hand-made case exact; a stream with B_simple = {exact:.2f} estimated as {est:.2f}")
+
+
+# ------------------------------------------------------------------ per-example gradients (lab 1, exercise 4)
+
+
+@contextlib.contextmanager
+def _refusing(check: str, module, names: tuple[str, ...], try_: str):
+    """While the student's function runs, the library's own functions ``names`` of ``module`` raise."""
+    saved = {n: getattr(module, n) for n in names}
+
+    def refuse(*a, **k):
+        raise CheckFailed(
+            f"{check}: your code called {module.__name__}'s own {'/'.join(names)}; the exercise is to "
+            f"write it yourself. Try: {try_}"
+        )
+
+    try:
+        for n in names:
+            setattr(module, n, refuse)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(module, n, f)
+
+
+def _is_library(name: str, fn, library) -> None:
+    if fn is library:
+        _fail(
+            name,
+            f"this is {library.__module__}.{library.__name__}, the library's own function, not yours",
+            "write the exercise's function in the cell above and pass that one",
+        )
+
+
+def _loop_per_example(model, loss_fn, x, y) -> torch.Tensor:
+    """The oracle: one example at a time, torch.autograd.grad, parameters in model.parameters() order."""
+    params = [p for p in model.parameters()]
+    rows = []
+    for i in range(len(x)):
+        gs = torch.autograd.grad(loss_fn(model(x[i : i + 1]), y[i : i + 1]), params)
+        rows.append(torch.cat([g.reshape(-1) for g in gs]))
+    return torch.stack(rows)
+
+
+def _per_example_case(name, fn, model, loss_fn, x, y):
+    want = _loop_per_example(model, loss_fn, x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    unbatched = ""
+    try:
+        model(x[0])
+    except RuntimeError as e:
+        unbatched = str(e).split("(")[0]
+
+    def run():
+        try:
+            return fn(model, loss_fn, x.clone(), y.clone())
+        except RuntimeError as e:
+            if unbatched and str(e).split("(")[0] == unbatched:
+                _fail(
+                    name,
+                    "the model failed on one example: inside vmap each example has lost its batch dimension",
+                    "inside the function vmap maps, give the model x.unsqueeze(0) and the loss y.unsqueeze(0)",
+                )
+            raise
+
+    with _refusing(name, _noise, ("per_example_grads",), "use torch.func.functional_call, grad and vmap"):
+        got = _call(name, run)
+    if any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())):
+        _fail(name, "your function changed the model's parameters", "compute gradients only; take no step")
+    if isinstance(got, dict):
+        _fail(
+            name,
+            "returned a dict of per-parameter gradients, expected one [B, P] tensor",
+            "flatten each [B, ...] gradient to [B, -1] and torch.cat them along dim 1",
+        )
+    if not isinstance(got, torch.Tensor):
+        _fail(name, f"returned {type(got).__name__}, expected a [B, P] tensor", "return one torch.Tensor")
+    B, P = want.shape
+    if tuple(got.shape) == (P,):
+        _fail(
+            name,
+            f"returned shape ({P},): one gradient for the whole batch, summed or averaged, not one per example",
+            "map over the examples with torch.func.vmap(torch.func.grad(loss_of_one_example)) so each gets its own row",
+        )
+    if tuple(got.shape) != (B, P):
+        _fail(
+            name,
+            f"returned shape {tuple(got.shape)}, expected ({B}, {P}): {B} examples, {P} parameters",
+            "one row per example; flatten each parameter's gradient and concatenate in model.named_parameters() order",
+        )
+    got = got.detach().to(torch.float64)
+    if torch.allclose(got, want, rtol=1e-6, atol=1e-9):
+        return
+    if torch.allclose(got * B, want, rtol=1e-6, atol=1e-9):
+        _fail(
+            name,
+            f"each row is 1/{B} of the example's gradient: you differentiated the batch MEAN loss",
+            "differentiate the loss of ONE example (a batch of 1), inside the function that vmap maps",
+        )
+    if torch.allclose(got.sort(1).values, want.sort(1).values, rtol=1e-6, atol=1e-9):
+        _fail(
+            name,
+            "each row holds the right numbers, but the parameters are in another order",
+            "concatenate the flattened gradients in model.named_parameters() order",
+        )
+    _fail(
+        name,
+        f"differs from a loop of torch.autograd.grad over the examples (largest gap {float((got - want).abs().max()):.3g})",
+        "loss of one example = loss_fn(functional_call(model, params, x.unsqueeze(0)), y.unsqueeze(0)); "
+        "vmap(grad(that), in_dims=(None, 0, 0))",
+    )
+
+
+def check_per_example_grads(per_example_grads: Callable[..., Any]) -> None:
+    """``per_example_grads(model, loss_fn, x, y)``: the [B, P] tensor whose row i is the gradient of
+    example i's loss with respect to all P parameters (flattened, in ``model.named_parameters()``
+    order). Compared with a loop of ``torch.autograd.grad`` over the examples, one at a time."""
+    name = "per_example_grads"
+    _is_library(name, per_example_grads, _noise.per_example_grads)
+    from .. import models
+
+    gen = torch.Generator().manual_seed(0)
+    with torch.random.fork_rng():  # leave the notebook's random state alone
+        torch.manual_seed(0)
+        cnn = models.net_for((1, 8, 8), width=4).double()
+        reg = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 3)).double()
+    x = torch.randn(6, 1, 8, 8, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 10, (6,), generator=gen)
+    _per_example_case(name, per_example_grads, cnn, torch.nn.CrossEntropyLoss(), x, y)
+    # A second model and loss: the function must use the loss it is given, and any target shape.
+    x2 = torch.randn(5, 3, 4, generator=gen, dtype=torch.float64)
+    y2 = torch.randn(5, 3, generator=gen, dtype=torch.float64)
+    _per_example_case(name, per_example_grads, reg, torch.nn.MSELoss(), x2, y2)
+    P = sum(p.numel() for p in cnn.parameters())
+    _passed(name, f"matches a per-example loop of torch.autograd.grad on a CNN ({P} parameters) and a linear model")
+
+
+def _one_number(name, got, what):
+    if isinstance(got, tuple):
+        _fail(name, f"returned a tuple {got!r}, expected one number", f"return {what} only")
+    if isinstance(got, torch.Tensor):
+        if got.numel() != 1:
+            _fail(name, f"returned a tensor of shape {tuple(got.shape)}, expected one number", f"return {what}")
+        got = got.item()
+    try:
+        return float(got)
+    except (TypeError, ValueError):
+        _fail(name, f"returned {type(got).__name__}, expected a float", f"return float({what})")
+
+
+def check_noise_scale_from_per_example(noise_scale_from_per_example: Callable[..., Any]) -> None:
+    """``noise_scale_from_per_example(g)``: B_simple = tr(Sigma) / |G|^2 from a [B, P] tensor of
+    per-example gradients, with unbiased estimates: tr(Sigma) from the sample covariance (divisor
+    B - 1) and |G|^2 = |mean|^2 - tr(Sigma) / B."""
+    name = "noise_scale_from_per_example"
+    fn = noise_scale_from_per_example
+    refuse = ("noise_scale", "dataset_noise_scale", "two_batch_estimates")
+    try_ = "the mean over rows, the squared deviations from it, their sum over parameters"
+    # Hand-made: rows (1,0), (3,0), (1,2), (3,2): mean (2,1), |mean|^2 = 5, squared deviations sum 8,
+    # so tr(Sigma) = 8/3, |G|^2 = 5 - (8/3)/4 = 13/3 and B_simple = 8/13.
+    g = torch.tensor([[1.0, 0.0], [3.0, 0.0], [1.0, 2.0], [3.0, 2.0]], dtype=torch.float64)
+    with _refusing(name, _noise, refuse, try_):
+        got = _one_number(name, _call(name, fn, g.clone()), "tr_sigma / G2")
+    mistakes = [
+        (
+            8 / 15,
+            "|G|^2 is the squared norm of the mean, which still holds the mean's own noise tr(Sigma)/B",
+            "correct it: |G|^2 = |mean|^2 - tr(Sigma) / B",
+        ),
+        (
+            4 / 9,
+            "tr(Sigma) divides the squared deviations by B (the population formula): it is biased low",
+            "divide the summed squared deviations by B - 1",
+        ),
+        (
+            2 / 5,
+            "both estimates are biased: divisor B in tr(Sigma) and no correction of |mean|^2",
+            "tr(Sigma) = sum of squared deviations / (B - 1); |G|^2 = |mean|^2 - tr(Sigma) / B",
+        ),
+        (13 / 8, "the ratio is upside down (|G|^2 / tr(Sigma))", "B_simple = tr(Sigma) / |G|^2: the noise on top"),
+        (
+            2 / 13,
+            "tr(Sigma) was divided by B once more: that is the noise of the MEAN, tr(Sigma)/B",
+            "tr(Sigma) is the per-EXAMPLE variance: summed squared deviations / (B - 1), no further / B",
+        ),
+    ]
+    if not _close(got, 8 / 13, rtol=1e-6):
+        for value, problem, hint in mistakes:
+            if _close(got, value, rtol=1e-6):
+                _fail(name, f"returned {got:.4f} instead of 8/13 = 0.6154: {problem}", hint)
+        _fail(
+            name,
+            f"on rows (1,0), (3,0), (1,2), (3,2) it returned {got:.4f}; tr(Sigma) = 8/3 and |G|^2 = 13/3, so 8/13",
+            "tr(Sigma) = ((g - mean)^2).sum() / (B - 1); |G|^2 = (mean^2).sum() - tr(Sigma) / B; return their ratio",
+        )
+    # Linear regression: per-example gradients from utils.gradient_noise, whose dataset_noise_scale
+    # uses the population (biased) formulas; turned into the unbiased ones by hand.
+    x, y = _linreg.LinearProblem().sample(16, seed=4)
+    g = _noise.per_example_grads(x, y, 1.7, -0.6)
+    G2_pop, trS_pop, _ = _noise.dataset_noise_scale(x, y, 1.7, -0.6)
+    n = len(x)
+    want = (trS_pop * n / (n - 1)) / (G2_pop - trS_pop / (n - 1))
+    with _refusing(name, _noise, refuse, try_):
+        got = _one_number(name, _call(name, fn, g.clone()), "tr_sigma / G2")
+    if not _close(got, want, rtol=1e-6):
+        _fail(
+            name,
+            f"the hand-made case passed, but on 16 linear-regression gradients it returned {got:.4f}, not {want:.4f}",
+            "use B = g.shape[0] and P = g.shape[1] from the tensor, sum over all parameters, compute in float64",
+        )
+    _passed(name, f"hand-made case exact (8/13); 16 linear-regression gradients give {want:.3f} as expected")
+
+
+# ------------------------------------------------------------------ critical batch size (lab 1, exercise 5)
+
+
+def _fit_pair(name, got):
+    if isinstance(got, dict) or not isinstance(got, (tuple, list)) or len(got) != 2:
+        _fail(name, f"returned {got!r}, expected a pair (S_min, B_crit)", "end with `return s_min, b_crit`")
+    try:
+        return float(got[0]), float(got[1])
+    except (TypeError, ValueError, RuntimeError):
+        _fail(name, f"returned {got!r}: its entries are not numbers", "return two floats")
+
+
+def check_fit_critical_batch(fit_critical_batch: Callable[..., Any]) -> None:
+    """``fit_critical_batch(batch_sizes, steps)``: least-squares fit of S = S_min + S_min B_crit (1/B)
+    (linear in 1/B), returning (S_min, B_crit). Compared with numpy.polyfit."""
+    import numpy as np
+
+    from .. import batch_sweeps
+
+    name = "fit_critical_batch"
+    _is_library(name, fit_critical_batch, batch_sweeps.fit_critical_batch)
+
+    def run(bs, ss):
+        with _refusing(name, batch_sweeps, ("fit_critical_batch",), "fit S against 1/B by least squares yourself"):
+            return _fit_pair(name, _call(name, fit_critical_batch, list(bs), list(ss)))
+
+    # Exact data on the curve S_min = 200, B_crit = 64.
+    bs = [8, 16, 32, 64, 128, 256, 512]
+    ss = [200 * (1 + 64 / b) for b in bs]
+    got = run(bs, ss)
+    if not (_close(got[0], 200, rtol=1e-6) and _close(got[1], 64, rtol=1e-6)):
+        k_B, c_B = np.polyfit(bs, ss, 1)
+        mistakes = [
+            ((200, 200 * 64), "B_crit is the slope S_min * B_crit itself", "divide the slope by the intercept S_min"),
+            ((64, 200), "the pair is swapped", "return (S_min, B_crit) in that order"),
+            (
+                (c_B, k_B / c_B),
+                "S was fitted against B, not against 1/B",
+                "the model is linear in 1/B: regress S on 1 / B",
+            ),
+            ((c_B, k_B), "S was fitted against B, not against 1/B", "the model is linear in 1/B: regress S on 1 / B"),
+        ]
+        for cand, problem, hint in mistakes:
+            if _close(got[0], cand[0], rtol=1e-6) and _close(got[1], cand[1], rtol=1e-6):
+                _fail(
+                    name,
+                    f"returned ({got[0]:.4g}, {got[1]:.4g}) on data made with S_min = 200, B_crit = 64: {problem}",
+                    hint,
+                )
+        if _close(got[0], min(ss), rtol=1e-6) or _close(got[0], 0, atol=1e-6) or not math.isfinite(got[1]):
+            _fail(
+                name,
+                f"returned S_min = {got[0]:.4g}: the intercept was not fitted (it is not the fewest measured steps, nor 0)",
+                "fit S = a + k / B with both a and k free: S_min = a, B_crit = k / a",
+            )
+        _fail(
+            name,
+            f"on exact data made with S_min = 200, B_crit = 64 it returned ({got[0]:.4g}, {got[1]:.4g})",
+            "k, a = numpy.polyfit(1 / B, S, 1); return a, k / a",
+        )
+    # Noisy data: the plain least-squares answer (numpy.polyfit), not a weighted one.
+    noise = [1.08, 0.93, 1.05, 0.9, 1.1, 0.95, 1.07, 0.92]
+    bs = [4, 8, 16, 32, 64, 128, 256, 1024]
+    ss = [150 * (1 + 40 / b) * e for b, e in zip(bs, noise)]
+    k, a = np.polyfit(1 / np.asarray(bs, float), np.asarray(ss), 1)
+    want = (float(a), float(k / a))
+    got = run(bs, ss)
+    if not (_close(got[0], want[0], rtol=1e-6) and _close(got[1], want[1], rtol=1e-6)):
+        lib = batch_sweeps.fit_critical_batch(bs, ss)
+        if _close(got[0], lib[0], rtol=1e-4) and _close(got[1], lib[1], rtol=1e-4):
+            _fail(
+                name,
+                "on noisy data this is a fit of the RELATIVE error, not plain least squares",
+                "minimise the sum of squared differences in steps: numpy.polyfit(1 / B, S, 1)",
+            )
+        _fail(
+            name,
+            f"exact data passed, but on noisy data it returned ({got[0]:.4g}, {got[1]:.4g}), "
+            f"least squares gives ({want[0]:.4g}, {want[1]:.4g})",
+            "use every point, unweighted: numpy.polyfit(1 / B, S, 1) or numpy.linalg.lstsq on columns [1, 1/B]",
+        )
+    _passed(name, f"exact data gives (200, 64); noisy data ({want[0]:.1f}, {want[1]:.1f}) as numpy.polyfit")
+
+
+def _unbiased_scale(g: torch.Tensor) -> float:
+    B = g.shape[0]
+    mean = g.mean(0)
+    trS = ((g - mean) ** 2).sum() / (B - 1)
+    return float(trS / ((mean**2).sum() - trS / B))
+
+
+def check_dataset_noise_scale(dataset_noise_scale: Callable[..., Any]) -> None:
+    """``dataset_noise_scale(model, loss_fn, x, y, chunk)``: B_simple over all N examples of (x, y),
+    from per-example gradients computed ``chunk`` examples at a time and accumulated (their sum and
+    their summed squared norms), with the same unbiased estimates as noise_scale_from_per_example."""
+    name = "dataset_noise_scale"
+    from .. import models
+
+    gen = torch.Generator().manual_seed(1)
+    with torch.random.fork_rng():
+        torch.manual_seed(1)
+        cnn = models.net_for((1, 8, 8), width=4).double()
+    x = torch.randn(10, 1, 8, 8, generator=gen, dtype=torch.float64)
+    y = torch.tensor([3, 3, 3, 3, 3, 3, 3, 1, 3, 7])  # mostly one class: a clear mean gradient, |G|^2 > 0
+    loss_fn = torch.nn.CrossEntropyLoss()
+    g = _loop_per_example(cnn, loss_fn, x, y)
+    want = _unbiased_scale(g)
+    with _refusing(name, _noise, ("per_example_grads", "noise_scale", "dataset_noise_scale"), "accumulate yourself"):
+        got = _one_number(
+            name, _call(name, dataset_noise_scale, cnn, loss_fn, x.clone(), y.clone(), 4), "tr_sigma / G2"
+        )
+    if _close(got, want, rtol=1e-6):
+        _passed(name, f"10 examples in chunks of 4 give B_simple = {want:.4f}, as all 10 per-example gradients at once")
+        return
+    chunks = [g[i : i + 4] for i in range(0, 10, 4)]
+    mean = g.mean(0)
+    trS_pop = float(((g - mean) ** 2).sum() / 10)
+    mistakes = [
+        (
+            sum(_unbiased_scale(c) for c in chunks) / len(chunks),
+            "you averaged the per-chunk B_simple values",
+            "accumulate sums over ALL examples (sum of the gradients, sum of their squared norms), divide once at the end",
+        ),
+        (
+            _unbiased_scale(chunks[0]),
+            "only the first chunk was used",
+            "loop over every chunk, x[i : i + chunk] for i in range(0, N, chunk), and add up before dividing",
+        ),
+        (
+            trS_pop / float((mean**2).sum() - trS_pop / 10),
+            "tr(Sigma) divides by N, not N - 1",
+            "tr(Sigma) = (sum of |g_i|^2 - N |mean|^2) / (N - 1)",
+        ),
+        (
+            (10 / 9 * trS_pop) / float((mean**2).sum()),
+            "|G|^2 is |mean|^2 without the correction for the mean's own noise",
+            "|G|^2 = |mean|^2 - tr(Sigma) / N",
+        ),
+    ]
+    for value, problem, hint in mistakes:
+        if _close(got, value, rtol=1e-6):
+            _fail(name, f"returned {got:.4f} instead of {want:.4f}: {problem}", hint)
+    _fail(
+        name,
+        f"on 10 examples in chunks of 4 it returned {got:.4f}; all 10 per-example gradients at once give {want:.4f}",
+        "add up g.sum(0) and (g ** 2).sum() over the chunks; mean = total / N; "
+        "tr(Sigma) = (sum of squares - N |mean|^2) / (N - 1); |G|^2 = |mean|^2 - tr(Sigma) / N",
+    )
+
+
+def check_examples_to_target(examples_to_target: Callable[..., Any]) -> None:
+    """``examples_to_target(batch_sizes, s_min, b_crit)``: E(B) = E_min (1 + B / B_crit) with
+    E_min = S_min B_crit, one value per batch size (a numpy array)."""
+    import numpy as np
+
+    name = "examples_to_target"
+    bs = [16, 64, 256]
+    want = np.array([16000.0, 25600.0, 64000.0])  # 200 * 64 * (1 + B / 64)
+    got = _call(name, examples_to_target, bs, 200.0, 64.0)
+    try:
+        got = np.asarray(got, dtype=float).reshape(-1)
+    except (TypeError, ValueError):
+        _fail(name, f"returned {type(got).__name__}, expected one number per batch size", "return a numpy array")
+    if got.shape != want.shape:
+        _fail(name, f"returned {got.shape[0]} values for 3 batch sizes", "one E(B) per batch size")
+    if np.allclose(got, want, rtol=1e-9):
+        _passed(name, "E(16, 64, 256) = 16000, 25600, 64000 for S_min = 200, B_crit = 64")
+        return
+    mistakes = [
+        (200 * (1 + 64 / np.array(bs)), "these are the steps S(B), not the examples", "examples = steps * B"),
+        (200 * np.array(bs, float), "this is S_min * B, the examples of perfect scaling", "E(B) = S(B) * B"),
+        (200 * 64 * (1 + 64 / np.array(bs)), "B and B_crit are swapped", "E(B) = E_min (1 + B / B_crit)"),
+    ]
+    for value, problem, hint in mistakes:
+        if np.allclose(got, value, rtol=1e-9):
+            _fail(name, f"returned {got.tolist()}: {problem}", hint)
+    _fail(
+        name,
+        f"for S_min = 200, B_crit = 64, B = {bs} it returned {got.tolist()}, expected {want.tolist()}",
+        "E_min = S_min * B_crit; E(B) = E_min * (1 + B / B_crit)",
+    )
+
+
+def check_steps_to_target(steps_to_target: Callable[..., Any]) -> None:
+    """``steps_to_target(batch_sizes, s_min, b_crit)``: S(B) = S_min (1 + B_crit / B) for each batch
+    size (a numpy array)."""
+    import numpy as np
+
+    name = "steps_to_target"
+    bs = [16, 64, 256]
+    want = np.array([1000.0, 400.0, 250.0])  # 200 * (1 + 64 / B)
+    got = _call(name, steps_to_target, bs, 200.0, 64.0)
+    try:
+        got = np.asarray(got, dtype=float).reshape(-1)
+    except (TypeError, ValueError):
+        _fail(name, f"returned {type(got).__name__}, expected one number per batch size", "return a numpy array")
+    if got.shape != want.shape:
+        _fail(name, f"returned {got.shape[0]} values for 3 batch sizes", "one S(B) per batch size")
+    if np.allclose(got, want, rtol=1e-9):
+        _passed(name, "S(16, 64, 256) = 1000, 400, 250 for S_min = 200, B_crit = 64")
+        return
+    mistakes = [
+        (np.array([250.0, 400.0, 1000.0]), "B and B_crit are swapped", "S(B) = S_min (1 + B_crit / B): B below"),
+        (np.array([1000.0, 400.0, 250.0]) * np.array(bs), "these are the examples E(B), not the steps", "drop the * B"),
+        (
+            200 * 64 / np.array(bs, float),
+            "this is only the perfect-scaling part S_min B_crit / B",
+            "add the floor S_min",
+        ),
+    ]
+    for value, problem, hint in mistakes:
+        if np.allclose(got, value, rtol=1e-9):
+            _fail(name, f"returned {got.tolist()}: {problem}", hint)
+    _fail(
+        name,
+        f"for S_min = 200, B_crit = 64, B = {bs} it returned {got.tolist()}, expected {want.tolist()}",
+        "S(B) = S_min * (1 + B_crit / B), with B as a float array",
+    )
