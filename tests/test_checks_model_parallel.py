@@ -248,6 +248,18 @@ MISTAKES = {
         ),
         r"first step left the parameters as they were.*you gathered before stepping.*Try: call optimizer.step\(\)",
     ),
+    # the shard cut as a view, not copied: the whole flat vector stays alive on every rank
+    "shard_is_a_view": (
+        lambda s: _replace(
+            s, "flat.chunk(world)[rank].clone().requires_grad_()", "flat.chunk(world)[rank].requires_grad_()"
+        ),
+        r"shard is a view into the whole padded flat vector.*Try: make the shard a tensor of its own",
+    ),
+    # padding at the front: every parameter is read one element off
+    "padding_in_front": (
+        lambda s: _replace(s, "    return F.pad(flat, (0, missing))", "    return F.pad(flat, (missing, 0))"),
+        r"57-parameter MLP.*but the 44-parameter MLP was right.*Try: pad the flat vectors with zeros at the END",
+    ),
     # ZeRO-1 with a reduce-scatter: the full gradients stay on every rank
     "keeps_full_grads": (
         lambda s: _replace(s, "        p.grad = None  # ZeRO-2 keeps only its shard's gradient\n", "        pass\n"),
@@ -277,3 +289,42 @@ def test_a_crash_names_the_line_of_the_function(tmp_path):
     first = str(err.value).split("\n")[0]
     assert "NameError" in first and f"(line {line} of zero2_step)" in first, first
     assert "failed too" not in first and "undefined_name" in err.value.remote_traceback
+
+
+def _stage_pair(stage0, stage1, x, y, m, boundary="leaf", zero=False):
+    """A GPipe step with one mistake at a time (the lab's answer when boundary="leaf", zero=False)."""
+    if zero:
+        stage0.zero_grad()
+        stage1.zero_grad()
+    saved = []
+    for xi, yi in zip(x.chunk(m), y.chunk(m)):
+        out0 = stage0(xi)
+        b = {"leaf": out0.detach().requires_grad_(), "no_grad": out0.detach(), "same": out0}[boundary]
+        saved.append((out0, b, ((stage1(b) - yi) ** 2).mean() / m))
+    total = 0.0
+    for out0, b, loss in saved:
+        loss.backward()
+        out0.backward(b.grad)
+        total += loss.item()
+    return total
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (
+            {"boundary": "no_grad"},
+            r"no gradient from the boundary.*Try: the boundary activation must be a leaf that requires grad",
+        ),
+        (
+            {"boundary": "same"},
+            r"no gradient from the boundary.*Try: the boundary activation must be a leaf that requires grad",
+        ),
+        ({"zero": True}, r"held before the call are gone: your function zeroed them"),
+    ],
+)
+def test_gpipe_names_the_boundary_and_zeroing_mistakes(kwargs, message):
+    checks.check_gpipe_microbatches(_stage_pair)  # the oracle inside: one full-batch step's gradients
+    with pytest.raises(CheckFailed) as err:
+        checks.check_gpipe_microbatches(lambda *a: _stage_pair(*a, **kwargs))
+    assert re.search(message, str(err.value)), str(err.value)

@@ -14,6 +14,7 @@ import inspect
 import math
 import re
 import textwrap
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -53,14 +54,16 @@ def check_tensor_parallel(column_shard: Callable[..., Any], row_shard: Callable[
                 _fail(
                     name,
                     "column_shard must return (weight, bias) and row_shard a weight, all tensors",
-                    "return linear.weight.chunk(...)[rank], linear.bias.chunk(...)[rank] (and a tensor from row_shard)",
+                    "return this rank's slice of the weight and of the bias from column_shard, and this rank's "
+                    "slice of the weight from row_shard",
                 )
             if tuple(w1.shape) != (hidden // world, d):
                 hint = (
                     "you split the input dimension: a column-parallel layer splits the OUTPUT features, "
-                    "which are the rows of nn.Linear's weight [out, in]: chunk along dim 0"
+                    "so each rank computes some hidden units from the whole input; nn.Linear stores its "
+                    "weight as [out, in], so cut the dimension that counts the outputs"
                     if tuple(w1.shape) == (hidden, d // world)
-                    else "each rank gets hidden/N output features: weight.chunk(world_size, dim=0)[rank]"
+                    else "each rank keeps hidden/N of the output features and every input feature"
                 )
                 _fail(
                     name,
@@ -72,14 +75,15 @@ def check_tensor_parallel(column_shard: Callable[..., Any], row_shard: Callable[
                 _fail(
                     name,
                     f"column shard's bias has shape {tuple(b1.shape)}, expected {(hidden // world,)}",
-                    "each rank adds the bias of ITS output features: bias.chunk(world_size)[rank]",
+                    "the bias belongs to the output features: each rank adds only the entries of the "
+                    "hidden units it computes, cut the same way as the weight",
                 )
             if tuple(w2.shape) != (d, hidden // world):
                 hint = (
-                    "you split the output dimension: a row-parallel layer splits its INPUT features, "
-                    "the columns of the weight [out, in]: chunk along dim 1"
+                    "you split the output dimension: a row-parallel layer splits its INPUT features, the "
+                    "hidden units this rank computed, so that it returns a partial sum of every output"
                     if tuple(w2.shape) == (d // world, hidden)
-                    else "each rank multiplies its hidden/N inputs: weight.chunk(world_size, dim=1)[rank]"
+                    else "each rank multiplies only its hidden/N hidden units, and produces every output feature"
                 )
                 _fail(
                     name,
@@ -95,8 +99,8 @@ def check_tensor_parallel(column_shard: Callable[..., Any], row_shard: Callable[
                 name,
                 f"on {world} ranks the summed partial outputs differ from the whole MLP by "
                 f"{(got - want).abs().max().item():.3g}",
-                "rank r must take the SAME slice r in both layers: rows r of the first weight (and bias) "
-                "and columns r of the second, both with .chunk(world_size, dim)[rank]",
+                "rank r must take the SAME slice r of the hidden units in both layers: its outputs of the "
+                "first layer (weight and bias) and its inputs of the second, in equal contiguous slices",
             )
     _passed(name, "1, 2 and 4 ranks: partial sums add up to the whole MLP")
 
@@ -348,6 +352,10 @@ def _zero2_worker(sources: list, optimizer_name: str, step_name: str) -> list:
                 if not isinstance(opt, torch.optim.Optimizer):
                     raise TypeError(f"returned {type(opt).__name__}, not a torch.optim optimizer")
                 rec = {"model": label, "optimizer": kind, "params": [], "traffic": [], "grad_bytes": []}
+                held = [p for group in opt.param_groups for p in group["params"]]
+                # a view keeps the whole flat vector it was cut from alive: more storage than elements
+                rec["shard_storage"] = sum(p.untyped_storage().nbytes() for p in held)
+                rec["shard_bytes"] = sum(p.numel() * p.element_size() for p in held)
                 for x, y in _zero2_batches(sizes):
                     n = len(x) // ctx.world_size
                     rows = slice(ctx.rank * n, (ctx.rank + 1) * n)
@@ -414,9 +422,9 @@ def _zero2_crash(name, e):
             name,
             f"your code ran on the 44-parameter MLP but raised on the 57-parameter one ({error}): 57 does "
             f"not divide by {ZERO2_WORLD} ranks",
-            "pad the flat vectors with zeros to a multiple of the world size, so every rank's shard has "
-            "the same size (reduce-scatter and all-gather need equal shards); drop the padding when you "
-            "copy back into the parameters",
+            "pad the flat vectors with zeros at the end, to a multiple of the world size, so every rank's "
+            "shard has the same size (reduce-scatter and all-gather need equal shards); leave the padding "
+            "out when you copy back into the parameters",
         )
     lines = re.findall(r'File "<your function (\w+)>", line (\d+)', tb)
     where = f" (line {lines[-1][1]} of {lines[-1][0]})" if lines else ""
@@ -506,8 +514,9 @@ def check_zero2(zero2_optimizer: Callable[..., Any], zero2_step: Callable[..., A
                         name,
                         f"{where}: the parameters differ from one process's after step {k + 1}, but the "
                         f"44-parameter MLP was right: {numel} does not divide by {world} ranks",
-                        "pad the flat vectors with zeros to a multiple of the world size, give every rank "
-                        "the same shard size, and drop the padding when you copy back into the parameters",
+                        "pad the flat vectors with zeros at the END, to a multiple of the world size, so the "
+                        "parameters start at offset 0 and the padding is the tail you leave out when you "
+                        "copy back; every rank's shard has the same size",
                     )
                 _fail(
                     name,
@@ -516,6 +525,15 @@ def check_zero2(zero2_optimizer: Callable[..., Any], zero2_step: Callable[..., A
                     "rank r's shard is elements [r * S, (r + 1) * S) of the padded flat vector (S = its length "
                     "/ N) in both the reduce-scatter and the all-gather; the shard's gradient is the MEAN over ranks",
                 )
+            for r, rec in enumerate(recs):
+                if rec.get("shard_storage", 0) > rec.get("shard_bytes", 0):
+                    _fail(
+                        name,
+                        f"{where}: rank {r}'s shard is a view into the whole padded flat vector "
+                        f"({rec['shard_storage']} bytes kept alive for a {rec['shard_bytes']}-byte shard), "
+                        "so every rank still holds a full copy of the parameters",
+                        "make the shard a tensor of its own: copy your slice, so the full flat vector can be freed",
+                    )
             per_element = STATE_BYTES_PER_ELEMENT[kind]
             state_want = per_element * padded // world
             for r, rec in enumerate(recs):
@@ -599,6 +617,23 @@ def _loss(out, y):
     return (out - y).pow(2).mean()
 
 
+# what autograd says when the boundary is no leaf that requires grad (its .grad is None)
+_NO_BOUNDARY_GRAD = (
+    "implicitly created only for scalar outputs",
+    "does not require grad",
+    "backward through the graph a second time",
+)
+
+
+def _lost(params, reference) -> bool:
+    """True when the gradients held before the call were dropped: some parameter's gradient equals
+    what the full batch alone gives, not what was there plus it."""
+    for p, r in zip(params, reference):
+        if p.grad is not None and _close(p.grad, r.grad, rtol=1e-4, atol=1e-6):
+            return True
+    return False
+
+
 def check_gpipe_microbatches(gpipe_microbatches: Callable[..., Any]) -> None:
     """``gpipe_microbatches(stage0, stage1, x, y, m)``: one GPipe step in one process: all m
     forwards (each through stage0, across the boundary, through stage1, loss / m), then all m
@@ -618,28 +653,55 @@ def check_gpipe_microbatches(gpipe_microbatches: Callable[..., Any]) -> None:
             s0.register_forward_pre_hook(lambda mod, inp, ev=events: ev.append("F")),
             first.register_hook(lambda grad, ev=events: ev.append("B")),
         ]
+        params = [*s0.parameters(), *s1.parameters()]
+        before = [torch.randn(p.shape, generator=g) for p in params]  # gradients from before the call
+        for p, b in zip(params, before):
+            p.grad = b.clone()
         try:
-            got_loss = _call(name, gpipe_microbatches, s0, s1, x, y, m)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got_loss = _call(name, gpipe_microbatches, s0, s1, x, y, m)
+        except CheckFailed as e:
+            cause = str(e.__cause__ or "")
+            if any(k in cause for k in _NO_BOUNDARY_GRAD):
+                _fail(
+                    name,
+                    f"with m={m}, stage0's backward got no gradient from the boundary "
+                    f"({type(e.__cause__).__name__}: {cause.splitlines()[0]})",
+                    "the boundary activation must be a leaf that requires grad, so its .grad can be sent back: "
+                    "cut it off stage0's graph, then ask it to require a gradient",
+                )
+            raise
         finally:
             for h in hooks:
                 h.remove()
+        for w in caught:  # anything else the student's code warned about is shown as usual
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
         if any(p.grad is None for p in (*s0.parameters(), *s1.parameters())):
             which = "stage0" if any(p.grad is None for p in s0.parameters()) else "stage1"
             _fail(
                 name,
                 f"with m={m}, {which}'s parameters got no gradient",
-                "stage1: call loss.backward() for each micro-batch; stage0: out0.backward(boundary.grad), "
-                "where boundary = out0.detach().requires_grad_() is what stage1 received",
+                "backpropagate each micro-batch's loss through stage1, then stage0's output with the "
+                "gradient that arrived at the boundary",
             )
-        g0 = torch.cat([p.grad.flatten() for p in s0.parameters()])
-        g1 = torch.cat([p.grad.flatten() for p in s1.parameters()])
+        if _lost(params, (*r0.parameters(), *r1.parameters())):
+            _fail(
+                name,
+                f"with m={m}, the gradients the stages held before the call are gone: your function zeroed them",
+                "do not zero the gradients inside: the caller zeroes them once before the step, and the "
+                "micro-batches accumulate into whatever is there",
+            )
+        n0 = sum(1 for _ in s0.parameters())
+        g0 = torch.cat([(p.grad - b).flatten() for p, b in zip(params[:n0], before[:n0])])
+        g1 = torch.cat([(p.grad - b).flatten() for p, b in zip(params[n0:], before[n0:])])
         w0 = torch.cat([p.grad.flatten() for p in r0.parameters()])
         w1 = torch.cat([p.grad.flatten() for p in r1.parameters()])
         if events.count("F") != m:
             _fail(
                 name,
                 f"with m={m}, stage0 ran {events.count('F')} forwards, expected {m}",
-                "cut the batch with x.chunk(m) and run each micro-batch through stage0 once",
+                "cut the batch into m equal micro-batches and run each through stage0 once",
             )
         if m > 1 and events != ["F"] * m + ["B"] * m:
             _fail(
@@ -657,8 +719,8 @@ def check_gpipe_microbatches(gpipe_microbatches: Callable[..., Any]) -> None:
             _fail(
                 name,
                 f"with m={m}, stage0's gradients are twice too large",
-                "detach at the boundary (boundary = out0.detach().requires_grad_()): otherwise loss.backward() "
-                "already reaches stage0 and out0.backward(boundary.grad) adds it a second time",
+                "cut the graph at the boundary (a new leaf with stage0's values): otherwise the loss's "
+                "backward already reaches stage0, and stage0's own backward adds its gradient a second time",
             )
         if not _close(g1, w1, rtol=1e-4, atol=1e-6):
             _fail(
@@ -670,7 +732,8 @@ def check_gpipe_microbatches(gpipe_microbatches: Callable[..., Any]) -> None:
             _fail(
                 name,
                 f"with m={m}, stage0's gradients differ from the full batch's by {(g0 - w0).abs().max().item():.3g}",
-                "feed stage0 the gradient of the boundary tensor stage1 received: out0.backward(boundary.grad)",
+                "backpropagate stage0's output with the gradient of the leaf that stage1 received, once per "
+                "micro-batch",
             )
         if got_loss is None or not _close(float(got_loss), want_loss.item(), rtol=1e-4, atol=1e-6):
             _fail(
