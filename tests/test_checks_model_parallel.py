@@ -246,7 +246,7 @@ MISTAKES = {
             "    offset = 0\n    with torch.no_grad():",
             "    optimizer.step()\n    offset = 0\n    with torch.no_grad():",
         ),
-        r"first step left the parameters as they were.*you gathered before stepping.*Try: call optimizer.step\(\)",
+        r"first step left the parameters as they were.*you gathered before stepping.*Try: step the optimizer on your shard first",
     ),
     # the shard cut as a view, not copied: the whole flat vector stays alive on every rank
     "shard_is_a_view": (

@@ -137,6 +137,26 @@ def _nested(events, *, per_lane=True, host_only=True, direct=True):
     return dict(out)
 
 
+def self_times_ties_in_list_order(events):
+    """Sorted by start only: of two events starting together, the one listed first opens first."""
+    lanes = defaultdict(list)
+    for e in events:
+        if e.get("cat") in profiling.HOST_EVENT_CATS:
+            lanes[(e["pid"], e["tid"])].append(e)
+    out = defaultdict(float)
+    for lane in lanes.values():
+        lane.sort(key=lambda e: e["ts"])
+        stack = []
+        for e in lane:
+            while stack and e["ts"] >= stack[-1]["ts"] + stack[-1]["dur"]:
+                stack.pop()
+            out[e["name"]] += e["dur"]
+            if stack:
+                out[stack[-1]["name"]] -= e["dur"]
+            stack.append(e)
+    return dict(out)
+
+
 def self_times_all_ancestors(events):
     return _nested(events, direct=False)
 
@@ -192,6 +212,10 @@ def syncs_item_too(events):
     return len(hits) / len(steps)
 
 
+def syncs_counts_item(events):
+    return sum(e["name"] == "aten::item" for e in _inside(events, _steps(events))) / len(_steps(events))
+
+
 def syncs_outside_steps(events):
     return sum(e["name"] == "aten::_local_scalar_dense" for e in events) / len(_steps(events))
 
@@ -202,6 +226,10 @@ def syncs_total(events):
 
 def loader_with_dataloader(dataset, batch_size, device, seed):
     return data.make_loader(dataset, batch_size, kind="dataloader", seed=seed)
+
+
+def loader_with_workers(dataset, batch_size, device, seed):
+    return torch.utils.data.DataLoader(dataset, batch_size, shuffle=True, num_workers=2)
 
 
 def loader_unshuffled(dataset, batch_size, device, seed):
@@ -230,6 +258,18 @@ class LogKeepsTensors(Callback):
 
     def on_step_end(self, state):
         self.losses.append(state.loss)
+
+
+class LogFloatEachAtEpochEnd(Callback):
+    def __init__(self):
+        self.losses, self.pending = [], []
+
+    def on_step_end(self, state):
+        self.pending.append(state.loss)
+
+    def on_epoch_end(self, state):
+        self.losses += [float(t) for t in self.pending]
+        self.pending = []
 
 
 class LogFirstEpochOnly(Callback):
@@ -287,6 +327,28 @@ class StandardizeAttributes(nn.Module):
         return (x - self.mean) / (self.std + self.eps)
 
 
+class StandardizeSwapped(nn.Module):
+    def __init__(self, reference, eps=1e-5):
+        super().__init__()
+        mean, std = torch.std_mean(reference, dim=0)
+        self.register_buffer("mean", mean)
+        self.register_buffer("std", std)
+        self.eps = eps
+
+    def forward(self, x):
+        return (x - self.mean) / (self.std + self.eps)
+
+
+class StandardizeKeepsReference(nn.Module):
+    def __init__(self, reference, eps=1e-5):
+        super().__init__()
+        self.reference, self.eps = reference, eps
+
+    def forward(self, x):
+        std, mean = torch.std_mean(self.reference, dim=0)
+        return (x - mean) / (std + self.eps)
+
+
 class StandardizeStillEveryCall(nn.Module):
     def __init__(self, reference, eps=1e-5):
         super().__init__()
@@ -301,6 +363,7 @@ class StandardizeStillEveryCall(nn.Module):
 CASES = [
     (checks.check_self_times, self_times_total_durations, "whole duration"),
     (checks.check_self_times, self_times_all_ancestors, "DIRECT children"),
+    (checks.check_self_times, self_times_ties_in_list_order, "order ties longest first"),
     (checks.check_self_times, self_times_one_lane, "another thread"),
     (checks.check_self_times, self_times_with_kernels, "GPU kernel"),
     (checks.check_data_wait_fraction, wait_percent, "a percentage"),
@@ -309,20 +372,25 @@ CASES = [
     (checks.check_data_wait_fraction, wait_over_trace_span, "whole span"),
     (checks.check_data_wait_fraction, wait_from_the_library, "not to call utils.profiling"),
     (checks.check_syncs_per_step, syncs_item_too, "aten::item was counted"),
+    (checks.check_syncs_per_step, syncs_counts_item, "you counted aten::item.*once per sync"),
     (checks.check_syncs_per_step, syncs_outside_steps, "after the last step"),
     (checks.check_syncs_per_step, syncs_total, "a total"),
     (checks.check_fixed_loader, loader_with_dataloader, "one at a time"),
+    (checks.check_fixed_loader, loader_with_workers, "worker processes.*keep the data resident"),
     (checks.check_fixed_loader, loader_unshuffled, "dataset's order"),
     (checks.check_fixed_loader, loader_ignores_seed, "differ from the original"),
     (checks.check_fixed_loader, loader_same_order_every_epoch, "epoch 1"),
     (checks.check_loss_log, LogWithFloat, "host per step"),
     (checks.check_loss_log, LogKeepsTensors, "not floats"),
     (checks.check_loss_log, LogFirstEpochOnly, "every epoch's end"),
+    (checks.check_loss_log, LogFloatEachAtEpochEnd, "one at a time.*epoch ends"),
     (checks.check_standardize, StandardizeBatch, "batch's own statistics"),
     (checks.check_standardize, StandardizeBiased, "biased"),
     (checks.check_standardize, StandardizeNoEps, "inf or nan"),
     (checks.check_standardize, StandardizeAttributes, "not buffers"),
     (checks.check_standardize, StandardizeStillEveryCall, "whole reference"),
+    (checks.check_standardize, StandardizeSwapped, r"order \(std, mean\)"),
+    (checks.check_standardize, StandardizeKeepsReference, "whole reference"),
 ]
 
 

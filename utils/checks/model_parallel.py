@@ -485,14 +485,14 @@ def check_zero2(zero2_optimizer: Callable[..., Any], zero2_step: Callable[..., A
                         name,
                         f"{where}: the model's parameters never change",
                         "after the optimizer's step, all-gather the shards and copy the full vector back into "
-                        "the parameters in place (under torch.no_grad())",
+                        "the parameters in place, without autograd",
                     )
                 if k == 0 and _close(got[0], want[0]):  # unchanged by the first step, changed later
                     _fail(
                         name,
                         f"{where}: the first step left the parameters as they were, and later steps are one "
                         "step behind: you gathered before stepping",
-                        "call optimizer.step() on the shard first, then all-gather the updated shards",
+                        "step the optimizer on your shard first, then all-gather the updated shards",
                     )
                 if kind == "sgd" and _close(got[0], _zero2_reference(sizes, kind, grad_scale=world)[k + 1]):
                     _fail(

@@ -101,8 +101,11 @@ def check_self_times(self_times: Callable[..., Any]) -> None:
         _ev("C", 50, 10),
         _ev("D", 20, 60, tid=2),
         _ev("kernel_k", 30, 40, pid=0, tid=7, cat="kernel"),
+        # thread 3: H [200, 220) starts with its caller G [200, 250), and comes first in the list
+        _ev("H", 200, 20, tid=3),
+        _ev("G", 200, 50, tid=3),
     ]
-    want = {"A": 100 - 30 - 10, "B": 30 - 10, "C": 20, "D": 60}
+    want = {"A": 100 - 30 - 10, "B": 30 - 10, "C": 20, "D": 60, "G": 50 - 20, "H": 20}
     got = _call(name, self_times, [dict(e) for e in events])
     if not isinstance(got, dict):
         _fail(name, f"returned {type(got).__name__}", "return a dict {op name: self time in microseconds}")
@@ -131,6 +134,13 @@ def check_self_times(self_times: Callable[..., Any]) -> None:
             f"D, alone on its thread, got {got.get('D')} us instead of its 60: events of another thread were "
             "nested with it",
             "nest events only within the same (pid, tid) lane",
+        )
+    if got.get("G") == 50 or got.get("H", 0) < 0:
+        _fail(
+            name,
+            f"G [200, 250 us) calls H [200, 220 us), both starting at 200; you got G {got.get('G')} us and H "
+            f"{got.get('H')} us: H was opened first and taken as G's parent",
+            "when two events start together, the longer one is the caller: order ties longest first",
         )
     for k, w in want.items():
         if abs(got.get(k, float("nan")) - w) > 1e-6:
@@ -252,36 +262,45 @@ def check_syncs_per_step(syncs_per_step: Callable[..., Any]) -> None:
     from .. import profiling
 
     name = "syncs_per_step"
+    # each step: one .item() (aten::item around aten::_local_scalar_dense) and one float(t) (no
+    # aten::item); then a float(t) after the recorded steps (an epoch's end). 4 syncs in 2 steps.
     events = [
         _step(1, 0, 100),
         _ev("aten::item", 10, 5),
         _ev("aten::_local_scalar_dense", 11, 3),
+        _ev("aten::_local_scalar_dense", 50, 3),
         _step(2, 100, 100),
         _ev("aten::item", 110, 5),
         _ev("aten::_local_scalar_dense", 111, 3),
-        _ev("aten::_local_scalar_dense", 150, 3),  # float(t): no aten::item around it
-        _ev("aten::item", 300, 5),  # after the recorded steps (an epoch's end)
+        _ev("aten::_local_scalar_dense", 150, 3),
         _ev("aten::_local_scalar_dense", 301, 3),
     ]
     got = _number(name, _call(name, syncs_per_step, events))
+    if abs(got - 1.0) < 1e-9:
+        _fail(
+            name,
+            "returned 1.0 on hand-made events with 4 syncs in 2 steps: you counted aten::item, and float(t) "
+            "syncs without it",
+            "aten::item calls aten::_local_scalar_dense, and every sync goes through that op: count it, once per sync",
+        )
+    if abs(got - 3.0) < 1e-9 or abs(got - 3.5) < 1e-9:
+        _fail(
+            name,
+            f"returned {got:g} on hand-made events with 4 syncs in 2 steps: aten::item was counted as well",
+            "aten::item calls aten::_local_scalar_dense; count only the latter (float(t) skips aten::item)",
+        )
     if abs(got - 2.5) < 1e-9:
         _fail(
             name,
-            "returned 2.5 on hand-made events with 3 syncs in 2 steps: aten::item was counted as well",
-            "aten::item calls aten::_local_scalar_dense; count only the latter (float(t) skips aten::item)",
-        )
-    if abs(got - 2.0) < 1e-9:
-        _fail(
-            name,
-            "returned 2.0 on hand-made events with 3 syncs in 2 steps: one after the last step was counted",
+            "returned 2.5 on hand-made events with 4 syncs in 2 steps: one after the last step was counted",
             "count only events that start inside a ProfilerStep# event",
         )
-    if abs(got - 3.0) < 1e-9 or abs(got - 4.0) < 1e-9:
+    if abs(got - 4.0) < 1e-9 or abs(got - 5.0) < 1e-9:
         _fail(name, f"returned {got:g}, a total", "divide by the number of ProfilerStep# events")
-    if abs(got - 1.5) > 1e-9:
+    if abs(got - 2.0) > 1e-9:
         _fail(
             name,
-            f"returned {got:g} on hand-made events with 3 syncs in 2 steps, expected 1.5",
+            f"returned {got:g} on hand-made events with 4 syncs in 2 steps, expected 2.0",
             "count aten::_local_scalar_dense events inside ProfilerStep# events; divide by the steps",
         )
     for log, want in ((None, 0.0), (profiling.LogLossEveryStep(), 1.0)):
@@ -340,6 +359,14 @@ def check_fixed_loader(fixed_loader: Callable[..., Any]) -> None:
     want = _epochs(planted_loader(torch.utils.data.TensorDataset(x, y), B, 0.0, seed=seed))
     ds = _CountingDataset(x, y)
     loader = _call(name, fixed_loader, ds, B, "cpu", seed)
+    if getattr(loader, "num_workers", 0):
+        _fail(
+            name,
+            f"your loader reads the images in {loader.num_workers} worker processes: the per-image work is "
+            "still done every epoch, only spread over more cores (and reads there cannot be counted here)",
+            "keep the data resident instead: serve each batch as a slice of the dataset's tensors, with no "
+            "per-image read at all",
+        )
     try:
         got = _epochs(loader)
     except Exception as e:  # noqa: BLE001 - the student's loader crashed while iterated
@@ -387,7 +414,8 @@ def check_loss_log(LossLog: Callable[..., Any]) -> None:  # noqa: N803 - a class
     steps (``aten::_local_scalar_dense`` counted in a profiler trace)."""
     from .. import profiling
     from ..data import make_loader
-    from ..train import fit
+    from ..profiling import _quiet_kineto
+    from ..train import Callback, fit
 
     name = "LossLog"
     ds = _tiny_data(40)
@@ -406,7 +434,7 @@ def check_loss_log(LossLog: Callable[..., Any]) -> None:  # noqa: N803 - a class
         _fail(
             name,
             f"after fit, losses holds {type(got).__name__ if not isinstance(got, list) else 'tensors'}, not floats",
-            "keep the tensors during the epoch; in on_epoch_end turn them into floats at once (torch.stack(...).tolist())",
+            "keep the tensors during the epoch; in on_epoch_end turn all of them into floats in one read",
         )
     if len(got) != len(want):
         _fail(
@@ -426,7 +454,29 @@ def check_loss_log(LossLog: Callable[..., Any]) -> None:  # noqa: N803 - a class
             f"a profiled run still reads {syncs:g} value(s) on the host per step (aten::_local_scalar_dense)",
             "in on_step_end only append the tensor state.loss; no .item(), float() or .tolist() there",
         )
-    _passed(name, "the same losses as .item() every step, and 0 host syncs per step in a trace")
+
+    class EpochEnds(Callback):  # the baseline: reads nothing, counts the epochs' ends
+        def __init__(self):
+            self.calls, self.losses = 0, []
+
+        def on_epoch_end(self, state):
+            self.calls += 1
+
+    def host_reads(cb):
+        with _quiet_kineto(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            _call(name, run, cb)
+        return sum(e.name == "aten::_local_scalar_dense" for e in prof.events())
+
+    ends = EpochEnds()
+    n_log, n_base = host_reads(_call(name, LossLog)), host_reads(ends)
+    if n_log - n_base > ends.calls:
+        _fail(
+            name,
+            f"at the epochs' ends your LossLog read the losses one at a time ({n_log - n_base} host reads "
+            f"over {ends.calls} epoch ends of 7 steps); one read per epoch is the point",
+            "in on_epoch_end join the pending tensors into one tensor first, then read that one tensor",
+        )
+    _passed(name, "the same losses as .item() every step, 0 host syncs per step and 1 per epoch's end")
 
 
 # ----------------------------------------------------------------------------------------
@@ -455,11 +505,18 @@ def check_standardize(Standardize: Callable[..., Any]) -> None:  # noqa: N803 - 
             f"returned {getattr(got, 'shape', type(got).__name__)}",
             f"return a tensor of x's shape {tuple(x.shape)}",
         )
+    s1, m1 = torch.std_mean(ref, dim=0)
+    if torch.allclose(got, (x - s1) / (m1 + 1e-5), rtol=1e-4, atol=1e-5, equal_nan=True):
+        _fail(
+            name,
+            "you swapped the mean and the std: torch.std_mean returns them in the order (std, mean)",
+            "unpack its result in that order, std first",
+        )
     if not torch.isfinite(got).all():
         _fail(
             name,
             "some outputs are inf or nan: a feature of the reference is constant (std 0)",
-            "divide by (std + eps), as the original does",
+            "add eps to the std before dividing, as the original does",
         )
     batch = (x - x.mean(0)) / (x.std(0) + 1e-5)
     if torch.allclose(got, batch, rtol=1e-4, atol=1e-5):
@@ -476,12 +533,10 @@ def check_standardize(Standardize: Callable[..., Any]) -> None:  # noqa: N803 - 
             "torch.std_mean's default divides by N - 1: use it with its defaults, as the original does",
         )
     if not torch.allclose(got, want, rtol=1e-4, atol=1e-4):
-        _fail(name, "your outputs differ from the original's", "(x - mean) / (std + eps), statistics over dim 0")
-    if not list(mod.buffers()):
         _fail(
             name,
-            "the statistics are not buffers, so model.to(device) would leave them behind",
-            "store them with self.register_buffer(name, tensor)",
+            "your outputs differ from the original's",
+            "subtract the reference's mean and divide by its std plus eps, per feature (statistics over dim 0)",
         )
     with (
         _quiet_kineto(),
@@ -494,5 +549,11 @@ def check_standardize(Standardize: Callable[..., Any]) -> None:  # noqa: N803 - 
             name,
             f"each call still reads the whole reference ({', '.join(reads)} on its {N} rows)",
             "compute the statistics once, in __init__, and only use them in forward",
+        )
+    if not list(mod.buffers()):
+        _fail(
+            name,
+            "the statistics are not buffers, so model.to(device) would leave them behind",
+            "keep them as buffers of the module (nn.Module has a method for that), so they move with it",
         )
     _passed(name, "the original's outputs, statistics in buffers, and no pass over the reference per call")
