@@ -371,7 +371,8 @@ def _per_example_case(name, fn, model, loss_fn, x, y):
                 )
             raise
 
-    with _refusing(name, _noise, ("per_example_grads",), "use torch.func.functional_call, grad and vmap"):
+    how = "loop over the examples" if name.endswith("_loop") else "use torch.func.functional_call, grad and vmap"
+    with _refusing(name, _noise, ("per_example_grads",), how):
         got = _call(name, run)
     if any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())):
         _fail(name, "your function changed the model's parameters", "compute gradients only; take no step")
