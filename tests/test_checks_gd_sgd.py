@@ -284,3 +284,85 @@ def test_check_steps_to_target():
         checks.check_steps_to_target(lambda bs, s, b: s * b / np.asarray(bs, float))
     with pytest.raises(CheckFailed, match="the examples E\\(B\\)"):
         checks.check_steps_to_target(lambda bs, s, b: s * (np.asarray(bs, float) + b))
+
+
+def test_checks_name_the_mistakes_students_made():
+    """Mistakes from trial runs, each written out by hand; the oracle is the check's own loop of
+    torch.autograd.grad, numpy.polyfit and the hand-made cases."""
+
+    def loop_backward(model, loss_fn, x, y):  # .grad accumulates: no zeroing between examples
+        params, rows = list(model.parameters()), []
+        for i in range(len(x)):
+            loss_fn(model(x[i : i + 1]), y[i : i + 1]).backward()
+            rows.append(torch.cat([p.grad.reshape(-1).clone() for p in params]))
+        for p in params:
+            p.grad = None
+        return torch.stack(rows)
+
+    def loop_batch(model, loss_fn, x, y):  # one batch gradient copied to every row
+        gs = torch.autograd.grad(loss_fn(model(x), y), list(model.parameters()))
+        return torch.cat([g.reshape(-1) for g in gs]).expand(len(x), -1).clone()
+
+    def reshape_order(model, loss_fn, x, y):
+        from torch.func import functional_call, grad, vmap
+
+        params = {k: v.detach() for k, v in model.named_parameters()}
+        g = vmap(grad(lambda p, a, b: loss_fn(functional_call(model, p, (a[None],)), b[None])), in_dims=(None, 0, 0))(
+            params, x, y
+        )
+        return torch.cat([t.reshape(-1, len(x)) for t in g.values()], dim=0).T
+
+    def per_example_grads_loop(model, loss_fn, x, y):  # the loop exercise's name shows in the message
+        return loop_batch(model, loss_fn, x, y)
+
+    for wrong, expected in [
+        (loop_backward, "accumulates across .backward"),
+        (loop_batch, "same batch gradient"),
+        (reshape_order, "flattened in the wrong order"),
+        (per_example_grads_loop, "^per_example_grads_loop: "),
+    ]:
+        with pytest.raises(CheckFailed, match=expected):
+            checks.check_per_example_grads(wrong)
+
+    def mean_dim1(g):
+        g = g.double()
+        m = g.mean(1, keepdim=True)
+        tr = ((g - m) ** 2).sum() / (g.shape[0] - 1)
+        return float(tr / ((m**2).sum() - tr / g.shape[0]))
+
+    with pytest.raises(CheckFailed, match="wrong dim"):
+        checks.check_noise_scale_from_per_example(mean_dim1)
+
+    def polyfit_swapped(bs, ss):
+        a, k = np.polyfit(1 / np.asarray(bs, float), np.asarray(ss, float), 1)  # wrong: slope comes first
+        return float(a), float(k / a)
+
+    with pytest.raises(CheckFailed, match="highest degree first"):
+        checks.check_fit_critical_batch(polyfit_swapped)
+
+    def b_swapped(s, g, bs, bb):
+        G2 = (bs * g - bb * s) / (bb - bs)
+        tr = (s - g) / (1 / bs - 1 / bb)
+        return float(tr.mean() / G2.mean())
+
+    with pytest.raises(CheckFailed, match="swapped in the \\|G\\|\\^2 formula"):
+        checks.check_noise_scale(b_swapped)
+
+    def own_sampling(x, y, w0, b0, lr, steps, batch_size, seed=0):
+        gen, w, b, path = torch.Generator().manual_seed(seed), w0, b0, [(w0, b0)]
+        for _ in range(steps):
+            idx = torch.randint(len(x), (batch_size,), generator=gen)
+            r = w * x[idx] + b - y[idx]
+            w, b = float(w - lr * 2 * (r * x[idx]).mean()), float(b - lr * 2 * r.mean())
+            path.append((w, b))
+        return torch.tensor(path, dtype=torch.float64)
+
+    with pytest.raises(CheckFailed, match="not on the expected batches"):
+        checks.check_sgd(own_sampling)
+
+    def last_chunk_dropped(model, loss_fn, x, y, chunk):
+        n = len(x) // chunk * chunk
+        return _dataset_scale(model, loss_fn, x[:n], y[:n], chunk)
+
+    with pytest.raises(CheckFailed, match="last, shorter chunk was dropped"):
+        checks.check_dataset_noise_scale(last_chunk_dropped)

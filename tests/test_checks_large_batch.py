@@ -150,9 +150,9 @@ def test_lars_check_passes_on_the_answer_and_on_an_independent_hand_written_one(
         (make_lars(grad_on=True), "autograd on"),
         (make_lars(rebind=True), "no parameter has changed"),
         (make_lars(graph_buffers=True), "part of the autograd graph"),
-        (make_lars(buffers_outside_state=True), "no momentum buffer in self.state[p]"),
+        (make_lars(buffers_outside_state=True), "no momentum buffer in its per-parameter state"),
         (make_lars(lr_from_init=True), "ignores a changed learning rate"),
-        (make_lars(keep_none_grads=True), "p.grad is None"),
+        (make_lars(keep_none_grads=True), "its .grad is None"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -287,3 +287,64 @@ def test_ghost_check_passes_on_the_answer_and_on_an_independent_hand_written_one
 )
 def test_ghost_check_names_each_mistake(cls, expected):
     _fails(checks.check_ghost_batch_norm, cls, expected)
+
+
+# --- trust_ratio, lars_step and lr_for_batch: the mistakes that passed before ---------------------
+
+
+def _trust_item(w, g, weight_decay, trust_coefficient, eps):  # right values, but reads back to Python
+    wn, gn = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
+    if wn.item() == 0 or gn.item() == 0:
+        return torch.ones((), dtype=w.dtype)
+    return trust_coefficient * wn / (gn + weight_decay * wn + eps)
+
+
+def _trust_if(w, g, weight_decay, trust_coefficient, eps):  # right values, a Python `if` on a tensor
+    wn, gn = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
+    if wn == 0 or gn == 0:
+        return torch.ones_like(wn)
+    return trust_coefficient * wn / (gn + weight_decay * wn + eps)
+
+
+def _lars_step(lr_inside=False, wd_after=False):
+    def step(w, g, buf, lr, momentum, weight_decay, trust_coefficient, eps):
+        trust = ANSWERS["trust_ratio"](w, g, weight_decay, trust_coefficient, eps)
+        d = trust * g + weight_decay * w if wd_after else trust * (g + weight_decay * w)
+        if lr_inside:
+            buf = lr * d if buf is None else momentum * buf + lr * d
+            return w - buf, buf
+        buf = d.clone() if buf is None else momentum * buf + d
+        return w - lr * buf, buf
+
+    return step
+
+
+def _lr_no_error(base_lr, base_batch, batch, rule):
+    k = batch / base_batch
+    return base_lr * (k if rule == "linear" else math.sqrt(k))
+
+
+def test_the_answers_pass_the_small_checks():
+    checks.check_trust_ratio(ANSWERS["trust_ratio"])
+    checks.check_lars_step(_lars_step())
+
+    def lr_ok(base_lr, base_batch, batch, rule):
+        if rule not in ("linear", "sqrt"):
+            raise ValueError(rule)
+        return _lr_no_error(base_lr, base_batch, batch, rule)
+
+    checks.check_lr_for_batch(lr_ok)
+
+
+@pytest.mark.parametrize(
+    "check,fn,expected",
+    [
+        (checks.check_trust_ratio, _trust_item, "(.item())"),
+        (checks.check_trust_ratio, _trust_if, "an `if` on a tensor"),
+        (checks.check_lars_step, _lars_step(lr_inside=True), "lr went into the momentum buffer"),
+        (checks.check_lars_step, _lars_step(wd_after=True), "weight decay was added after the trust-ratio scaling"),
+        (checks.check_lr_for_batch, _lr_no_error, "a misspelt rule"),
+    ],
+)
+def test_small_checks_name_the_mistakes_that_used_to_pass(check, fn, expected):
+    _fails(check, fn, expected)

@@ -9,6 +9,7 @@ per_example_grads/noise_scale/dataset_noise_scale/two_batch_estimates, utils.bat
 fit_critical_batch), passed in or called."""
 
 import contextlib
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -192,11 +193,17 @@ def check_sgd(sgd: Callable[..., Any]) -> None:
                 "and compute each gradient at the latest (w, b)",
             )
         full = _trajectory(name, _call(name, sgd, x.clone(), y.clone(), w0, b0, lr, steps, len(x), seed), steps)
-        if torch.allclose(full, gd_path, rtol=1e-6, atol=1e-9):
+        r = (w0 * x + b0 - y).double()
+        own_batch = any(  # the first step is a right step on some B points, just not the expected ones
+            _close(got[1], torch.tensor([w0 - lr * 2 * (r * x)[list(i)].mean(), b0 - lr * 2 * r[list(i)].mean()]))
+            for i in itertools.combinations_with_replacement(range(len(x)), B)
+        )
+        if own_batch or torch.allclose(full, gd_path, rtol=1e-6, atol=1e-9):
             _fail(
                 name,
-                "full-batch runs are right but minibatch runs do not use the expected batches",
-                "draw batches with `for _, idx in zip(range(steps), utils.linear_regression.minibatches(len(x), batch_size, seed))`",
+                "the steps are SGD steps, but not on the expected batches: own indices (torch.randint, randperm)",
+                "the exercise asks for the batches of utils.linear_regression.minibatches(len(x), batch_size, seed), "
+                "in the order it gives them (one epoch after another): take the next one at every step",
             )
         _fail(
             name,
@@ -229,7 +236,11 @@ def check_noise_scale(b_simple: Callable[..., Any]) -> None:
     try:
         got = float(got)
     except (TypeError, ValueError):
-        _fail(name, f"returned {type(got).__name__}, expected a float", "return float(tr_sigma / G2)")
+        _fail(
+            name,
+            f"returned {type(got).__name__}, expected a float",
+            "return one Python float (float() of a 0-d tensor)",
+        )
     G2_i = (bb * g - bs * s) / (bb - bs)
     trS_i = (s - g) / (1 / bs - 1 / bb)
     mistakes = [
@@ -255,26 +266,31 @@ def check_noise_scale(b_simple: Callable[..., Any]) -> None:
             "the big batch's norm is weighted by B_big: (B_big |G_big|^2 - B_small |G_small|^2) / (B_big - B_small)",
         ),
         (
+            float(((s - g).mean() / (1 / bs - 1 / bb)) / ((bs * g - bb * s).mean() / (bb - bs))),
+            "B_small and B_big are swapped in the |G|^2 formula (each norm got the other batch's size)",
+            "each squared norm is weighted by its OWN batch size, the big batch's term first",
+        ),
+        (
             float(G2_i.mean() / trS_i.mean()),
             "the ratio is upside down (|G|^2 / tr(Sigma))",
             "B_simple = tr(Sigma) / |G|^2: the noise on top, the signal below",
         ),
     ]
     if not _close(got, 40.0, rtol=1e-6):
+        for value, problem, hint in mistakes:
+            if _close(got, value, rtol=1e-6):
+                _fail(name, f"returned {got:.4f} instead of 40: {problem}", hint)
         if got < 0:
             _fail(
                 name,
                 f"returned {got:.4g}, a negative noise scale",
                 "check the signs: tr(Sigma) ~ (|G_small|^2 - |G_big|^2) / (1/B_small - 1/B_big) is positive",
             )
-        for value, problem, hint in mistakes:
-            if _close(got, value, rtol=1e-6):
-                _fail(name, f"returned {got:.4f} instead of 40: {problem}", hint)
         _fail(
             name,
             f"returned {got:.4f}; on this hand-made case |G|^2 = 1 and tr(Sigma) = 40, so B_simple = 40",
-            "per pair: G2 = (B_big g - B_small s)/(B_big - B_small), trS = (s - g)/(1/B_small - 1/B_big); "
-            "then trS.mean() / G2.mean()",
+            "compare each line with the two formulas above the exercise (which batch size goes with which norm, "
+            "the signs); average each kind of estimate over the pairs before dividing",
         )
     # A statistical case: fresh samples of a linear-regression population with a known B_simple.
     prob = _linreg.LinearProblem()
@@ -355,7 +371,8 @@ def _per_example_case(name, fn, model, loss_fn, x, y):
                 )
             raise
 
-    with _refusing(name, _noise, ("per_example_grads",), "use torch.func.functional_call, grad and vmap"):
+    how = "loop over the examples" if name.endswith("_loop") else "use torch.func.functional_call, grad and vmap"
+    with _refusing(name, _noise, ("per_example_grads",), how):
         got = _call(name, run)
     if any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())):
         _fail(name, "your function changed the model's parameters", "compute gradients only; take no step")
@@ -372,7 +389,7 @@ def _per_example_case(name, fn, model, loss_fn, x, y):
         _fail(
             name,
             f"returned shape ({P},): one gradient for the whole batch, summed or averaged, not one per example",
-            "map over the examples with torch.func.vmap(torch.func.grad(loss_of_one_example)) so each gets its own row",
+            "take the gradient of each example's own loss (a loop, or vmap over the examples) so each gets its own row",
         )
     if tuple(got.shape) != (B, P):
         _fail(
@@ -395,11 +412,30 @@ def _per_example_case(name, fn, model, loss_fn, x, y):
             "each row holds the right numbers, but the parameters are in another order",
             "concatenate the flattened gradients in model.named_parameters() order",
         )
+    if torch.allclose(got, want.cumsum(0), rtol=1e-6, atol=1e-9):
+        _fail(
+            name,
+            "row i is the SUM of the gradients of examples 0..i: .grad accumulates across .backward() calls",
+            "clear the gradients before each example (or use torch.autograd.grad, which returns fresh ones)",
+        )
+    for batch in (want.mean(0), want.sum(0)):
+        if torch.allclose(got, batch.expand(B, -1), rtol=1e-6, atol=1e-9):
+            _fail(
+                name,
+                "every row is the same batch gradient: the loss was taken over the whole batch, then copied",
+                "take the loss of one example at a time (a batch of one), and its own gradient for its own row",
+            )
+    if torch.allclose(got.reshape(-1).sort().values, want.reshape(-1).sort().values, rtol=1e-6, atol=1e-9):
+        _fail(
+            name,
+            "the right numbers, in the wrong rows: each [B, ...] gradient was flattened in the wrong order",
+            "keep the example dimension first when you flatten each parameter's gradient: B rows, the rest in a row",
+        )
     _fail(
         name,
         f"differs from a loop of torch.autograd.grad over the examples (largest gap {float((got - want).abs().max()):.3g})",
-        "loss of one example = loss_fn(functional_call(model, params, x.unsqueeze(0)), y.unsqueeze(0)); "
-        "vmap(grad(that), in_dims=(None, 0, 0))",
+        "differentiate the loss of ONE example (a batch of one) with respect to the parameters, the same loss_fn "
+        "you are given, and put example i's gradient in row i",
     )
 
 
@@ -407,7 +443,8 @@ def check_per_example_grads(per_example_grads: Callable[..., Any]) -> None:
     """``per_example_grads(model, loss_fn, x, y)``: the [B, P] tensor whose row i is the gradient of
     example i's loss with respect to all P parameters (flattened, in ``model.named_parameters()``
     order). Compared with a loop of ``torch.autograd.grad`` over the examples, one at a time."""
-    name = "per_example_grads"
+    name = getattr(per_example_grads, "__name__", "")
+    name = name if name.startswith("per_example_grads") else "per_example_grads"
     _is_library(name, per_example_grads, _noise.per_example_grads)
     from .. import models
 
@@ -452,7 +489,7 @@ def check_noise_scale_from_per_example(noise_scale_from_per_example: Callable[..
     # so tr(Sigma) = 8/3, |G|^2 = 5 - (8/3)/4 = 13/3 and B_simple = 8/13.
     g = torch.tensor([[1.0, 0.0], [3.0, 0.0], [1.0, 2.0], [3.0, 2.0]], dtype=torch.float64)
     with _refusing(name, _noise, refuse, try_):
-        got = _one_number(name, _call(name, fn, g.clone()), "tr_sigma / G2")
+        got = _one_number(name, _call(name, fn, g.clone()), "B_simple")
     mistakes = [
         (
             8 / 15,
@@ -476,6 +513,15 @@ def check_noise_scale_from_per_example(noise_scale_from_per_example: Callable[..
             "tr(Sigma) is the per-EXAMPLE variance: summed squared deviations / (B - 1), no further / B",
         ),
     ]
+    m1 = g.mean(1, keepdim=True)  # the mean taken over each row's parameters instead of over the examples
+    trS_1 = float(((g - m1) ** 2).sum() / 3)
+    mistakes.append(
+        (
+            trS_1 / (float((m1**2).sum()) - trS_1 / 4),
+            "the mean was taken over the wrong dim: over each row's parameters, not over the examples",
+            "the mean gradient averages the B rows (dim 0): one value per parameter",
+        )
+    )
     if not _close(got, 8 / 13, rtol=1e-6):
         for value, problem, hint in mistakes:
             if _close(got, value, rtol=1e-6):
@@ -483,7 +529,8 @@ def check_noise_scale_from_per_example(noise_scale_from_per_example: Callable[..
         _fail(
             name,
             f"on rows (1,0), (3,0), (1,2), (3,2) it returned {got:.4f}; tr(Sigma) = 8/3 and |G|^2 = 13/3, so 8/13",
-            "tr(Sigma) = ((g - mean)^2).sum() / (B - 1); |G|^2 = (mean^2).sum() - tr(Sigma) / B; return their ratio",
+            "the mean is one row (over the examples); tr(Sigma) sums squared deviations over ALL entries, "
+            "divided by B - 1; |G|^2 subtracts the mean's own noise",
         )
     # Linear regression: per-example gradients from utils.gradient_noise, whose dataset_noise_scale
     # uses the population (biased) formulas; turned into the unbiased ones by hand.
@@ -493,12 +540,12 @@ def check_noise_scale_from_per_example(noise_scale_from_per_example: Callable[..
     n = len(x)
     want = (trS_pop * n / (n - 1)) / (G2_pop - trS_pop / (n - 1))
     with _refusing(name, _noise, refuse, try_):
-        got = _one_number(name, _call(name, fn, g.clone()), "tr_sigma / G2")
+        got = _one_number(name, _call(name, fn, g.clone()), "B_simple")
     if not _close(got, want, rtol=1e-6):
         _fail(
             name,
             f"the hand-made case passed, but on 16 linear-regression gradients it returned {got:.4f}, not {want:.4f}",
-            "use B = g.shape[0] and P = g.shape[1] from the tensor, sum over all parameters, compute in float64",
+            "take B and P from the tensor's shape (not fixed numbers), sum over all parameters, compute in float64",
         )
     _passed(name, f"hand-made case exact (8/13); 16 linear-regression gradients give {want:.3f} as expected")
 
@@ -539,6 +586,11 @@ def check_fit_critical_batch(fit_critical_batch: Callable[..., Any]) -> None:
             ((200, 200 * 64), "B_crit is the slope S_min * B_crit itself", "divide the slope by the intercept S_min"),
             ((64, 200), "the pair is swapped", "return (S_min, B_crit) in that order"),
             (
+                (200 * 64, 1 / 64),
+                "the coefficients' order is swapped: numpy.polyfit returns the highest degree first",
+                "the first coefficient is the slope (of 1/B), the second the intercept S_min",
+            ),
+            (
                 (c_B, k_B / c_B),
                 "S was fitted against B, not against 1/B",
                 "the model is linear in 1/B: regress S on 1 / B",
@@ -561,7 +613,7 @@ def check_fit_critical_batch(fit_critical_batch: Callable[..., Any]) -> None:
         _fail(
             name,
             f"on exact data made with S_min = 200, B_crit = 64 it returned ({got[0]:.4g}, {got[1]:.4g})",
-            "k, a = numpy.polyfit(1 / B, S, 1); return a, k / a",
+            "a least-squares line of S against 1/B: its intercept is S_min, its slope S_min * B_crit",
         )
     # Noisy data: the plain least-squares answer (numpy.polyfit), not a weighted one.
     noise = [1.08, 0.93, 1.05, 0.9, 1.1, 0.95, 1.07, 0.92]
@@ -582,7 +634,7 @@ def check_fit_critical_batch(fit_critical_batch: Callable[..., Any]) -> None:
             name,
             f"exact data passed, but on noisy data it returned ({got[0]:.4g}, {got[1]:.4g}), "
             f"least squares gives ({want[0]:.4g}, {want[1]:.4g})",
-            "use every point, unweighted: numpy.polyfit(1 / B, S, 1) or numpy.linalg.lstsq on columns [1, 1/B]",
+            "use every point, unweighted, in one ordinary least-squares line of S against 1/B",
         )
     _passed(name, f"exact data gives (200, 64); noisy data ({want[0]:.1f}, {want[1]:.1f}) as numpy.polyfit")
 
@@ -611,9 +663,7 @@ def check_dataset_noise_scale(dataset_noise_scale: Callable[..., Any]) -> None:
     g = _loop_per_example(cnn, loss_fn, x, y)
     want = _unbiased_scale(g)
     with _refusing(name, _noise, ("per_example_grads", "noise_scale", "dataset_noise_scale"), "accumulate yourself"):
-        got = _one_number(
-            name, _call(name, dataset_noise_scale, cnn, loss_fn, x.clone(), y.clone(), 4), "tr_sigma / G2"
-        )
+        got = _one_number(name, _call(name, dataset_noise_scale, cnn, loss_fn, x.clone(), y.clone(), 4), "B_simple")
     if _close(got, want, rtol=1e-6):
         _passed(name, f"10 examples in chunks of 4 give B_simple = {want:.4f}, as all 10 per-example gradients at once")
         return
@@ -629,7 +679,12 @@ def check_dataset_noise_scale(dataset_noise_scale: Callable[..., Any]) -> None:
         (
             _unbiased_scale(chunks[0]),
             "only the first chunk was used",
-            "loop over every chunk, x[i : i + chunk] for i in range(0, N, chunk), and add up before dividing",
+            "loop over every chunk, from the first example to the last, and add up before dividing",
+        ),
+        (
+            _unbiased_scale(g[:8]),
+            "the last, shorter chunk was dropped (10 examples in chunks of 4 leave 2)",
+            "step through the starts 0, chunk, 2 chunk, ... up to N; the last slice may be shorter, keep it",
         ),
         (
             trS_pop / float((mean**2).sum() - trS_pop / 10),
@@ -648,8 +703,8 @@ def check_dataset_noise_scale(dataset_noise_scale: Callable[..., Any]) -> None:
     _fail(
         name,
         f"on 10 examples in chunks of 4 it returned {got:.4f}; all 10 per-example gradients at once give {want:.4f}",
-        "add up g.sum(0) and (g ** 2).sum() over the chunks; mean = total / N; "
-        "tr(Sigma) = (sum of squares - N |mean|^2) / (N - 1); |G|^2 = |mean|^2 - tr(Sigma) / N",
+        "keep two running totals over every chunk (the summed gradients, the summed squared entries), "
+        "divide once by N at the end, then use the unbiased tr(Sigma) and |G|^2 of exercise 4",
     )
 
 

@@ -49,14 +49,14 @@ def check_warmup_lr(warmup_lr: Callable[..., Any]) -> None:
         _fail(
             name,
             f"after the warmup the rate keeps growing ({float(got[20]):.4g} at step 20)",
-            "from step == warmup_steps on, return peak_lr",
+            "from step == warmup_steps on, the rate stays at the peak",
         )
     for t, w in want.items():
         if not _close(got[t], w):
             _fail(
                 name,
                 f"step {t}: got {float(got[t]):.6g}, expected {w:.6g} (base {base}, peak {peak}, warmup_steps {W})",
-                "lr = base + (peak - base) * step / warmup_steps while step < warmup_steps, else peak",
+                "inside the warmup, a straight line from base_lr at step 0 to peak_lr at step warmup_steps; then the peak",
             )
     mid = _call(name, warmup_lr, 5, 0.0, 1.0, 10)
     if not _close(mid, 0.5):
@@ -112,7 +112,24 @@ def check_trust_ratio(trust_ratio: Callable[..., Any]) -> None:
                 f"with {label} the ratio is {float(r):.4g}, not 1",
                 "when ||w|| == 0 or ||g|| == 0 return 1 (torch.where keeps it on the device)",
             )
-    _passed(name, "matches the paper's formula and falls back to 1")
+    # A batch of three (w, g) pairs under torch.func.vmap: .item(), float() or a Python `if` on a tensor
+    # cannot run there, exactly the host synchronisations the exercise rules out.
+    code = getattr(trust_ratio, "__code__", None)
+    sync = sorted({"item", "tolist"} & set(code.co_names)) if code is not None else []
+    ws, gs = torch.stack([w, torch.zeros_like(w), w]), torch.stack([g, g, torch.zeros_like(g)])
+    try:
+        batched = torch.func.vmap(lambda a, b: trust_ratio(a, b, wd, tc, eps))(ws, gs)
+        ok = isinstance(batched, torch.Tensor) and _close(batched, torch.tensor([want, 1.0, 1.0], dtype=w.dtype))
+    except Exception:  # noqa: BLE001 (any failure under vmap is the same finding)
+        ok = False
+    if sync or not ok:
+        _fail(
+            name,
+            "the right values, but your function reads a tensor back to Python "
+            f"({'.' + sync[0] + '()' if sync else '.item(), float() or an `if` on a tensor'}): on a GPU it waits",
+            "keep the norms and the fallback as tensors: choose between the ratio and 1 with torch.where",
+        )
+    _passed(name, "matches the paper's formula and falls back to 1, all on tensors (it runs under vmap)")
 
 
 def check_lars_step(lars_step: Callable[..., Any]) -> None:
@@ -125,10 +142,12 @@ def check_lars_step(lars_step: Callable[..., Any]) -> None:
     w0 = torch.randn(4, 3, generator=gen, dtype=torch.float64)
     grads = [torch.randn(4, 3, generator=gen, dtype=torch.float64) * 0.5 for _ in range(3)]
     hp = dict(lr=0.5, momentum=0.9, weight_decay=0.01, trust_coefficient=0.02, eps=1e-9)
+    lrs = [0.5, 0.2, 0.8]  # a schedule changes lr between steps
     p = torch.nn.Parameter(w0.clone())
     ref = LARS([p], **hp)
     w, buf = w0.clone(), None
     for i, g in enumerate(grads):
+        hp["lr"] = ref.param_groups[0]["lr"] = lrs[i]
         p.grad = g.clone()
         ref.step()
         w_in, g_in, buf_in = w.clone(), g.clone(), None if buf is None else buf.clone()
@@ -155,32 +174,51 @@ def check_lars_step(lars_step: Callable[..., Any]) -> None:
         if not (isinstance(out, tuple) and len(out) == 2):
             _fail(name, f"returned {type(out).__name__}, not a pair (new_w, new_buf)", "return new_w, new_buf")
         w, buf = out
+        want_buf = ref.state[p]["momentum_buffer"]
+        lr_inside = isinstance(buf, torch.Tensor) and _close(buf, hp["lr"] * want_buf, rtol=1e-8, atol=1e-10)
+        if i > 0 and isinstance(buf_in, torch.Tensor) and not _close(w, p.detach(), rtol=1e-8, atol=1e-10):
+            ratio = _ref_ratio(w_in, g, hp["weight_decay"], hp["trust_coefficient"], hp["eps"])
+            d = ratio * (g + hp["weight_decay"] * w_in)
+            lr_inside = lr_inside or _close(w, w_in - (hp["momentum"] * buf_in + hp["lr"] * d), rtol=1e-8, atol=1e-10)
+        if lr_inside:
+            _fail(
+                name,
+                f"step {i}: lr went into the momentum buffer (buf = momentum * buf + lr * d): "
+                "when a schedule changes lr, the past updates keep their old rate",
+                "keep lr out of the buffer: the buffer holds the scaled updates, lr multiplies it in the weight step",
+            )
         if not _close(w, p.detach(), rtol=1e-8, atol=1e-10):
-            want_buf = ref.state[p]["momentum_buffer"]
+            problem = (
+                f"step {i}: your weights differ from utils.optim.LARS by {float((w - p.detach()).abs().max()):.3g}"
+            )
+            hint = (
+                "momentum: the new buffer is momentum times the old one plus this step's scaled update; "
+                "the trust ratio uses the current w and g"
+            )
             if i == 0:
                 d = g + hp["weight_decay"] * w0
                 ratio = _ref_ratio(w0, g, hp["weight_decay"], hp["trust_coefficient"], hp["eps"])
-                if _close(w, w0 - hp["lr"] * ratio * g):
+                hint = "on the first step the buffer is the scaled update itself, and the weights move by lr times it"
+                if _close(w, w0 - hp["lr"] * (ratio * g + hp["weight_decay"] * w0)):
+                    problem = "step 0: weight decay was added after the trust-ratio scaling, so it escapes the ratio"
+                    hint = "add weight_decay * w to the gradient first, then scale the sum by the trust ratio"
+                elif _close(w, w0 - hp["lr"] * ratio * g):
+                    problem = "step 0: weight decay is missing from the update"
                     hint = "add weight_decay * w to the gradient before scaling it by the trust ratio"
                 elif _close(w, w0 - hp["lr"] * d):
-                    hint = "scale the update by the trust ratio"
+                    problem = "step 0: the update was not scaled by the trust ratio"
+                    hint = "multiply the weight-decayed gradient by your trust_ratio"
                 elif _close(w, w0 - ratio * d):
+                    problem = "step 0: the global lr is missing from the weight step"
                     hint = "multiply the step by the global lr too"
-                else:
-                    hint = "on the first step buf = ratio * (g + wd * w) and w_new = w - lr * buf"
-            else:
-                hint = (
-                    "momentum: buf = momentum * buf + ratio * (g + wd * w), then w -= lr * buf "
-                    "(the ratio uses the current w and g)"
-                )
+            _fail(name, problem, hint)
+        if not (isinstance(buf, torch.Tensor) and _close(buf, want_buf, rtol=1e-8, atol=1e-10)):
             _fail(
                 name,
-                f"step {i}: your weights differ from utils.optim.LARS by "
-                f"{float((w - p.detach()).abs().max()):.3g} (buffer off by "
-                f"{float((buf - want_buf).abs().max()) if isinstance(buf, torch.Tensor) else 'n/a'})",
-                hint,
+                f"step {i}: the weights are right but the returned buffer is not the one LARS keeps",
+                "return the new momentum buffer itself (the scaled updates accumulated with momentum, without lr)",
             )
-    _passed(name, "three steps with momentum and weight decay match utils.optim.LARS")
+    _passed(name, "three steps with momentum, weight decay and a changing lr match utils.optim.LARS")
 
 
 def check_lr_for_batch(lr_for_batch: Callable[..., Any]) -> None:
@@ -196,16 +234,33 @@ def check_lr_for_batch(lr_for_batch: Callable[..., Any]) -> None:
         if not _close(got, want):
             inverse = base_lr * (base_batch / batch if rule == "linear" else math.sqrt(base_batch / batch))
             hint = (
-                "the ratio is upside down: a bigger batch gets a bigger rate (batch / base_batch)"
+                "the ratio is upside down: a bigger batch gets a bigger rate (the new batch over the base one)"
                 if _close(got, inverse)
-                else "linear: base_lr * batch / base_batch;  sqrt: base_lr * sqrt(batch / base_batch)"
+                else "linear: the base rate times the batch growth factor;  sqrt: times its square root "
+                "(beware integer division)"
             )
             _fail(
                 name,
                 f"lr_for_batch({base_lr}, {base_batch}, {batch}, {rule!r}) = {float(got):.6g}, expected {want:.6g}",
                 hint,
             )
-    _passed(name, "linear and square-root rules")
+    try:
+        got = lr_for_batch(0.1, 256, 1024, "cubic")
+    except ValueError:
+        got = ValueError
+    except Exception as e:  # noqa: BLE001
+        _fail(
+            name,
+            f"an unknown rule raised {type(e).__name__}, not ValueError",
+            "for any rule but linear and sqrt, raise ValueError with a message that names the rule",
+        )
+    if got is not ValueError:
+        _fail(
+            name,
+            f"lr_for_batch(0.1, 256, 1024, 'cubic') returned {got!r}: a misspelt rule would train at a wrong rate",
+            "for any rule but linear and sqrt, raise ValueError with a message that names the rule",
+        )
+    _passed(name, "linear and square-root rules; an unknown rule raises ValueError")
 
 
 # ---------------------------------------------------------------- LARS as a torch.optim.Optimizer
@@ -312,7 +367,7 @@ def check_lars_optimizer(cls: Any) -> None:
         _fail(
             name,
             "your optimizer wraps utils.optim.LARS, the library's own implementation",
-            "keep the momentum buffers in self.state[p] and update the parameters yourself",
+            "keep the momentum buffers in the per-parameter state (self.state) and update the parameters yourself",
         )
     params = list(model.parameters())
     names = [n for n, _ in model.named_parameters()]
@@ -339,12 +394,12 @@ def check_lars_optimizer(cls: Any) -> None:
                 _fail(
                     name,
                     "an in-place update of a parameter ran with autograd on",
-                    "update the parameters inside `with torch.no_grad():` (or decorate step with @torch.no_grad())",
+                    "update the parameters with autograd off (torch.no_grad, as a context or a decorator of step)",
                 )
             if "NoneType" in cause:
                 _fail(
                     name,
-                    "a parameter without a gradient (p.grad is None) made your step crash",
+                    "a parameter without a gradient (its .grad is None) made your step crash",
                     "skip parameters whose .grad is None, as torch.optim.SGD does",
                 )
             raise
@@ -362,7 +417,7 @@ def check_lars_optimizer(cls: Any) -> None:
                     _fail(
                         name,
                         "a momentum buffer in self.state is part of the autograd graph",
-                        "run the update inside `with torch.no_grad():` so the buffers are plain tensors",
+                        "run the update with autograd off (torch.no_grad) so the buffers are plain tensors",
                     )
         if t == 0 and all(torch.equal(b, p.detach()) for b, p in zip(before, params)):
             _fail(
@@ -399,7 +454,7 @@ def check_lars_optimizer(cls: Any) -> None:
             (
                 dict(keep_buffer=False),
                 "the momentum buffer is not kept from one step to the next",
-                "store each parameter's buffer in self.state[p] and update it there every step",
+                "store each parameter's buffer in its per-parameter state (self.state) and update it there every step",
             ),
             (
                 dict(fixed_lr=_LARS_HP["lr"]),
@@ -418,8 +473,8 @@ def check_lars_optimizer(cls: Any) -> None:
         ):
             _fail(
                 name,
-                "a parameter has no momentum buffer in self.state[p]",
-                "keep each parameter's buffer in self.state[p] (a dict PyTorch saves with the optimizer)",
+                "a parameter has no momentum buffer in its per-parameter state",
+                "keep each parameter's buffer in self.state, under that parameter (PyTorch saves it with the optimizer)",
             )
     _passed(name, f"{_LARS_STEPS} steps with momentum, weight decay, an excluded group and a schedule match LARS")
 
@@ -681,7 +736,7 @@ def check_ghost_batch_norm(cls: Any) -> None:
         _fail(
             name,
             "in eval mode your outputs differ from nn.BatchNorm2d",
-            "when not self.training, normalise with running_mean and running_var, not the batch's statistics",
+            "in eval mode (training is False), normalise with running_mean and running_var, not the batch's statistics",
         )
     if differs(mine.running_mean, rm_eval) or differs(mine.running_var, rv_eval):
         _fail(name, "eval mode changed the running statistics", "update them only when self.training is True")
