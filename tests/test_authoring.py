@@ -211,32 +211,17 @@ def test_each_lab_asks_for_a_prediction_before_measuring(lab):
 
 CHECKS = sorted((ROOT / "utils" / "checks").glob("*.py"))
 
-# PENDING: offenders in checks files that other engineers own, to be reworded there; the integrator
-# empties this list once they are. Each entry: (checks file, lab, answer line as the solution writes it).
+# PENDING: answer lines that appear in utils/checks/ as code the checks run, not as messages: the
+# serial script the torchrun check compares against (the student's starting point) and the worker
+# that drives the student's overlap function. Each entry: (checks file, lab, answer line).
 PENDING: set[tuple[str, str, str]] = {
     ("ddp.py", "lab1_gd_sgd_batch", "params = list(model.parameters())"),
     ("ddp.py", "lab5_memory_and_model_parallel", "params = list(model.parameters())"),
-    ("ddp.py", "lab5_memory_and_model_parallel", "world = dist.get_world_size()"),
-    ("ddp.py", "lab3_ddp", "world = dist.get_world_size()"),
-    ("ddp.py", "lab3_ddp", "dist.all_reduce(p.grad)"),
-    ("ddp.py", "lab3_ddp", "p.grad /= world"),
-    ("ddp.py", "lab3_ddp", "dist.destroy_process_group()"),
-    ("ddp.py", "lab3_ddp", "dist.init_process_group(backend)"),
     ("ddp.py", "lab3_ddp", "if torch.cuda.is_available():"),
-    ("ddp.py", "lab3_ddp", "torch.cuda.set_device(local_rank)"),
-    ("ddp.py", "lab3_ddp", "os.replace(tmp, path)"),
-    ("ddp.py", "lab3_ddp", "return finish"),
-    ("ddp.py", "lab3_ddp", "sampler.set_epoch(epoch)"),
-    # these four come from the train_serial.py source that ddp.py holds as a string (code, not a message)
     ("ddp.py", "lab3_ddp", "F.cross_entropy(model(x), y).backward()"),
     ("ddp.py", "lab3_ddp", "for x, y in loader:"),
     ("ddp.py", "lab3_ddp", "opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)"),
     ("ddp.py", "lab3_ddp", "opt.zero_grad()"),
-    ("model_parallel.py", "lab5_memory_and_model_parallel", "boundary = out0.detach().requires_grad_()"),
-    ("model_parallel.py", "lab5_memory_and_model_parallel", "loss.backward()"),
-    ("model_parallel.py", "lab5_memory_and_model_parallel", "optimizer.step()"),
-    ("model_parallel.py", "lab5_memory_and_model_parallel", "out0.backward(boundary.grad)"),
-    ("throughput.py", "lab2_throughput", "t0 = time.perf_counter()"),
 }
 
 

@@ -406,24 +406,24 @@ def check_average_gradients(average_gradients: Callable[..., Any], world_size: i
             _fail(
                 name,
                 f"the gradients are {world_size}x too large: they were summed, not averaged",
-                "after dist.all_reduce(p.grad) divide by the world size: p.grad /= dist.get_world_size()",
+                "the all-reduce sums the gradients: divide each one by the world size after it, in place",
             )
         if all(torch.allclose(g, l, atol=1e-6) for g, l in zip(grads, local[r])):
             _fail(
                 name,
                 f"rank {r} still has its own local gradient: nothing was exchanged",
-                "call dist.all_reduce(p.grad) for every parameter, on every rank",
+                "all-reduce every parameter's gradient, on every rank",
             )
         if all(torch.allclose(g, l / world_size, atol=1e-6) for g, l in zip(grads, local[r])):
             _fail(
                 name,
                 "each gradient was divided by the world size but not all-reduced",
-                "all-reduce first (dist.all_reduce(p.grad)), then divide",
+                "all-reduce first, then divide",
             )
         _fail(
             name,
             f"the gradients on rank {r} do not match one process on the whole batch",
-            "for every parameter p: dist.all_reduce(p.grad); p.grad /= world size; in place, on every rank",
+            "sum every parameter's gradient over the ranks with an all-reduce, then divide it by the world size, in place, on every rank",
         )
     _passed(name, f"{world_size} processes match one process on the concatenated batch")
 
@@ -471,7 +471,7 @@ def check_shard_batches(shard_batches: Callable[..., Any]) -> None:
         _fail(
             name,
             "epoch 0 and epoch 1 have the same order: the data is never reshuffled",
-            "call sampler.set_epoch(epoch) before iterating it",
+            "call the sampler's set_epoch with the epoch number before iterating it",
         )
     again = _as_lists(_call(name, shard_batches, n, bs, 0, world, 1, 0))
     if again != per[(0, 1)]:
@@ -519,7 +519,7 @@ def check_save_on_rank0(save_on_rank0: Callable[..., Any]) -> None:
             _fail(
                 name,
                 "the file was written in place, not atomically: a crash mid-write would leave a corrupt checkpoint",
-                "torch.save to path + '.tmp', then os.replace(tmp, path)",
+                "save to a temporary file in the same folder, then rename it over the target with os.replace (one step, atomic)",
             )
         left = [f for f in os.listdir(d) if f != "ckpt.pt"]
         if left:
@@ -675,7 +675,7 @@ def check_overlap_ddp(overlap_ddp: Callable[..., Any], world_size: int = 2) -> N
                 _fail(
                     name,
                     "overlap_ddp did not return a function",
-                    "return finish, a function that waits for "
+                    "return the inner function that waits for "
                     "the all-reduces and averages; the training loop calls it after backward()",
                 )
             if not calls:
@@ -1146,7 +1146,7 @@ def check_ddp_script(path: str | os.PathLike) -> None:
             name,
             f"your script joins the group at a fixed address (init_method={fixed!r}): under torchrun the "
             "ranks then wait for a rendezvous at an address nobody serves, and hang",
-            "call dist.init_process_group(backend) with no init_method, rank or world_size: torchrun's "
+            "call init_process_group with the backend alone, no init_method, rank or world_size: torchrun's "
             "environment variables give all three",
         )
     with tempfile.TemporaryDirectory() as d:
@@ -1172,7 +1172,7 @@ def check_ddp_script(path: str | os.PathLike) -> None:
                 "(1) the ranks never met, because the group was not joined from the environment (an "
                 "init_method, MASTER_PORT, rank or world_size written in the script); (2) a collective "
                 "that only some ranks reach, e.g. a barrier or an all-reduce inside `if rank == 0:`",
-                "join with dist.init_process_group(backend) alone; make every rank call every collective "
+                "join with init_process_group given the backend alone; make every rank call every collective "
                 "(dist.barrier, DDP's backward) the same number of times",
             )
         out = proc.stdout or ""
@@ -1185,8 +1185,7 @@ def check_ddp_script(path: str | os.PathLike) -> None:
                     name,
                     "a process aborted while leaving the group: one rank tore the group down "
                     "while another was still working in it",
-                    "at the end, let every rank meet the others (dist.barrier()), then call "
-                    "dist.destroy_process_group()",
+                    "at the end, let every rank meet the others at a barrier, then leave the group",
                     out,
                 )
             if "device_ids" in out:
@@ -1201,7 +1200,7 @@ def check_ddp_script(path: str | os.PathLike) -> None:
                 _script_failed(
                     name,
                     "a rank used torch.distributed before joining the process group",
-                    "call dist.init_process_group(backend) first; torchrun's environment variables tell it the rest",
+                    "join the group first (init_process_group with the backend); torchrun's environment variables tell it the rest",
                     out,
                 )
             first = _first_failure(out)
@@ -1229,7 +1228,7 @@ def check_ddp_script(path: str | os.PathLike) -> None:
             _fail(
                 name,
                 "the script never calls dist.init_process_group: the two processes trained alone",
-                "join the group at the start: dist.init_process_group(backend), gloo on the CPU, nccl on GPUs",
+                "join the group at the start: init_process_group with the backend, gloo on the CPU, nccl on GPUs",
             )
         if recs[1]["saves"]:
             _fail(
@@ -1290,7 +1289,7 @@ def check_ddp_script(path: str | os.PathLike) -> None:
             _fail(
                 name,
                 "every epoch used the same order of examples: the sampler was never told the epoch",
-                "call sampler.set_epoch(epoch) at the start of every epoch, on every rank",
+                "call the sampler's set_epoch with the epoch number at the start of every epoch, on every rank",
             )
         if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2)):  # the default seed, 0
             _fail(
@@ -1318,7 +1317,7 @@ def check_ddp_script(path: str | os.PathLike) -> None:
             "the weights match, but the script never calls torch.cuda.set_device: on a GPU server "
             "every rank would use GPU 0",
             "when torch.cuda.is_available(), call "
-            "torch.cuda.set_device(local_rank) before init_process_group (LOCAL_RANK from the environment)",
+            "pin the process to its GPU (set_device, with LOCAL_RANK from the environment) before init_process_group",
         )
     if not all(r["destroy"] for r in recs):
         _fail(

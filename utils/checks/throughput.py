@@ -175,7 +175,7 @@ def check_time_step(time_step: Callable[..., Any]) -> None:
         _fail(
             name,
             f"returned {got:.1f}; the step takes about {normal * 1e3:.0f} ms",
-            "return seconds (time.perf_counter() differences), not milliseconds",
+            "return seconds (differences of perf_counter readings), not milliseconds",
         )
     if got < 0.25 * normal:
         _fail(
