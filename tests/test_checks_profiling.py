@@ -370,7 +370,7 @@ CASES = [
     (checks.check_data_wait_fraction, wait_counts_the_loader_too, "counted again"),
     (checks.check_data_wait_fraction, wait_outside_steps, "before the first recorded step"),
     (checks.check_data_wait_fraction, wait_over_trace_span, "whole span"),
-    (checks.check_data_wait_fraction, wait_from_the_library, "not to call utils.profiling"),
+    (checks.check_data_wait_fraction, wait_from_the_library, "called utils.profiling.s own phase_times"),
     (checks.check_syncs_per_step, syncs_item_too, "aten::item was counted"),
     (checks.check_syncs_per_step, syncs_counts_item, "you counted aten::item.*once per sync"),
     (checks.check_syncs_per_step, syncs_outside_steps, "after the last step"),

@@ -13,10 +13,12 @@ model_parallel.py, profiling.py); this package re-exports them all.
 
 from __future__ import annotations
 
+import contextlib
 import dis
 import math
 import traceback
 import types
+from collections.abc import Iterator
 
 import torch
 
@@ -133,3 +135,24 @@ def global_names(code: types.CodeType) -> set:
         if hasattr(c, "co_names"):
             names |= global_names(c)
     return names
+
+
+@contextlib.contextmanager
+def refusing(check: str, module: types.ModuleType, names: tuple[str, ...], try_: str) -> Iterator[None]:
+    """While the student's function runs, the library's own functions ``names`` of ``module`` raise
+    :class:`CheckFailed`: the exercise is to write them. ``try_`` says what to do instead."""
+    saved = {n: getattr(module, n) for n in names}
+
+    def refuse(*a, **k):
+        raise CheckFailed(
+            f"{check}: your code called {module.__name__}'s own {'/'.join(names)}; the exercise is to "
+            f"write it yourself. Try: {try_}"
+        )
+
+    try:
+        for n in names:
+            setattr(module, n, refuse)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(module, n, f)

@@ -8,7 +8,6 @@ checks of exercises 4 and 5 refuse the library's own functions (utils.gradient_n
 per_example_grads/noise_scale/dataset_noise_scale/two_batch_estimates, utils.batch_sweeps'
 fit_critical_batch), passed in or called."""
 
-import contextlib
 import itertools
 import math
 from collections.abc import Callable
@@ -18,7 +17,7 @@ import torch
 
 from .. import gradient_noise as _noise
 from .. import linear_regression as _linreg
-from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
+from ._common import CheckFailed, _call, _close, _fail, _passed, refusing  # noqa: F401
 
 __all__ = [
     "check_gd_step",
@@ -311,26 +310,6 @@ def check_noise_scale(b_simple: Callable[..., Any]) -> None:
 # ------------------------------------------------------------------ per-example gradients (lab 1, exercise 4)
 
 
-@contextlib.contextmanager
-def _refusing(check: str, module, names: tuple[str, ...], try_: str):
-    """While the student's function runs, the library's own functions ``names`` of ``module`` raise."""
-    saved = {n: getattr(module, n) for n in names}
-
-    def refuse(*a, **k):
-        raise CheckFailed(
-            f"{check}: your code called {module.__name__}'s own {'/'.join(names)}; the exercise is to "
-            f"write it yourself. Try: {try_}"
-        )
-
-    try:
-        for n in names:
-            setattr(module, n, refuse)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(module, n, f)
-
-
 def _is_library(name: str, fn, library) -> None:
     if fn is library:
         _fail(
@@ -372,7 +351,7 @@ def _per_example_case(name, fn, model, loss_fn, x, y):
             raise
 
     how = "loop over the examples" if name.endswith("_loop") else "use torch.func.functional_call, grad and vmap"
-    with _refusing(name, _noise, ("per_example_grads",), how):
+    with refusing(name, _noise, ("per_example_grads",), how):
         got = _call(name, run)
     if any(not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters())):
         _fail(name, "your function changed the model's parameters", "compute gradients only; take no step")
@@ -488,7 +467,7 @@ def check_noise_scale_from_per_example(noise_scale_from_per_example: Callable[..
     # Hand-made: rows (1,0), (3,0), (1,2), (3,2): mean (2,1), |mean|^2 = 5, squared deviations sum 8,
     # so tr(Sigma) = 8/3, |G|^2 = 5 - (8/3)/4 = 13/3 and B_simple = 8/13.
     g = torch.tensor([[1.0, 0.0], [3.0, 0.0], [1.0, 2.0], [3.0, 2.0]], dtype=torch.float64)
-    with _refusing(name, _noise, refuse, try_):
+    with refusing(name, _noise, refuse, try_):
         got = _one_number(name, _call(name, fn, g.clone()), "B_simple")
     mistakes = [
         (
@@ -539,7 +518,7 @@ def check_noise_scale_from_per_example(noise_scale_from_per_example: Callable[..
     G2_pop, trS_pop, _ = _noise.dataset_noise_scale(x, y, 1.7, -0.6)
     n = len(x)
     want = (trS_pop * n / (n - 1)) / (G2_pop - trS_pop / (n - 1))
-    with _refusing(name, _noise, refuse, try_):
+    with refusing(name, _noise, refuse, try_):
         got = _one_number(name, _call(name, fn, g.clone()), "B_simple")
     if not _close(got, want, rtol=1e-6):
         _fail(
@@ -573,7 +552,7 @@ def check_fit_critical_batch(fit_critical_batch: Callable[..., Any]) -> None:
     _is_library(name, fit_critical_batch, batch_sweeps.fit_critical_batch)
 
     def run(bs, ss):
-        with _refusing(name, batch_sweeps, ("fit_critical_batch",), "fit S against 1/B by least squares yourself"):
+        with refusing(name, batch_sweeps, ("fit_critical_batch",), "fit S against 1/B by least squares yourself"):
             return _fit_pair(name, _call(name, fit_critical_batch, list(bs), list(ss)))
 
     # Exact data on the curve S_min = 200, B_crit = 64.
@@ -662,7 +641,7 @@ def check_dataset_noise_scale(dataset_noise_scale: Callable[..., Any]) -> None:
     loss_fn = torch.nn.CrossEntropyLoss()
     g = _loop_per_example(cnn, loss_fn, x, y)
     want = _unbiased_scale(g)
-    with _refusing(name, _noise, ("per_example_grads", "noise_scale", "dataset_noise_scale"), "accumulate yourself"):
+    with refusing(name, _noise, ("per_example_grads", "noise_scale", "dataset_noise_scale"), "accumulate yourself"):
         got = _one_number(name, _call(name, dataset_noise_scale, cnn, loss_fn, x.clone(), y.clone(), 4), "B_simple")
     if _close(got, want, rtol=1e-6):
         _passed(name, f"10 examples in chunks of 4 give B_simple = {want:.4f}, as all 10 per-example gradients at once")

@@ -7,14 +7,13 @@ originals of ``utils.profiling`` (same batches, same losses, same outputs) and f
 
 from __future__ import annotations
 
-import contextlib
 import tempfile
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ._common import CheckFailed, _call, _fail, _passed  # noqa: F401
+from ._common import CheckFailed, _call, _fail, _passed, refusing  # noqa: F401
 
 __all__ = [
     "check_self_times",
@@ -32,28 +31,6 @@ def _ev(name, ts, dur, tid=1, cat="cpu_op", pid=100):
 
 def _step(n, ts, dur):
     return _ev(f"ProfilerStep#{n}", ts, dur, cat="user_annotation")
-
-
-@contextlib.contextmanager
-def _no_library(check: str, *names):
-    """While the student's function runs, the library's own answer to the exercise raises."""
-    from .. import profiling
-
-    saved = {n: getattr(profiling, n) for n in names}
-
-    def refuse(*a, **k):
-        raise CheckFailed(
-            f"{check}: the exercise is to read the events yourself, not to call utils.profiling's own "
-            f"{'/'.join(names)}. Try: loop over the events and add up their durations"
-        )
-
-    try:
-        for n in names:
-            setattr(profiling, n, refuse)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(profiling, n, f)
 
 
 def _number(name, got, what="a number"):
@@ -186,6 +163,7 @@ def check_data_wait_fraction(data_wait_fraction: Callable[..., Any], item_cost_s
     """``data_wait_fraction(events)`` -> the fraction (0..1) of the recorded steps' time spent in
     ``phase:data`` events. Checked on hand-made events and on a real trace of a loader whose
     per-image cost is known (its floor)."""
+    from .. import profiling
     from ..bench import SlowDataset
 
     name = "data_wait_fraction"
@@ -202,7 +180,9 @@ def check_data_wait_fraction(data_wait_fraction: Callable[..., Any], item_cost_s
         _ev("Optimizer.step#SGD.step", 30000, 10000),
     ]
     want = 8000 / 20000
-    with _no_library(name, "phase_times", "phase_times_per_step"):
+    with refusing(
+        name, profiling, ("phase_times", "phase_times_per_step"), "loop over the events and add up their durations"
+    ):
         got = _number(name, _call(name, data_wait_fraction, events))
     if abs(got - 100 * want) < 1:
         _fail(name, f"returned {got:g}: a percentage", "return a fraction between 0 and 1")
@@ -236,7 +216,9 @@ def check_data_wait_fraction(data_wait_fraction: Callable[..., Any], item_cost_s
     with tempfile.TemporaryDirectory() as tmp:
         loader = torch.utils.data.DataLoader(SlowDataset(_tiny_data(), item_cost_s), batch_size=16)
         _, real = _tiny_run(tmp, loader=loader, steps=(1, 1, 2))
-    with _no_library(name, "phase_times", "phase_times_per_step"):
+    with refusing(
+        name, profiling, ("phase_times", "phase_times_per_step"), "loop over the events and add up their durations"
+    ):
         got = _number(name, _call(name, data_wait_fraction, real))
     steps = profiling.profiler_steps(real)
     floor = 16 * item_cost_s * 1e6 * len(steps) / sum(s["dur"] for s in steps)
