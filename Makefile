@@ -6,12 +6,13 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS)
 NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --nbval-sanitize-with tests/sanitize.cfg
 
-.PHONY: lab test unit check lint format notebooks notebooks-cpu standins labs check-labs bench grade gradescope two-node clean help slurm-check tensorboard
+.PHONY: lab test test-extended unit check lint format notebooks notebooks-cpu standins labs check-labs bench grade gradescope two-node clean help slurm-check tensorboard
 
 help:
 	@echo "make lab    create .venv if missing, install, start JupyterLab on the repository, open notebooks/00_environment.ipynb"
 	@echo "            LAB_ARGS='--no-browser --port 8888 --ip 127.0.0.1' passes options to jupyter lab (see README: SSH tunnel)"
 	@echo "make test   unit tests and nbval over notebooks/ and solutions/ (LAB_PROFILE=smoke)"
+	@echo "make test-extended  the lab self-checks through each named mistake, hang and deadlock (minutes; CI runs it)"
 	@echo "make check  the fast loop: lint, then the tests not marked slow/sandbox/slurm/notebook (minutes)"
 	@echo "make lint   ruff check and ruff format --check over every .py and notebook;  make format  fixes"
 	@echo "make labs   regenerate labs/*.ipynb from solutions/*.ipynb"
@@ -52,7 +53,11 @@ lab: $(VENV)/.installed-lab $(LAB_PAGE_CONFIG)
 
 # One pytest run: unit tests, then every notebook in notebooks/ and solutions/ under nbval.
 test: $(VENV)/.installed-test
-	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider --durations=10 tests notebooks solutions $(NBVAL_FLAGS)
+	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not extended" tests notebooks solutions $(NBVAL_FLAGS)
+
+# The lab self-checks driven through every named mistake, hang and deadlock on real processes (CI runs it).
+test-extended: $(VENV)/.installed-test
+	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider --durations=10 -m extended tests
 
 # The contributor's loop: lint and the unit/oracle tests, no notebooks, no sandbox, no SLURM.
 check: lint

@@ -196,6 +196,7 @@ def test_an_attribute_named_like_a_course_module_is_not_that_module():
         _source("probe", uses_the_device_module)
 
 
+@pytest.mark.extended
 def test_ring_check_names_the_deadlock_of_blocking_sends():
     with pytest.raises(CheckFailed, match="deadlock: every rank is blocked in its dist.send"):
         checks.check_ring_all_reduce(ring_blocking_sends)
@@ -435,6 +436,7 @@ def test_script_check_on_the_placeholder_and_the_library(tmp_path):
         checks.check_ddp_script(str(tmp_path / "missing.py"))
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_script_check_names_the_mistake(tmp_path, mistake):
     old, new, message = MISTAKES[mistake]
@@ -473,11 +475,12 @@ def test_script_check_refuses_a_hard_coded_rendezvous_before_running(tmp_path, m
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.timeout(200)
 def test_script_check_names_the_causes_of_a_hang(tmp_path, monkeypatch):
     from utils.checks import ddp
 
-    monkeypatch.setattr(ddp, "SCRIPT_TIMEOUT", 40.0)
+    monkeypatch.setattr(ddp, "SCRIPT_TIMEOUT", 20.0)
     # built at run time, so the static check cannot see it: under torchrun nobody serves this address
     hidden = 'addr = "tcp://127.0.0.1:" + "29511"\n    dist.init_process_group(backend, rank=local_rank, world_size=2, init_method=addr)'
     text = _script_answer().replace("dist.init_process_group(backend)", hidden)

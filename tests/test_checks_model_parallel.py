@@ -269,6 +269,7 @@ MISTAKES = {
 
 
 @pytest.mark.slow
+@pytest.mark.extended
 @pytest.mark.parametrize("mistake", sorted(MISTAKES))
 def test_each_mistake_is_named(mistake, tmp_path):
     make, message = MISTAKES[mistake]
