@@ -151,6 +151,7 @@ def ring_reduce_scatter_copies(tensor):
     return tensor
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "fn, message",
     [
@@ -358,6 +359,7 @@ def overlap_ignores_buckets(model, bucket_numel=0):
     return _per_param(model)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize(
     "fn, message",
     [

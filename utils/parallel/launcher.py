@@ -10,6 +10,7 @@ import os
 import pickle
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import threading
@@ -434,3 +435,18 @@ def _descendants(pid: int) -> list:
             out.append(c)
             todo.append(c)
     return out
+
+
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def torchrun_finished(proc: subprocess.CompletedProcess, nprocs: int, done: str = "rank {rank}: done") -> bool:
+    """Did every rank of a :func:`torchrun` run finish? Exit status 0 says so. So does a run in which
+    every rank printed ``done`` (after leaving its group) and a process then aborted at interpreter
+    exit with gloo's teardown abort (torch 2.13 on a CPU, now and then: pytorch/pytorch#179291):
+    the work was done and saved before it."""
+    out = proc.stdout or ""
+    if proc.returncode == 0:
+        return True
+    said = all(done.format(rank=r) in out for r in range(nprocs))
+    return said and GLOO_EXIT_ABORT in out
