@@ -27,7 +27,7 @@ class CheckFailed(AssertionError):
     """A self-check found a mistake; the message says what to fix."""
 
 
-def _student_frames_only(tb):
+def student_frames_only(tb):
     """The traceback without the frames of utils.checks: a student needs the line that called the
     check, and the check's one-line diagnosis, not the check's internals."""
     kept = []
@@ -43,7 +43,7 @@ def _student_frames_only(tb):
 
 def _show_check_failed(shell, etype, value, tb, tb_offset=None):
     """IPython's handler for CheckFailed: the usual traceback, minus the checks' own frames."""
-    shell.showtraceback((etype, value, _student_frames_only(tb)), tb_offset=tb_offset)
+    shell.showtraceback((etype, value, student_frames_only(tb)), tb_offset=tb_offset)
 
 
 def _install_ipython_handler() -> None:
@@ -75,12 +75,17 @@ def _call(name: str, fn, *args, **kwargs):
         raise CheckFailed(
             f"{name}: your code raised {tb}. Try: read the traceback of your code above "
             f"(the last line in your cell is where it failed), fix it, rerun both cells"
-        ) from e.with_traceback(_student_frames_only(e.__traceback__))
+        ) from e.with_traceback(student_frames_only(e.__traceback__))
+
+
+def message(name: str, problem: str, hint: str) -> str:
+    """The one form of every check's diagnosis: "name: what is wrong. Try: what to do." """
+    return f"{name}: {problem.strip().rstrip('.')}. Try: {hint.strip().rstrip('.')}."
 
 
 def _fail(name: str, problem: str, hint: str):
     """Raise the diagnosis as ONE line: what is wrong, then what to try."""
-    raise CheckFailed(f"{name}: {problem.rstrip('.')}. Try: {hint}") from None
+    raise CheckFailed(message(name, problem, hint)) from None
 
 
 def _close(got, want, rtol=1e-4, atol=1e-6) -> bool:

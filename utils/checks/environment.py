@@ -1,50 +1,74 @@
-"""Self-check of the example exercise (solutions/lab0_example.ipynb)."""
-
-from collections.abc import Callable
-from typing import Any
+"""Lab 0's exercise (solutions/lab0_example.ipynb): the spec of `accuracy`, an example of the engine."""
 
 import torch
 
-from ._common import _call, _close, _fail, _passed
+from .engine import Case, Exercise, Mistake
 
-__all__ = ["check_accuracy"]
+__all__ = ["check_accuracy", "ACCURACY"]
 
 
-def check_accuracy(accuracy: Callable[..., Any]) -> None:
-    """``accuracy(logits, labels)``: the fraction (a float in [0, 1]) of rows whose arg-max
-    logit equals the label."""
-    name = "accuracy"
-    logits = torch.tensor([[2.0, 1.0, 0.0, 0.0], [0.0, 3.0, 1.0, 0.0], [0.5, 0.2, 0.9, 0.3], [1.0, 3.5, 4.0, 0.1]])
-    labels = torch.tensor([0, 1, 0, 1])
-    got = _call(name, accuracy, logits, labels)
-    if isinstance(got, torch.Tensor):
-        if got.numel() != 1:
-            _fail(
-                name,
-                f"returned a tensor of shape {tuple(got.shape)}, expected one number",
-                "reduce the per-example comparison with .float().mean()",
-            )
-        got = got.item()
-    if not isinstance(got, (int, float)):
-        _fail(name, f"returned {type(got).__name__}, expected a float", "return .item() of the mean")
-    if _close(got, 2):
-        _fail(
-            name,
-            "returned 2, the number of correct predictions, not the fraction",
-            "divide by the number of examples (or use .float().mean())",
-        )
-    if _close(got, 50):
-        _fail(name, "returned 50, a percentage", "return the fraction in [0, 1]: do not multiply by 100")
-    if _close(got, 0.25):
-        _fail(
-            name,
-            "returned 0.25: the arg-max seems to be taken over the batch dimension",
-            "the class scores are along dim=1: logits.argmax(dim=1)",
-        )
-    if not _close(got, 0.5):
-        _fail(
-            name,
-            f"returned {got}, expected 0.5 on a 4-example, 4-class case",
-            "compare logits.argmax(dim=1) with labels, then average",
-        )
-    _passed(name)
+def _cases() -> list:
+    """Three batches: square, taller than wide, and one where the arg-max over the batch would differ."""
+    g = torch.Generator().manual_seed(0)
+    logits_a = torch.tensor([[2.0, 1.0, 0.0, 0.0], [0.0, 3.0, 1.0, 0.0], [0.5, 0.2, 0.9, 0.3], [1.0, 3.5, 4.0, 0.1]])
+    logits_b = torch.randn(10, 3, generator=g)
+    labels_b = logits_b.argmax(dim=1).clone()
+    labels_b[:3] = (labels_b[:3] + 1) % 3  # 7 of 10 right
+    logits_c = torch.randn(6, 5, generator=g)
+    labels_c = torch.tensor([0, 1, 2, 3, 4, 0])
+    return [
+        Case((logits_a, torch.tensor([0, 1, 0, 1])), label="a batch of 4 examples and 4 classes"),
+        Case((logits_b, labels_b), label="a batch of 10 examples and 3 classes"),
+        Case((logits_c, labels_c), label="a batch of 6 examples and 5 classes"),
+    ]
+
+
+def _accuracy(logits, labels):
+    return (logits.argmax(dim=1) == labels).float().mean().item()
+
+
+ACCURACY = Exercise(
+    name="accuracy",
+    cases=_cases,
+    oracle=_accuracy,
+    hint="take each row's arg-max over the classes, compare it with the labels, then average the matches",
+    passed="3 batches of different shapes",
+    mistakes=[
+        Mistake(
+            "it returns the number of correct predictions, not the fraction",
+            "divide the count by the number of examples",
+            variant=lambda logits, labels: (logits.argmax(dim=1) == labels).sum().item(),
+        ),
+        Mistake(
+            "it returns a percentage",
+            "return the fraction in [0, 1], without multiplying by 100",
+            variant=lambda logits, labels: 100 * _accuracy(logits, labels),
+        ),
+        Mistake(
+            "it returns the error rate, the fraction of WRONG predictions",
+            "count the rows whose arg-max equals the label, not those where it differs",
+            variant=lambda logits, labels: 1 - _accuracy(logits, labels),
+        ),
+        Mistake(
+            "it divides by the number of classes instead of the number of examples",
+            "the number of examples is the length of the batch dimension (dim 0)",
+            variant=lambda logits, labels: (logits.argmax(dim=1) == labels).sum().item() / logits.shape[1],
+        ),
+        Mistake(
+            "the arg-max seems to be taken over the batch dimension",
+            "the class scores lie along dim 1: take the arg-max over that dimension",
+            variant=lambda logits, labels: (
+                (logits.argmax(dim=0)[: len(labels)] == labels[: logits.shape[1]]).float().mean().item()
+            ),
+        ),
+        Mistake(
+            "it returns the same number whatever the batch",
+            "compute the fraction from the logits and labels you are given",
+            variant=lambda logits, labels: 0.5,
+        ),
+    ],
+)
+
+check_accuracy = ACCURACY.checker(
+    "``accuracy(logits, labels)``: the fraction (a float in [0, 1]) of rows whose arg-max logit equals the label."
+)

@@ -1,0 +1,104 @@
+"""The one form of a lab's exercise tests (not a test file itself).
+
+For every exercise spec of a lab: the solution notebook's answer passes, each named mistake's
+variant fails with that mistake's own problem, and the lab's placeholder says "not implemented".
+A lab's test file is then::
+
+    pytestmark = ...
+    LAB = "lab0_example"
+    EXERCISES = [environment.ACCURACY]
+    test_solution, test_mistake, test_placeholder = harness.tests_for(LAB, EXERCISES)
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from utils.checks import CheckFailed, engine
+
+ROOT = Path(__file__).resolve().parents[1]
+_NAMESPACES: dict = {}
+
+
+def solution_namespace(lab: str, extra: dict | None = None) -> dict:
+    """The imports, constants, functions and classes of ``solutions/<lab>.ipynb``, defined from a
+    file (so ``inspect.getsource`` works, as in a notebook) in a module named ``__main__``."""
+    if lab in _NAMESPACES:
+        return _NAMESPACES[lab]
+    cells = json.loads((ROOT / "solutions" / f"{lab}.ipynb").read_text())["cells"]
+    kept = []
+    for cell in cells:
+        src = "".join(cell["source"])
+        if cell["cell_type"] != "code" or src.startswith("%%"):
+            continue
+        src = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!")))
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        lines = src.splitlines()
+        for node in tree.body:
+            keep = isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
+            if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+                try:
+                    ast.literal_eval(node.value)
+                    keep = True
+                except ValueError:
+                    pass
+            if keep:
+                start = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
+                kept.append("\n".join(lines[start - 1 : node.end_lineno]))
+    path = Path(tempfile.mkdtemp(prefix=f"{lab}-")) / f"{lab}_answers.py"
+    path.write_text("\n\n".join(kept) + "\n")
+    ns = {"__name__": "__main__", **(extra or {})}
+    exec(compile(path.read_text(), str(path), "exec"), ns)
+    _NAMESPACES[lab] = ns
+    return ns
+
+
+def answer(lab: str, ex: engine.Exercise) -> tuple:
+    ns = solution_namespace(lab)
+    return tuple(ns[name] for name in ex.answer)
+
+
+def _placeholder(*args, **kwargs):
+    raise NotImplementedError("Exercise: write this part (see the hint above)")
+
+
+_placeholder.__module__ = "__main__"
+
+
+def _as_answer(ex: engine.Exercise, variant) -> tuple:
+    return tuple(variant) if isinstance(variant, (tuple, list)) else (variant,)
+
+
+def tests_for(lab: str, exercises: list):
+    """The three parametrized tests of a lab: solution passes, each mistake named, placeholder refused."""
+    ids = [ex.name for ex in exercises]
+    pairs = [(ex, m) for ex in exercises for m in ex.mistakes]
+    pair_ids = [f"{ex.name}-{i}-{re.sub(r'[^a-z]+', '_', m.problem.lower())[:40]}" for i, (ex, m) in enumerate(pairs)]
+
+    @pytest.mark.parametrize("ex", exercises, ids=ids)
+    def test_solution_passes(ex, capsys):
+        engine.check(ex, *answer(lab, ex))
+        assert f"\u2714 {ex.name}: correct" in capsys.readouterr().out
+
+    @pytest.mark.parametrize("ex,mistake", pairs, ids=pair_ids)
+    def test_mistake_is_named(ex, mistake):
+        assert mistake.variant is not None, "every named mistake carries a variant that makes it"
+        with pytest.raises(CheckFailed) as e:
+            engine.check(ex, *_as_answer(ex, mistake.variant))
+        assert mistake.problem.rstrip(".") in str(e.value), str(e.value)
+
+    @pytest.mark.parametrize("ex", exercises, ids=ids)
+    def test_placeholder_is_not_implemented(ex):
+        with pytest.raises(CheckFailed, match="not implemented yet"):
+            engine.check(ex, *([_placeholder] * len(ex.answer)))
+
+    return test_solution_passes, test_mistake_is_named, test_placeholder_is_not_implemented

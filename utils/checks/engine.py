@@ -1,0 +1,639 @@
+"""The exercise engine: every self-check in the labs is a short spec run by :func:`check`.
+
+An :class:`Exercise` says
+
+* what the student writes (``answer``: one function or class, or several, by name);
+* its ``cases``: at least two, with different answers, so that no constant or near-miss passes;
+* its ``oracle``: a reference with the student's signature (a closed form, PyTorch's own, a
+  one-process run);
+* how an answer is run on a case (``run``; by default ``answer(*case.args, **case.kwargs)``) and
+  where: in the notebook's process, or on ``ranks`` spawned processes;
+* its named ``mistakes``: known-wrong variants, each with a one-line problem and hint;
+* what the exercise forbids (``refuse``): the library's own version of what is being built.
+
+When the answer's output differs from the oracle's on a case, the engine replays each mistake's
+variant on that case and names the first whose output the answer matches (or whose ``when``
+predicate holds); else it reports the plain difference. Outputs are compared with
+``torch.testing.assert_close``. A mistake marked ``mechanism=True`` is looked for on every case,
+right or wrong: it catches answers whose numbers are right for the wrong reason (a host sync every
+step, an all-reduce waited for inside the hook).
+
+Rank-run exercises send the student's source, once, to every rank (a function defined in a notebook
+cannot be imported by a spawned process), with the notebook helpers and imports it uses. Each rank
+builds its cases on its own device (NCCL takes GPU tensors only) and runs the oracle, the mistakes
+and then the answer; the results come back here, where they are compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import inspect
+import io
+import math
+import signal
+import textwrap
+import threading
+import tokenize
+import traceback
+import types
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from ._common import CheckFailed, message, student_frames_only
+
+REGISTRY: dict[str, Exercise] = {}
+
+
+@dataclasses.dataclass
+class Case:
+    """One input of an exercise. ``label`` names it in a failure message ("a 7-element tensor")."""
+
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+    label: str = ""
+
+
+@dataclasses.dataclass
+class Outcome:
+    """What one run of the student's answer on one case gave, as a ``Mistake.when`` sees it."""
+
+    case: Case | None
+    got: Any = None
+    want: Any = None
+    error: str = ""  # the exception's last line, when the answer raised
+    hung: bool = False  # the answer did not finish within the exercise's timeout
+    source: str = ""  # the answer's source, comments and strings removed
+
+
+@dataclasses.dataclass(frozen=True)
+class Mistake:
+    """A known-wrong answer and what to say about it.
+
+    ``variant`` has the answer's signature and makes the mistake; the tests submit it and expect
+    ``problem`` back. It is replayed on a failing case unless ``replay=False`` (variants that hang,
+    or whose output is no fingerprint). ``when(outcome) -> bool`` recognises the mistake instead
+    of (or before) replaying it; with ``mechanism=True`` it is tried on every case, right or wrong.
+    """
+
+    problem: str
+    hint: str
+    variant: Any = None
+    when: Callable[[Outcome], bool] | None = None
+    replay: bool = True
+    mechanism: bool = False
+
+
+def _default_run(answer, case: Case):
+    return answer(*case.args, **case.kwargs)
+
+
+@dataclasses.dataclass
+class Exercise:
+    name: str
+    cases: Callable[..., list]  # () -> [Case] in the notebook; (ctx) -> [Case] on a rank
+    oracle: Any
+    hint: str  # what to do when no named mistake matches
+    answer: tuple = ()  # the names of what the student passes; default (name,)
+    mistakes: Sequence[Mistake] = ()
+    run: Callable[[Any, Case], Any] = _default_run
+    compare: Callable[[Any, Any], str | None] | None = None  # None: assert_close with rtol/atol
+    rtol: float = 1e-4
+    atol: float = 1e-6
+    refuse: tuple = ()  # dotted names the answer may not use: "torch.distributed.all_reduce", "utils.bench"
+    refuse_hint: str = "write it yourself from the pieces the exercise names"
+    ranks: int = 0  # 0: in the notebook's process; N: on N spawned processes
+    timeout_s: float = 60.0
+    passed: str = ""  # what a pass means, in a few words; never the answer
+
+    def __post_init__(self) -> None:
+        self.answer = tuple(self.answer) or (self.name,)
+        if self.name in REGISTRY:
+            raise ValueError(f"two exercises are named {self.name!r}")
+        REGISTRY[self.name] = self
+
+    def checker(self, doc: str = "") -> Callable[..., Any]:
+        """The ``check_*`` function a lab calls with the student's answer."""
+
+        def check_fn(*answer):
+            return check(self, *answer)
+
+        check_fn.__name__ = check_fn.__qualname__ = f"check_{self.name}"
+        check_fn.__doc__ = doc or f"Check {', '.join(self.answer)} (see the exercise above)."
+        check_fn.__module__ = "utils.checks"
+        return check_fn
+
+
+def fail(name: str, problem: str, hint: str) -> None:
+    raise CheckFailed(message(name, problem, hint)) from None
+
+
+# ---------------------------------------------------------------------------------------- comparing
+
+
+def _plain(x, like):
+    """Numbers as Python numbers, arrays as tensors, so assert_close compares values, not types."""
+    if hasattr(x, "item") and not isinstance(x, torch.Tensor) and getattr(x, "shape", None) == ():
+        x = x.item()  # numpy scalar
+    if type(x).__module__ == "numpy":
+        x = torch.as_tensor(x)
+    if isinstance(like, (int, float)) and not isinstance(like, bool):
+        if isinstance(x, torch.Tensor) and x.numel() == 1:
+            return x.item()
+        if isinstance(x, int) and not isinstance(x, bool):
+            return x
+    if isinstance(like, torch.Tensor) and isinstance(x, torch.Tensor):
+        return x.detach().to("cpu")
+    if isinstance(like, (list, tuple)) and isinstance(x, (list, tuple)) and len(x) == len(like):
+        return type(like)(_plain(a, b) for a, b in zip(x, like))
+    if isinstance(like, dict) and isinstance(x, dict):
+        return {k: _plain(x[k], like[k]) if k in like else x[k] for k in x}
+    return x
+
+
+def _kind(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a tensor of shape {tuple(x.shape)}"
+    if x is None:
+        return "None"
+    return f"a {type(x).__name__}"
+
+
+def difference(got, want, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
+    """None when ``got`` equals ``want`` within the tolerances, else what differs, in words."""
+    got = _plain(got, want)
+    if isinstance(want, float) and isinstance(got, int) and not isinstance(got, bool):
+        got = float(got)
+    if isinstance(want, (int, float)) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        if math.isclose(float(got), float(want), rel_tol=rtol, abs_tol=atol):
+            return None
+        return f"returned {got:.6g} where {want:.6g} was expected"
+    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and got.shape != want.shape:
+        return f"returned {_kind(got)} where {_kind(want)} was expected"
+    try:
+        torch.testing.assert_close(got, want, rtol=rtol, atol=atol, check_dtype=False, check_device=False)
+        return None
+    except AssertionError as e:
+        first = str(e).strip().splitlines()[0].rstrip(".!")
+        if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and want.numel() <= 12:
+            return f"returned {got.tolist()} where {want.tolist()} was expected ({first.lower()})"
+        return first[0].lower() + first[1:]
+    except (TypeError, ValueError):
+        return f"returned {_kind(got)} where {_kind(want)} was expected"
+
+
+# ---------------------------------------------------------------------------------------- refusing
+
+
+def _resolve(dotted: str):
+    """'a.b.c' -> (the module or object holding c, 'c', the object), importing what is needed."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        holder, name = None, None
+        for p in parts[i:]:
+            holder, name, obj = obj, p, getattr(obj, p)
+        return holder, name, obj
+    raise ImportError(dotted)
+
+
+def _refused_objects(refuse) -> list:
+    """[(holder, attribute, object)] for every name refused; a module stands for its public callables."""
+    out = []
+    for dotted in refuse:
+        holder, name, obj = _resolve(dotted)
+        if isinstance(obj, types.ModuleType):
+            for attr, value in vars(obj).items():
+                if not attr.startswith("_") and callable(value) and not isinstance(value, types.ModuleType):
+                    if getattr(value, "__module__", "").startswith(obj.__name__):
+                        out.append((obj, attr, value))
+        else:
+            out.append((holder, name, obj))
+    return out
+
+
+class _RefusedModule(types.ModuleType):
+    def __init__(self, real: types.ModuleType, raise_: Callable[[str], None]):
+        super().__init__(real.__name__)
+        self._real, self._raise = real, raise_
+
+    def __getattr__(self, attr):
+        self._raise(f"{self._real.__name__}.{attr}")
+
+
+@contextlib.contextmanager
+def refusing(ex: Exercise, scopes: Sequence[dict]) -> Iterator[None]:
+    """While the answer runs, what ``ex.refuse`` names raises :class:`CheckFailed` wherever the
+    answer can reach it: in its module, and under any name in the answer's globals (``scopes``)."""
+    if not ex.refuse:
+        yield
+        return
+
+    def raise_(what: str):
+        raise CheckFailed(
+            message(ex.name, f"your code uses {what}, which this exercise asks you to write yourself", ex.refuse_hint)
+        )
+
+    def refuser(what):
+        def refused(*a, **k):
+            raise_(what)
+
+        return refused
+
+    targets = _refused_objects(ex.refuse)
+    modules = {dotted: _resolve(dotted)[2] for dotted in ex.refuse}
+    saved = []
+    try:
+        for holder, attr, obj in targets:
+            what = f"{getattr(holder, '__name__', holder)}.{attr}"
+            saved.append((holder, attr, obj))
+            setattr(holder, attr, refuser(what))
+            for scope in scopes:
+                for k, v in list(scope.items()):
+                    if v is obj:
+                        saved.append((scope, k, v))
+                        scope[k] = refuser(what)
+        for scope in scopes:
+            for k, v in list(scope.items()):
+                if any(v is m for m in modules.values() if isinstance(m, types.ModuleType)):
+                    saved.append((scope, k, v))
+                    scope[k] = _RefusedModule(v, raise_)
+        yield
+    finally:
+        for holder, attr, obj in reversed(saved):
+            if isinstance(holder, dict):
+                holder[attr] = obj
+            else:
+                setattr(holder, attr, obj)
+
+
+# ---------------------------------------------------------------------------------------- the answer
+
+
+def _strip(source: str) -> str:
+    """The source without comments, docstrings and strings: what the code does, not what it says."""
+    out = []
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+            if tok.type not in (tokenize.COMMENT, tokenize.STRING):
+                out.append(tok.string)
+    except (tokenize.TokenError, IndentationError):
+        return source
+    return " ".join(out)
+
+
+def _code_names(code) -> set:
+    names = set(code.co_names)
+    for c in code.co_consts:
+        if hasattr(c, "co_names"):
+            names |= _code_names(c)
+    return names
+
+
+def _notebook_defined(obj) -> bool:
+    return getattr(obj, "__module__", None) in ("__main__", "__mp_main__") and (
+        hasattr(obj, "__code__") or inspect.isclass(obj)
+    )
+
+
+def _code_of(obj):
+    if hasattr(obj, "__code__"):
+        return [obj.__code__]
+    return [v.__code__ for v in vars(obj).values() if hasattr(v, "__code__")]
+
+
+@dataclasses.dataclass
+class Shipment:
+    """The student's answer as source, for a spawned rank: notebook helpers first, then the answer,
+    and the imports it reads (name -> module, or (module, attribute))."""
+
+    sources: list  # [(name, source)]
+    imports: dict
+    constants: dict
+    answer: tuple
+
+    def define(self) -> tuple[tuple, dict]:
+        """In the rank: define everything again; return the answer and its scope."""
+        import math as _math
+        import os
+
+        import torch.distributed as dist
+        import torch.nn.functional as F
+        from torch import nn
+
+        scope = {"torch": torch, "dist": dist, "nn": nn, "F": F, "math": _math, "os": os, "__name__": "__main__"}
+        for name, target in self.imports.items():
+            try:
+                if isinstance(target, str):
+                    scope[name] = importlib.import_module(target)
+                else:
+                    scope[name] = getattr(importlib.import_module(target[0]), target[1])
+            except (ImportError, AttributeError):
+                pass
+        scope.update(self.constants)
+        for name, src in self.sources:
+            exec(compile(src, f"<your {name}>", "exec"), scope)
+        return tuple(scope[n] for n in self.answer), scope
+
+
+def ship(name: str, answer: tuple) -> Shipment:
+    """The answer's source and everything of the notebook it uses, or a CheckFailed saying why not."""
+    seen, sources, imports, constants = set(), [], {}, {}
+
+    def visit(obj):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        glb = getattr(obj, "__globals__", None) or vars(inspect.getmodule(obj) or types.ModuleType("x"))
+        for n in sorted(set().union(*(_code_names(c) for c in _code_of(obj)))):
+            if n not in glb:
+                continue
+            v = glb[n]
+            if isinstance(v, types.ModuleType):
+                imports[n] = v.__name__
+            elif _notebook_defined(v):
+                visit(v)
+            elif isinstance(v, (int, float, str, bool, tuple)) and not n.startswith("_"):
+                constants[n] = v
+            elif getattr(v, "__module__", None) and hasattr(v, "__name__") and not _notebook_defined(v):
+                imports[n] = (v.__module__, v.__name__)
+        try:
+            sources.append((obj.__name__, textwrap.dedent(inspect.getsource(obj))))
+        except (OSError, TypeError):
+            fail(
+                name,
+                f"the source of {getattr(obj, '__name__', obj)} could not be read",
+                "define it with `def` (or `class`) in a notebook cell, run that cell, then this one",
+            )
+
+    for obj in answer:
+        visit(obj)
+    return Shipment(sources, imports, constants, tuple(a.__name__ for a in answer))
+
+
+def _validate_answer(ex: Exercise, answer: tuple) -> None:
+    if len(answer) != len(ex.answer):
+        fail(
+            ex.name,
+            f"this check takes {len(ex.answer)} argument(s) ({', '.join(ex.answer)}), got {len(answer)}",
+            f"pass {', '.join(ex.answer)} themselves, as the exercise's check cell does",
+        )
+    for want, got in zip(ex.answer, answer):
+        if not callable(got):
+            fail(
+                ex.name,
+                f"{want} should be a function or class, got {_kind(got)}",
+                "pass the function itself, without calling it (no parentheses)",
+            )
+        mod = getattr(got, "__module__", "") or ""
+        library = mod.split(".")[0] in ("utils", "torch") and not mod.startswith("utils.checks")
+        if library or got is ex.oracle:
+            fail(
+                ex.name,
+                f"{mod}.{getattr(got, '__qualname__', got)} is the library's own code, not yours",
+                "write it yourself in the exercise cell and pass that",
+            )
+
+
+def _not_implemented(ex: Exercise) -> None:
+    fail(
+        ex.name,
+        "it is not implemented yet",
+        "replace the `raise NotImplementedError(...)` line in the exercise cell with your code, run that cell, "
+        "then this one",
+    )
+
+
+def _raised(ex: Exercise, e: BaseException, where: str = "") -> None:
+    if isinstance(e, CheckFailed):
+        raise e.with_traceback(None) from None
+    if isinstance(e, NotImplementedError):
+        _not_implemented(ex)
+    last = traceback.format_exception_only(type(e), e)[-1].strip()
+    err = CheckFailed(
+        message(
+            ex.name,
+            f"your code raised {last}{where}",
+            "read the traceback of your code above (the last line in your cell is where it failed), fix it, "
+            "then rerun both cells",
+        )
+    )
+    raise err from e.with_traceback(student_frames_only(e.__traceback__))
+
+
+class _Hung(BaseException):
+    """Raised into the answer by the alarm: it ran past the exercise's timeout."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float) -> Iterator[None]:
+    """Interrupt the answer after ``seconds`` (main thread only: a notebook cell runs there)."""
+    if threading.current_thread() is not threading.main_thread() or seconds <= 0:
+        yield
+        return
+
+    def alarm(signum, frame):
+        raise _Hung
+
+    old = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+# ---------------------------------------------------------------------------------------- running
+
+
+def _one(answer):
+    return answer[0] if len(answer) == 1 else answer
+
+
+def _run_all(ex: Exercise, answer, cases_fn, *, student: bool, scopes=()) -> list:
+    """``ex.run`` over every case (on a rank); the student's run is refused the forbidden names."""
+    outs = []
+    for case in cases_fn():
+        with refusing(ex, scopes) if student else contextlib.nullcontext():
+            outs.append(ex.run(answer, case))
+    return outs
+
+
+def _replayed(ex: Exercise) -> list:
+    return [m for m in ex.mistakes if m.replay and m.variant is not None]
+
+
+def _rank_worker(name: str, shipment: Shipment) -> dict:
+    """One rank of a rank-run exercise: the oracle, each replayed mistake, then the answer."""
+    from utils import parallel
+
+    import_checks()
+    ex = REGISTRY[name]
+    parallel.exact_fp32()
+    ctx = parallel.setup(timeout=max(10.0, ex.timeout_s / 2))
+    try:
+        out = {"oracle": _run_all(ex, ex.oracle, lambda: ex.cases(ctx), student=False), "mistakes": []}
+        out["labels"] = [c.label for c in ex.cases(ctx)]
+        for m in _replayed(ex):
+            try:
+                out["mistakes"].append(_run_all(ex, m.variant, lambda: ex.cases(ctx), student=False))
+            except Exception:
+                out["mistakes"].append(None)
+        answer, scope = shipment.define()
+        out["student"] = _run_all(ex, _one(answer), lambda: ex.cases(ctx), student=True, scopes=[scope])
+        return out
+    finally:
+        parallel.teardown()
+
+
+def import_checks() -> None:
+    """Import every lab's specs, so REGISTRY knows them all (in a spawned rank too)."""
+    importlib.import_module("utils.checks")
+
+
+def _on_ranks(ex: Exercise, answer: tuple, source: str):
+    """Run on ``ex.ranks`` processes; per case (answer, oracle, each replayed mistake: lists over ranks; label)."""
+    from utils import parallel
+
+    shipment = ship(ex.name, answer)
+    try:
+        res = parallel.launch(_rank_worker, ex.ranks, ex.name, shipment, timeout=ex.timeout_s, stream=False)
+    except parallel.LaunchTimeout:
+        _diagnose(ex, Outcome(None, hung=True, source=source), [])
+        fail(
+            ex.name,
+            f"your code did not finish within {ex.timeout_s:.0f} s: a rank waited for a message that never came",
+            "every rank must make the same calls in the same order, and every send needs a matching receive",
+        )
+    except parallel.LaunchError as e:
+        tb = e.remote_traceback or ""
+        last = tb.strip().splitlines()[-1] if tb.strip() else str(e).split("\n")[0]
+        if "CheckFailed: " in last:
+            raise CheckFailed(last.split("CheckFailed: ", 1)[1]) from None
+        if "NotImplementedError" in last:
+            _not_implemented(ex)
+        _diagnose(ex, Outcome(None, error=last, source=source), [])
+        rank = f"rank {e.rank}" if e.rank is not None else "a rank"
+        if not tb:
+            fail(
+                ex.name,
+                f"{rank} stopped without a Python exception ({str(e).splitlines()[0]})",
+                "run your code's steps by hand on paper for each rank: a rank that waits forever, or writes "
+                "past a tensor's end, stops like this",
+            )
+        err = CheckFailed(
+            message(
+                ex.name,
+                f"your code raised on {rank}: {last}",
+                "read that rank's traceback, printed below, fix the line it names, then rerun both cells",
+            )
+            + f"\n\nTraceback from {rank}:\n{tb}"
+        )
+        raise err from None
+    per_case = []
+    for i in range(len(res[0]["student"])):
+        mistakes = [
+            None if any(r["mistakes"][j] is None for r in res) else [r["mistakes"][j][i] for r in res]
+            for j in range(len(res[0]["mistakes"]))
+        ]
+        label = res[0]["labels"][i] or f"case {i + 1} of {len(res[0]['student'])}"
+        per_case.append(([r["student"][i] for r in res], [r["oracle"][i] for r in res], mistakes, label))
+    return per_case
+
+
+def _differs(ex: Exercise, got, want) -> str | None:
+    if ex.compare is not None:
+        return ex.compare(got, want)
+    return difference(got, want, ex.rtol, ex.atol)
+
+
+def _diagnose(ex: Exercise, o: Outcome, replays: list) -> None:
+    """Name the first mistake that matches the outcome: by its ``when``, else by its replayed output."""
+    replayed = _replayed(ex)
+    for m in ex.mistakes:
+        if m.when is not None:
+            if _safe(m.when, o):
+                fail(ex.name, m.problem, m.hint)
+        elif m in replayed and replays and not (o.error or o.hung):
+            other = replays[replayed.index(m)]
+            if other is not None and _differs(ex, o.got, other) is None:
+                fail(ex.name, m.problem, m.hint)
+
+
+def _safe(pred, o: Outcome) -> bool:
+    try:
+        return bool(pred(o))
+    except Exception:
+        return False
+
+
+def check(ex: Exercise, *answer) -> Any:
+    """Run the exercise on the student's answer: print a tick, or raise CheckFailed naming the mistake."""
+    _validate_answer(ex, answer)
+    try:
+        source = "\n".join(_strip(textwrap.dedent(inspect.getsource(a))) for a in answer)
+    except (OSError, TypeError):
+        source = ""
+    if ex.ranks:
+        per_case = _on_ranks(ex, answer, source)
+        for got, want, reps, label in per_case:
+            _judge(ex, Outcome(None, got, want, source=source), reps, label)
+    else:
+        scopes = [a.__globals__ for a in answer if hasattr(a, "__globals__")]
+        cases = ex.cases()
+        for i, case in enumerate(cases):
+            got = _student_run(ex, _one(answer), i, scopes, source)
+            want = ex.run(ex.oracle, ex.cases()[i])
+            label = case.label or f"case {i + 1} of {len(cases)}"
+            _judge(ex, Outcome(case, got, want, source=source), None, label, i)
+    print(f"\u2714 {ex.name}: correct" + (f" ({ex.passed})" if ex.passed else ""))
+    return None
+
+
+def _student_run(ex: Exercise, answer, i: int, scopes: list, source: str):
+    """The answer on case ``i`` (a fresh copy), bounded in time, refused the forbidden names."""
+    try:
+        with refusing(ex, scopes), _deadline(ex.timeout_s):
+            return ex.run(answer, ex.cases()[i])
+    except _Hung:
+        _diagnose(ex, Outcome(None, hung=True, source=source), [])
+        fail(
+            ex.name,
+            f"your code did not finish within {ex.timeout_s:.0f} s",
+            "look for a loop that never ends (a new iterator made on every pass, a condition never met) and "
+            "run your code by hand on a tiny input",
+        )
+    except Exception as e:  # the student's code crashed: a named mistake, else where it failed
+        if not isinstance(e, (CheckFailed, NotImplementedError)):
+            _diagnose(
+                ex, Outcome(None, error=traceback.format_exception_only(type(e), e)[-1].strip(), source=source), []
+            )
+        _raised(ex, e)
+
+
+def _judge(ex: Exercise, o: Outcome, reps, label: str, i: int | None = None) -> None:
+    """Fail on a mechanism mistake, or on a difference from the oracle (naming the mistake if one matches)."""
+    for m in ex.mistakes:
+        if m.mechanism and m.when is not None and _safe(m.when, o):
+            fail(ex.name, m.problem, m.hint)
+    diff = _differs(ex, o.got, o.want)
+    if diff is None:
+        return
+    if reps is None:
+        reps = [_replay(ex, m, i) for m in _replayed(ex)]
+    _diagnose(ex, o, reps)
+    fail(ex.name, f"on {label}, your code {diff}", ex.hint)
+
+
+def _replay(ex: Exercise, m: Mistake, i: int):
+    try:
+        return ex.run(m.variant, ex.cases()[i])
+    except Exception:
+        return None
