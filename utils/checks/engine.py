@@ -32,7 +32,9 @@ import importlib
 import inspect
 import io
 import math
+import re
 import signal
+import sys
 import textwrap
 import threading
 import tokenize
@@ -111,7 +113,8 @@ class Exercise:
 
     def __post_init__(self) -> None:
         self.answer = tuple(self.answer) or (self.name,)
-        if self.name in REGISTRY:
+        self.module: str = sys._getframe(2).f_globals.get("__name__", "")  # where the spec lives: a rank imports it
+        if self.name in REGISTRY and REGISTRY[self.name].module != self.module:
             raise ValueError(f"two exercises are named {self.name!r}")
         REGISTRY[self.name] = self
 
@@ -162,6 +165,16 @@ def _kind(x) -> str:
     return f"a {type(x).__name__}"
 
 
+def _category(x) -> str:
+    if isinstance(x, bool):
+        return "bool"
+    if isinstance(x, (int, float)):
+        return "number"
+    if isinstance(x, (list, tuple)):
+        return "sequence"
+    return type(x).__name__ if x is None or isinstance(x, (torch.Tensor, dict, str)) else "other"
+
+
 def difference(got, want, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
     """None when ``got`` equals ``want`` within the tolerances, else what differs, in words."""
     got = _plain(got, want)
@@ -171,6 +184,8 @@ def difference(got, want, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
         if math.isclose(float(got), float(want), rel_tol=rtol, abs_tol=atol):
             return None
         return f"returned {got:.6g} where {want:.6g} was expected"
+    if _category(got) != _category(want):
+        return f"returned {_kind(got)} where {_kind(want)} was expected"
     if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and got.shape != want.shape:
         return f"returned {_kind(got)} where {_kind(want)} was expected"
     try:
@@ -180,7 +195,9 @@ def difference(got, want, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
         first = str(e).strip().splitlines()[0].rstrip(".!")
         if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and want.numel() <= 12:
             return f"returned {got.tolist()} where {want.tolist()} was expected ({first.lower()})"
-        return first[0].lower() + first[1:]
+        at = re.search(r"failure occurred for item (\S+)", str(e))
+        where = f" at {at.group(1).rstrip('.:')}" if at else ""
+        return f"returned values that differ from the expected ones{where} ({first[0].lower() + first[1:]})"
     except (TypeError, ValueError):
         return f"returned {_kind(got)} where {_kind(want)} was expected"
 
@@ -227,10 +244,18 @@ class _RefusedModule(types.ModuleType):
         self._raise(f"{self._real.__name__}.{attr}")
 
 
+def _cell_value(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None
+
+
 @contextlib.contextmanager
-def refusing(ex: Exercise, scopes: Sequence[dict]) -> Iterator[None]:
+def refusing(ex: Exercise, answer: Sequence, scopes: Sequence[dict] = ()) -> Iterator[None]:
     """While the answer runs, what ``ex.refuse`` names raises :class:`CheckFailed` wherever the
-    answer can reach it: in its module, and under any name in the answer's globals (``scopes``)."""
+    answer can reach it: in its module, and under any name in the answer's globals and closures
+    (and in ``scopes``: a rank's namespace)."""
     if not ex.refuse:
         yield
         return
@@ -246,6 +271,8 @@ def refusing(ex: Exercise, scopes: Sequence[dict]) -> Iterator[None]:
 
         return refused
 
+    cells = [c for fn in answer for c in (getattr(fn, "__closure__", None) or ())]
+    scopes = [fn.__globals__ for fn in answer if hasattr(fn, "__globals__")] + list(scopes)
     targets = _refused_objects(ex.refuse)
     modules = {dotted: _resolve(dotted)[2] for dotted in ex.refuse}
     saved = []
@@ -259,6 +286,10 @@ def refusing(ex: Exercise, scopes: Sequence[dict]) -> Iterator[None]:
                     if v is obj:
                         saved.append((scope, k, v))
                         scope[k] = refuser(what)
+            for cell in cells:
+                if _cell_value(cell) is obj:
+                    saved.append((cell, "cell_contents", obj))
+                    cell.cell_contents = refuser(what)
         for scope in scopes:
             for k, v in list(scope.items()):
                 if any(v is m for m in modules.values() if isinstance(m, types.ModuleType)):
@@ -277,15 +308,20 @@ def refusing(ex: Exercise, scopes: Sequence[dict]) -> Iterator[None]:
 
 
 def _strip(source: str) -> str:
-    """The source without comments, docstrings and strings: what the code does, not what it says."""
-    out = []
+    """The source with comments and strings blanked out: what the code does, not what it says."""
+    lines = source.splitlines(keepends=True)
     try:
-        for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-            if tok.type not in (tokenize.COMMENT, tokenize.STRING):
-                out.append(tok.string)
-    except (tokenize.TokenError, IndentationError):
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except (tokenize.TokenError, IndentationError, SyntaxError):
         return source
-    return " ".join(out)
+    for tok in reversed(tokens):
+        if tok.type in (tokenize.COMMENT, tokenize.STRING) and tok.start[0] == tok.end[0]:
+            row, (c0, c1) = tok.start[0] - 1, (tok.start[1], tok.end[1])
+            lines[row] = lines[row][:c0] + " " * (c1 - c0) + lines[row][c1:]
+        elif tok.type == tokenize.STRING:  # a string over several lines (a docstring)
+            for row in range(tok.start[0] - 1, tok.end[0]):
+                lines[row] = "\n"
+    return "".join(lines)
 
 
 def _code_names(code) -> set:
@@ -461,7 +497,7 @@ def _run_all(ex: Exercise, answer, cases_fn, *, student: bool, scopes=()) -> lis
     """``ex.run`` over every case (on a rank); the student's run is refused the forbidden names."""
     outs = []
     for case in cases_fn():
-        with refusing(ex, scopes) if student else contextlib.nullcontext():
+        with refusing(ex, (answer,) if callable(answer) else answer, scopes) if student else contextlib.nullcontext():
             outs.append(ex.run(answer, case))
     return outs
 
@@ -470,11 +506,11 @@ def _replayed(ex: Exercise) -> list:
     return [m for m in ex.mistakes if m.replay and m.variant is not None]
 
 
-def _rank_worker(name: str, shipment: Shipment) -> dict:
+def _rank_worker(module: str, name: str, shipment: Shipment) -> dict:
     """One rank of a rank-run exercise: the oracle, each replayed mistake, then the answer."""
     from utils import parallel
 
-    import_checks()
+    importlib.import_module(module)
     ex = REGISTRY[name]
     parallel.exact_fp32()
     ctx = parallel.setup(timeout=max(10.0, ex.timeout_s / 2))
@@ -493,18 +529,13 @@ def _rank_worker(name: str, shipment: Shipment) -> dict:
         parallel.teardown()
 
 
-def import_checks() -> None:
-    """Import every lab's specs, so REGISTRY knows them all (in a spawned rank too)."""
-    importlib.import_module("utils.checks")
-
-
 def _on_ranks(ex: Exercise, answer: tuple, source: str):
     """Run on ``ex.ranks`` processes; per case (answer, oracle, each replayed mistake: lists over ranks; label)."""
     from utils import parallel
 
     shipment = ship(ex.name, answer)
     try:
-        res = parallel.launch(_rank_worker, ex.ranks, ex.name, shipment, timeout=ex.timeout_s, stream=False)
+        res = parallel.launch(_rank_worker, ex.ranks, ex.module, ex.name, shipment, timeout=ex.timeout_s, stream=False)
     except parallel.LaunchTimeout:
         _diagnose(ex, Outcome(None, hung=True, source=source), [])
         fail(
@@ -586,10 +617,9 @@ def check(ex: Exercise, *answer) -> Any:
         for got, want, reps, label in per_case:
             _judge(ex, Outcome(None, got, want, source=source), reps, label)
     else:
-        scopes = [a.__globals__ for a in answer if hasattr(a, "__globals__")]
         cases = ex.cases()
         for i, case in enumerate(cases):
-            got = _student_run(ex, _one(answer), i, scopes, source)
+            got = _student_run(ex, _one(answer), i, source)
             want = ex.run(ex.oracle, ex.cases()[i])
             label = case.label or f"case {i + 1} of {len(cases)}"
             _judge(ex, Outcome(case, got, want, source=source), None, label, i)
@@ -597,10 +627,10 @@ def check(ex: Exercise, *answer) -> Any:
     return None
 
 
-def _student_run(ex: Exercise, answer, i: int, scopes: list, source: str):
+def _student_run(ex: Exercise, answer, i: int, source: str):
     """The answer on case ``i`` (a fresh copy), bounded in time, refused the forbidden names."""
     try:
-        with refusing(ex, scopes), _deadline(ex.timeout_s):
+        with refusing(ex, (answer,) if callable(answer) else answer), _deadline(ex.timeout_s):
             return ex.run(answer, ex.cases()[i])
     except _Hung:
         _diagnose(ex, Outcome(None, hung=True, source=source), [])

@@ -6,6 +6,8 @@ from .engine import Case, Exercise, Mistake
 
 __all__ = ["check_accuracy", "ACCURACY"]
 
+LAB = "lab0_example"
+
 
 def _cases() -> list:
     """Three batches: square, taller than wide, and one where the arg-max over the batch would differ."""

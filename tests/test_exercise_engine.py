@@ -1,0 +1,316 @@
+"""The exercise engine (utils/checks/engine.py), and every spec the labs declare on it.
+
+The engine's own behaviour is tested on small specs defined here (rank-run ones on 2 real gloo
+processes); then every registered exercise is held to the rules a spec must keep: two or more
+cases whose answers differ, a variant for every named mistake that really is wrong, messages
+that read as sentences, and, for rank-run exercises, the solution passing with every rank under
+the fake NCCL device rule (tests/fake_gpu.py), as on a GPU server.
+"""
+
+import importlib
+import re
+
+import exercise_harness as harness
+import pytest
+import torch
+import torch.distributed as dist
+
+from utils import checks, memory
+from utils.checks import CheckFailed, engine
+
+# ---------------------------------------------------------------------------- small specs for the engine's tests
+
+
+def _mean_cases():
+    return [engine.Case((torch.tensor([1.0, 2.0, 6.0]),), label="3 numbers"), engine.Case((torch.arange(8.0),))]
+
+
+MEAN = engine.Exercise(
+    name="engine_test_mean",
+    cases=_mean_cases,
+    oracle=lambda x: x.mean().item(),
+    hint="add the numbers and divide by how many there are",
+    mistakes=[
+        engine.Mistake("it returns the sum", "divide by the count", variant=lambda x: x.sum().item()),
+        engine.Mistake(
+            "it makes a host sync per element",
+            "work on the whole tensor at once",
+            variant=lambda x: sum(v.item() for v in x) / len(x),
+            when=lambda o: ".item" in o.source and "for" in o.source,
+            mechanism=True,
+        ),
+    ],
+    refuse=("utils.memory.parameter_bytes",),
+    timeout_s=2,
+)
+
+
+def _sum_cases(ctx):
+    return [
+        engine.Case((torch.arange(4.0).to(ctx.device) + ctx.rank,), label="4 elements"),
+        engine.Case((torch.ones(3).to(ctx.device) * (ctx.rank + 1),), label="3 elements"),
+    ]
+
+
+def _sum_oracle(t):
+    dist.all_reduce(t)
+    return t
+
+
+def _sum_twice(t):
+    dist.all_reduce(t)
+    return t * 2
+
+
+RANK_SUM = engine.Exercise(
+    name="engine_test_rank_sum",
+    cases=_sum_cases,
+    oracle=_sum_oracle,
+    hint="sum the tensor over all ranks",
+    mistakes=[engine.Mistake("the sum is doubled", "add each rank's tensor once", variant=_sum_twice)],
+    ranks=2,
+    timeout_s=40,
+)
+
+RANK_SUM_BY_HAND = engine.Exercise(
+    name="engine_test_rank_sum_by_hand",
+    cases=_sum_cases,
+    oracle=_sum_oracle,
+    hint="exchange the tensors with send and receive",
+    refuse=("torch.distributed.all_reduce",),
+    refuse_hint="exchange the tensors with point-to-point sends and receives",
+    ranks=2,
+    timeout_s=20,
+)
+
+
+# ---------------------------------------------------------------------------- in the notebook's process
+
+
+def test_a_right_answer_passes_and_the_success_line_names_no_target(capsys):
+    def mean(x):
+        return (x.sum() / x.numel()).item()
+
+    engine.check(MEAN, mean)
+    out = capsys.readouterr().out
+    assert out.startswith("\u2714 engine_test_mean: correct") and "3.0" not in out
+
+
+def test_a_replayed_mistake_is_named_and_a_constant_fails_on_the_second_case():
+    with pytest.raises(CheckFailed, match="it returns the sum. Try: divide by the count."):
+        engine.check(MEAN, lambda x: float(x.sum()))
+    with pytest.raises(CheckFailed, match=r"on case 2 of 2, your code returned 3 where 3.5 was expected"):
+        engine.check(MEAN, lambda x: 3.0)  # right on the first case only
+
+
+def test_a_mechanism_mistake_fails_even_when_the_number_is_right():
+    def mean(x):
+        return sum(v.item() for v in x) / len(x)
+
+    with pytest.raises(CheckFailed, match="host sync per element"):
+        engine.check(MEAN, mean)
+
+
+def test_a_comment_does_not_count_as_code():
+    def mean(x):
+        # for each v: v.item() would be slow
+        return x.mean().item()
+
+    engine.check(MEAN, mean)
+
+
+def test_a_refused_function_raises_wherever_the_answer_reaches_it():
+    from utils.memory import parameter_bytes  # as a notebook's `from ... import` binds it
+
+    def by_module(x):
+        memory.parameter_bytes(torch.nn.Linear(1, 1))
+        return x.mean().item()
+
+    def by_name(x):
+        parameter_bytes(torch.nn.Linear(1, 1))
+        return x.mean().item()
+
+    for answer in (by_module, by_name):
+        with pytest.raises(CheckFailed, match="uses utils.memory.parameter_bytes, which this exercise asks"):
+            engine.check(MEAN, answer)
+    assert memory.parameter_bytes(torch.nn.Linear(1, 1)) == 8, "restored after the check"
+
+
+def test_the_library_itself_and_the_oracle_are_refused():
+    with pytest.raises(CheckFailed, match="the library's own code"):
+        engine.check(MEAN, torch.mean)
+    with pytest.raises(CheckFailed, match="the library's own code, not yours"):
+        engine.check(MEAN, MEAN.oracle)
+
+
+def test_a_hang_is_reported_within_the_timeout():
+    def mean(x):
+        while True:
+            pass
+
+    with pytest.raises(CheckFailed, match="did not finish within 2 s"):
+        engine.check(MEAN, mean)
+
+
+def test_a_crash_names_the_error_and_a_placeholder_says_not_implemented():
+    with pytest.raises(CheckFailed, match="your code raised ZeroDivisionError"):
+        engine.check(MEAN, lambda x: 1 / 0)
+    with pytest.raises(CheckFailed, match="it is not implemented yet"):
+        engine.check(MEAN, lambda x: (_ for _ in ()).throw(NotImplementedError()))
+    with pytest.raises(CheckFailed, match="should be a function or class"):
+        engine.check(MEAN, 2.0)
+
+
+@pytest.mark.parametrize(
+    "got,want,words",
+    [
+        (torch.zeros(3), torch.zeros(4), "a tensor of shape (3,) where a tensor of shape (4,)"),
+        (None, 1.0, "returned None where a float"),
+        (torch.tensor(2.0), 2.0, None),
+        (2, 2.0, None),
+        ([torch.ones(2), 1.0], [torch.ones(2), 1.0], None),
+        ({"a": torch.ones(2)}, {"a": torch.zeros(2)}, "returned"),
+    ],
+)
+def test_difference_against_assert_close(got, want, words):
+    d = engine.difference(got, want)
+    assert (d is None) if words is None else (words in d or words.lower() in d.lower()), d
+
+
+# ---------------------------------------------------------------------------- on ranks
+
+
+@pytest.mark.slow
+def test_a_rank_run_exercise_passes_names_a_mistake_and_names_a_crashing_rank(capsys):
+    def total(t):
+        dist.all_reduce(t)
+        return t
+
+    def doubled(t):
+        dist.all_reduce(t)
+        return t + t
+
+    def crashes(t):
+        if dist.get_rank() == 1:
+            raise ValueError("boom on rank 1")
+        dist.all_reduce(t)
+        return t
+
+    engine.check(RANK_SUM, total)
+    assert "correct" in capsys.readouterr().out
+    with pytest.raises(CheckFailed, match="the sum is doubled"):
+        engine.check(RANK_SUM, doubled)
+    with pytest.raises(CheckFailed, match="raised on rank 1: ValueError: boom on rank 1"):
+        engine.check(RANK_SUM, crashes)
+
+
+@pytest.mark.slow
+def test_a_refusal_holds_on_the_ranks():
+    def sneaky(t):
+        dist.all_reduce(t)
+        return t
+
+    with pytest.raises(CheckFailed, match="uses torch.distributed.all_reduce, which this exercise asks"):
+        engine.check(RANK_SUM_BY_HAND, sneaky)
+
+
+# ---------------------------------------------------------------------------- every spec of every lab
+
+
+def _lab_exercises():
+    engine_test = {MEAN.name, RANK_SUM.name, RANK_SUM_BY_HAND.name}
+    importlib.import_module("utils.checks")
+    return [ex for name, ex in sorted(engine.REGISTRY.items()) if name not in engine_test]
+
+
+EXERCISES = _lab_exercises()
+
+
+def _lab_of(ex) -> str:
+    return importlib.import_module(ex.module).LAB
+
+
+def _is_sentence(text: str) -> list:
+    """What keeps ``text`` from reading as one sentence, or []."""
+    problems = []
+    words = re.findall(r"[A-Za-z']+", text)
+    doubled = [a for a, b in zip(words, words[1:]) if a.lower() == b.lower() and a.lower() not in ("that", "had")]
+    if doubled:
+        problems.append(f"doubled word {doubled[0]!r}")
+    for a, b in ("()", "[]", "{}"):
+        if text.count(a) != text.count(b):
+            problems.append(f"unbalanced {a}{b}")
+    if text.count("`") % 2:
+        problems.append("unbalanced backtick")
+    if len(text) < 12 or not re.search(r"[a-z]{3}", text):
+        problems.append("too short to say anything")
+    if re.search(r"\{\w*\}", text):
+        problems.append("an unformatted placeholder")
+    return problems
+
+
+def test_the_labs_declare_their_exercises():
+    assert {"accuracy"} <= {ex.name for ex in EXERCISES}
+
+
+@pytest.mark.parametrize("ex", EXERCISES, ids=[ex.name for ex in EXERCISES])
+def test_every_spec_keeps_the_rules(ex):
+    assert ex.hint and not _is_sentence(ex.hint), _is_sentence(ex.hint)
+    for m in ex.mistakes:
+        assert m.variant is not None, f"{m.problem!r} has no variant for the tests to submit"
+        text = engine.message(ex.name, m.problem, m.hint)
+        assert text.count(" Try: ") == 1 and text.endswith("."), text
+        assert not _is_sentence(m.problem) and not _is_sentence(m.hint), (text, _is_sentence(text))
+    if ex.ranks:
+        return
+    cases = ex.cases()
+    assert len(cases) >= 2, "at least two cases, so that no guess passes"
+    answers = [ex.run(ex.oracle, c) for c in cases]
+    assert any(engine.difference(a, answers[0]) for a in answers[1:]), "the cases must have different answers"
+    for m in ex.mistakes:
+        if m.replay and m.when is None:
+            outs = []
+            for i in range(len(cases)):
+                try:
+                    outs.append(ex.run(m.variant, ex.cases()[i]))
+                except Exception:
+                    outs.append(None)
+            assert any(
+                o is None or ex.compare and ex.compare(o, a) or engine.difference(o, a, ex.rtol, ex.atol)
+                for o, a in zip(outs, answers)
+            ), f"{m.problem!r}: its variant gives the oracle's answers"
+
+
+# ---------------------------------------------------------------------------- rank-run exercises under NCCL's device rule
+
+
+def fake_nccl_rank_worker(*args):
+    """A rank that sees 3 GPUs, one per rank, and a NCCL (on gloo) that refuses CPU tensors."""
+    from fake_gpu import install_in_rank, install_nccl_device_rule
+
+    install_in_rank(3, ["gpu-a", "gpu-b", "gpu-c"])
+    install_nccl_device_rule(setattr)
+    return _real_rank_worker(*args)
+
+
+_real_rank_worker = engine._rank_worker
+RANKED = [ex for ex in EXERCISES if ex.ranks]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ex", RANKED, ids=[ex.name for ex in RANKED])
+def test_rank_run_exercises_pass_their_solution_under_nccl(ex, monkeypatch, capsys):
+    from fake_gpu import FakeCuda
+
+    FakeCuda(3).install(monkeypatch.setattr, nccl_on_gloo=True)  # the notebook sees 3 GPUs: launch picks NCCL
+    monkeypatch.setattr(engine, "_rank_worker", fake_nccl_rank_worker)
+    engine.check(ex, *harness.answer(_lab_of(ex), ex))
+    assert "correct" in capsys.readouterr().out
+
+
+def test_the_checks_package_exports_a_check_per_exercise():
+    for ex in EXERCISES:
+        assert callable(getattr(checks, f"check_{ex.name}", None)) or ex.name in _CHECKED_TOGETHER, ex.name
+
+
+_CHECKED_TOGETHER = set()  # exercises whose check function takes another name (none yet)
