@@ -94,7 +94,9 @@ def tests_for(lab: str, exercises: list):
         assert mistake.variant is not None, "every named mistake carries a variant that makes it"
         with pytest.raises(CheckFailed) as e:
             engine.check(ex, *_as_answer(ex, mistake.variant))
-        assert mistake.problem.rstrip(".") in str(e.value), str(e.value)
+        text = str(e.value)
+        assert mistake.problem.rstrip(".") in text and mistake.hint.rstrip(".") in text, text
+        assert "\n" not in text and e.value.__suppress_context__, "one line, and no chained traceback"
 
     @pytest.mark.parametrize("ex", exercises, ids=ids)
     def test_placeholder_is_not_implemented(ex):
