@@ -37,6 +37,7 @@ import signal
 import sys
 import textwrap
 import threading
+import time
 import tokenize
 import traceback
 import types
@@ -477,13 +478,17 @@ def _deadline(seconds: float) -> Iterator[None]:
     def alarm(signum, frame):
         raise _Hung
 
+    outer, _ = signal.getitimer(signal.ITIMER_REAL)  # another alarm (pytest-timeout's): kept, and restored
+    start = time.monotonic()
     old = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    signal.setitimer(signal.ITIMER_REAL, min(seconds, outer) if outer else seconds)
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+        if outer:
+            signal.setitimer(signal.ITIMER_REAL, max(outer - (time.monotonic() - start), 0.01))
 
 
 # ---------------------------------------------------------------------------------------- running
