@@ -481,9 +481,8 @@ def fit(
             for x, y in train_loader:
                 x, y = _to(x, device, channels_last), _to(y, device)  # non-blocking; none for a DeviceLoader
                 micro += 1
-                with (
-                    no_sync() if no_sync and micro < grad_accum else _NULL
-                ):  # DDP all-reduces on the last micro-batch only
+                # Under DDP, backward all-reduces the gradients on the window's last micro-batch only.
+                with no_sync() if no_sync and micro < grad_accum else _NULL:
                     with autocast(device, amp_dtype):
                         out = model(x)
                         loss = loss_fn(out, y)
