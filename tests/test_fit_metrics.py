@@ -35,3 +35,6 @@ def test_progress_bar_counts_every_step(capsys):
     fit(model, batches, torch.optim.SGD(model.parameters(), lr=0.1), epochs=3, progress=True)
     err = capsys.readouterr().err
     assert "21/21" in err, "the bar, told at most every 0.1 s, must still end at the number of steps"
+    fit(model, batches, torch.optim.SGD(model.parameters(), lr=0.1), epochs=3, start_epoch=1, progress=True)
+    err = capsys.readouterr().err
+    assert "14/14" in err, "a run resumed at epoch 1 of 3 has 2 epochs of 7 steps left"

@@ -131,6 +131,46 @@ def test_bad_arguments_say_what_to_do():
         train.fit(m, [], torch.optim.SGD(m.parameters(), 0.1), epochs=1, grad_accum=0)
     with pytest.raises(ValueError, match="no batches"):
         train.fit(m, [], torch.optim.SGD(m.parameters(), 0.1), epochs=1, progress=False)
+    with pytest.raises(ValueError, match="start_epoch=3 is not in"):
+        train.fit(m, [], torch.optim.SGD(m.parameters(), 0.1), epochs=2, start_epoch=3)
+
+
+@pytest.mark.parametrize("kind", ["device", "dataloader"])
+def test_resuming_with_start_epoch_equals_the_uninterrupted_run(tmp_path, kind):
+    ds = _tiny_problem(32)
+
+    def fresh():
+        """A new process's objects: model, optimizer with momentum, per-step schedule, shuffling loader."""
+        m = _model()
+        opt = torch.optim.SGD(m.parameters(), 0.1, momentum=0.9)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        return m, opt, sched, data.make_loader(ds, 8, kind=kind, seed=5)
+
+    def from_checkpoint():
+        m, opt, sched, loader = fresh()
+        ck = torch.load(tmp_path / "ck.pt", weights_only=True)
+        m.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        sched.load_state_dict(ck["sched"])
+        return m, opt, sched, loader
+
+    full, opt, sched, loader = fresh()
+    train.fit(full, loader, opt, epochs=3, scheduler=sched, progress=False)
+
+    m, opt, sched, loader = fresh()
+    train.fit(m, loader, opt, epochs=1, scheduler=sched, progress=False)  # then the run is interrupted
+    torch.save({"model": m.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}, tmp_path / "ck.pt")
+
+    resumed, opt, sched, loader = from_checkpoint()
+    hist = train.fit(resumed, loader, opt, epochs=3, start_epoch=1, scheduler=sched, progress=False)
+    assert [e["epoch"] for e in hist.epochs] == [1, 2] and hist.steps == 8
+    for (name, want), got in zip(full.state_dict().items(), resumed.state_dict().values()):
+        assert torch.equal(got, want), f"resumed at epoch 1, {name} differs from the uninterrupted 3-epoch run"
+
+    # The comparison can fail: the two epochs left, trained in epoch 0 and 1's orders, give other weights.
+    other, opt, sched, loader = from_checkpoint()
+    train.fit(other, loader, opt, epochs=2, scheduler=sched, progress=False)
+    assert not any(torch.equal(a, b) for a, b in zip(full.parameters(), other.parameters()))
 
 
 def test_history_roundtrip(tmp_path):

@@ -582,19 +582,17 @@ def set_epoch(loader: Any, epoch: int) -> None:
 
 class EpochLoader:
     """The one small base of the course's loaders and loader wrappers (:class:`DeviceLoader`,
-    ``bench.TimedLoader``, ``parallel.EpochOffset``): ``set_epoch(epoch)`` keeps ``self.epoch``
-    and, in a wrapper (``self.loader`` set), passes ``epoch + self.epoch_offset`` on to the
-    wrapped loader with :func:`set_epoch` (the loader, else its sampler or batch sampler).
-    ``len`` of a wrapper is its loader's."""
+    ``bench.TimedLoader``): ``set_epoch(epoch)`` keeps ``self.epoch`` and, in a wrapper
+    (``self.loader`` set), passes it on to the wrapped loader with :func:`set_epoch` (the loader,
+    else its sampler or batch sampler). ``len`` of a wrapper is its loader's."""
 
     loader = None  # the wrapped loader; None in a loader that owns its order
     epoch = 0
-    epoch_offset = 0
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
         if self.loader is not None:
-            set_epoch(self.loader, self.epoch + self.epoch_offset)
+            set_epoch(self.loader, self.epoch)
 
     def __len__(self):
         return len(self.loader)

@@ -137,9 +137,7 @@ def train(config: TrainConfig | dict[str, Any] | None = None, **overrides: Any) 
         net = parallel.ddp(model, ctx, channels_last=cfg.channels_last, bucket_cap_mb=cfg.bucket_cap_mb)
         callbacks = []
         if cfg.ckpt:
-            callbacks.append(
-                parallel.Checkpointer(cfg.ckpt, optimizer, scheduler, start_epoch=start_epoch, start_step=start_step)
-            )
+            callbacks.append(parallel.Checkpointer(cfg.ckpt, optimizer, scheduler, start_step=start_step))
         if cfg.fail_at_step > 0:
             callbacks.append(FailAt(cfg.fail_at_step, cfg.fail_rank, ctx.rank, start_step, cfg.fail_mode))
         hist = None
@@ -151,9 +149,10 @@ def train(config: TrainConfig | dict[str, Any] | None = None, **overrides: Any) 
             if start_epoch < cfg.epochs:
                 hist = fit(
                     net,
-                    parallel.EpochOffset(loader, start_epoch),
+                    loader,
                     optimizer,
-                    epochs=cfg.epochs - start_epoch,
+                    epochs=cfg.epochs,
+                    start_epoch=start_epoch,
                     scheduler=scheduler,
                     grad_accum=cfg.grad_accum,
                     callbacks=callbacks,

@@ -13,6 +13,7 @@ and correct counts stay on the device and are read once per epoch.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import time
@@ -32,8 +33,11 @@ from .device import autocast, synchronize
 @dataclass
 class History:
     """What a run produced. Per optimizer step: ``step_loss``, ``step_lr``. Per epoch: a dict in
-    ``epochs`` (train_loss, train_acc, val_loss, val_acc, time_s, images, images_per_s).
-    ``evals``: evaluations every ``eval_every`` steps (step, val_loss, val_acc)."""
+    ``epochs`` (epoch, step, train_loss, train_acc, val_loss, val_acc, time_s, images, images_per_s).
+    ``evals``: evaluations every ``eval_every`` steps (step, epoch, val_loss, val_acc).
+
+    ``epoch`` is the true epoch number (a run resumed with ``fit(start_epoch=k)`` records k, k+1...);
+    ``step`` is the number of optimizer steps this ``fit`` call had taken when the record was made."""
 
     step_loss: list = field(default_factory=list)
     step_lr: list = field(default_factory=list)
@@ -251,11 +255,16 @@ class _EpochStats:
         return steps, loss, acc
 
 
-def _check_fit_args(model, epochs, steps, grad_accum, channels_last):
+def _check_fit_args(model, epochs, start_epoch, steps, grad_accum, channels_last):
     if epochs is None and steps is None:
         raise ValueError("fit() needs epochs=... or steps=... (or both)")
     if grad_accum < 1:
         raise ValueError(f"grad_accum must be >= 1, got {grad_accum}")
+    if start_epoch < 0 or (epochs is not None and start_epoch > epochs):
+        raise ValueError(
+            f"start_epoch={start_epoch} is not in [0, epochs={epochs}]: epochs is the run's total, "
+            "so a run resumed after k epochs passes epochs=the total and start_epoch=k"
+        )
     if (
         channels_last
         and hasattr(model, "no_sync")
@@ -268,14 +277,133 @@ def _check_fit_args(model, epochs, steps, grad_accum, channels_last):
         )
 
 
-def _total_steps(train_loader, epochs, steps, grad_accum) -> int | None:
+def _total_steps(train_loader, epochs, start_epoch, steps, grad_accum) -> int | None:
     try:
         per_epoch = len(train_loader) // grad_accum
     except TypeError:  # an iterable without a length
         return steps
     if epochs is None:
         return steps
-    return per_epoch * epochs if steps is None else min(steps, per_epoch * epochs)
+    left = per_epoch * (epochs - start_epoch)
+    return left if steps is None else min(steps, left)
+
+
+@dataclass(eq=False)
+class _Run:
+    """What one :func:`fit` call holds between steps, and everything it does outside the hot loop:
+    the setup (device, layout, defaults), the optimizer step (fp16 loss scaling, clipping,
+    scheduler), evaluation, callbacks and the epoch's record. ``state`` is what callbacks see."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    loss_fn: Callable[..., torch.Tensor] | None
+    device: torch.device | str | None
+    amp_dtype: torch.dtype | None
+    channels_last: bool
+    grad_accum: int
+    clip_grad_norm: float | None
+    val_loader: Iterable | None
+    eval_every: int | None
+    steps: int | None
+    callbacks: list
+
+    def __post_init__(self):
+        model, device = self.model, self.device
+        self.device = device = _param_device(model) if device is None else torch.device(device)
+        model.to(device, memory_format=torch.channels_last) if self.channels_last else model.to(device)
+        self.loss_fn = self.loss_fn or nn.functional.cross_entropy  # a function: no module-call overhead per step
+        fp16_cuda = self.amp_dtype == torch.float16 and device.type == "cuda"
+        self.scaler = torch.amp.GradScaler("cuda") if fp16_cuda else None  # bf16 and the CPU need none
+        self.hist = History()
+        self.state = SimpleNamespace(
+            model=model, optimizer=self.optimizer, epoch=0, step=0, history=self.hist, loss=None, stop=False
+        )
+
+    def finished(self) -> bool:
+        """A callback asked to stop, or the step budget is spent."""
+        return self.state.stop or (self.steps is not None and self.state.step >= self.steps)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch's share of the step's loss (scaled under fp16)."""
+        if self.grad_accum > 1:
+            loss = loss / self.grad_accum
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def optimizer_step(self, stats: _EpochStats) -> None:
+        """One optimizer step from the accumulated gradients, then the scheduler's; counts it."""
+        if self.scaler:
+            self.scaler.unscale_(self.optimizer)  # clipping must see the true gradients
+        if self.clip_grad_norm is not None:
+            nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+        self.hist.step_lr.append(self.optimizer.param_groups[0]["lr"])  # the rate this step used
+        if self.scaler:
+            self.scaler.step(self.optimizer)  # skipped when the gradients overflowed
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scheduler is not None:
+            self.scheduler.step()
+        stats.end_step(self.grad_accum)
+        self.state.step += 1
+
+    def evaluate(self, record: bool) -> dict:
+        r = evaluate(
+            self.model,
+            self.val_loader,
+            loss_fn=self.loss_fn,
+            device=self.device,
+            amp_dtype=self.amp_dtype,
+            channels_last=self.channels_last,
+        )
+        if record:
+            s = self.state
+            self.hist.evals.append({"step": s.step, "epoch": s.epoch, "val_loss": r["loss"], "val_acc": r["acc"]})
+        return r
+
+    def end_step(self) -> float:
+        """Evaluate when ``eval_every`` steps have passed, then call the callbacks. Returns the
+        seconds evaluation took, which the caller takes off the epoch's clock."""
+        paused = 0.0
+        if self.val_loader is not None and self.eval_every and self.state.step % self.eval_every == 0:
+            synchronize(self.device)  # sync point: pause the clock
+            t0 = time.perf_counter()
+            self.evaluate(record=True)
+            paused = time.perf_counter() - t0
+        for cb in self.callbacks:
+            cb.on_step_end(self.state)
+        return paused
+
+    def end_epoch(self, stats: _EpochStats, elapsed: float) -> None:
+        """Read the epoch's statistics (its sync points), evaluate unless the last step just did,
+        append the epoch's record to the history, then call the callbacks."""
+        hist, state = self.hist, self.state
+        step_losses, train_loss, train_acc = stats.close(self.device)
+        hist.step_loss.extend(step_losses)
+        rec = {
+            "epoch": state.epoch,
+            "step": state.step,
+            "train_loss": train_loss,
+            "train_acc": train_acc,
+            "time_s": elapsed,
+            "images": stats.seen,
+            "images_per_s": stats.seen / elapsed if elapsed > 0 else float("nan"),
+            "val_loss": None,
+            "val_acc": None,
+        }
+        hist.images += stats.seen
+        hist.train_time += elapsed
+        if self.val_loader is not None:
+            last = hist.evals[-1] if hist.evals and hist.evals[-1]["step"] == state.step else None
+            if last is None:
+                r = self.evaluate(record=bool(self.eval_every))
+                last = {"val_loss": r["loss"], "val_acc": r["acc"]}
+            rec["val_loss"], rec["val_acc"] = last["val_loss"], last["val_acc"]
+        hist.epochs.append(rec)
+        hist.steps = state.step
+        for cb in self.callbacks:
+            cb.on_epoch_end(state)
 
 
 def fit(
@@ -284,6 +412,7 @@ def fit(
     optimizer: torch.optim.Optimizer,
     *,
     epochs: int | None = None,
+    start_epoch: int = 0,
     steps: int | None = None,
     scheduler: Any = None,
     loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -301,7 +430,14 @@ def fit(
     """Train ``model`` and return its :class:`History`.
 
     epochs / steps: stop after this many passes or optimizer steps (give one or both; the
-        first reached ends the run).
+        first reached ends the run). ``epochs`` is the run's total, counted from epoch 0;
+        ``steps`` counts the optimizer steps of this call.
+    start_epoch: the first epoch to train. A run resumed from a checkpoint taken after k
+        epochs passes ``epochs=<the total>, start_epoch=k`` and trains epochs k..epochs-1. Each
+        epoch calls ``set_epoch(train_loader, epoch)`` with its true number, so the resumed run
+        shuffles exactly as the uninterrupted one did; ``state.epoch`` and the history's
+        ``"epoch"`` fields are true epoch numbers too. Restoring the model, optimizer and
+        scheduler is the caller's (``parallel.load_checkpoint``).
     scheduler: anything with ``.step()``; stepped after every optimizer step (per iteration).
     amp_dtype: ``torch.bfloat16`` or ``torch.float16`` for autocast (fp16 uses a GradScaler).
     grad_accum: micro-batches per optimizer step; the loss is divided by it. Under DDP the
@@ -309,124 +445,62 @@ def fit(
         A window left open at an epoch's end carries on into the next epoch.
     val_loader: evaluated at the end of every epoch and every ``eval_every`` steps.
     """
-    _check_fit_args(model, epochs, steps, grad_accum, channels_last)
-    device = _param_device(model) if device is None else torch.device(device)
-    model.to(device, memory_format=torch.channels_last) if channels_last else model.to(device)
-    loss_fn = loss_fn or nn.functional.cross_entropy  # a function: no module-call overhead per step
-    scaler = torch.amp.GradScaler("cuda") if amp_dtype == torch.float16 and device.type == "cuda" else None
-    bar = ProgressBar(_total_steps(train_loader, epochs, steps, grad_accum), desc) if progress else None
-    callbacks = ([bar] if bar else []) + list(callbacks)
-    no_sync = getattr(model, "no_sync", None)
-    hist = History()
-    state = SimpleNamespace(model=model, optimizer=optimizer, epoch=0, step=0, history=hist, loss=None, stop=False)
-
-    def optimizer_step(stats: _EpochStats):
-        """One optimizer step from the accumulated gradients, then the scheduler's; counts it."""
-        if scaler:
-            scaler.unscale_(optimizer)
-        if clip_grad_norm is not None:
-            nn.utils.clip_grad_norm_(model.parameters(), clip_grad_norm)
-        hist.step_lr.append(optimizer.param_groups[0]["lr"])  # the rate this step used
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        if scheduler is not None:
-            scheduler.step()
-        stats.end_step(grad_accum)
-        state.step += 1
-
-    def run_eval(epoch: int, record: bool) -> dict:
-        r = evaluate(
-            model, val_loader, loss_fn=loss_fn, device=device, amp_dtype=amp_dtype, channels_last=channels_last
-        )
-        if record:
-            hist.evals.append({"step": state.step, "epoch": epoch, "val_loss": r["loss"], "val_acc": r["acc"]})
-        return r
-
-    def timed_eval() -> float:
-        synchronize(device)  # sync point: pause the clock
-        tp = time.perf_counter()
-        run_eval(state.epoch, record=True)
-        return time.perf_counter() - tp
-
+    _check_fit_args(model, epochs, start_epoch, steps, grad_accum, channels_last)
+    bar = ProgressBar(_total_steps(train_loader, epochs, start_epoch, steps, grad_accum), desc) if progress else None
+    run = _Run(
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        loss_fn=loss_fn,
+        device=device,
+        amp_dtype=amp_dtype,
+        channels_last=channels_last,
+        grad_accum=grad_accum,
+        clip_grad_norm=clip_grad_norm,
+        val_loader=val_loader,
+        eval_every=eval_every,
+        steps=steps,
+        callbacks=([bar] if bar else []) + list(callbacks),
+    )
+    state, device, loss_fn = run.state, run.device, run.loss_fn
+    no_sync = getattr(model, "no_sync", None)  # DDP's: skip the gradient all-reduce in backward
     t_start = time.perf_counter()
-    micro = 0
+    micro = 0  # micro-batches in the open accumulation window
     optimizer.zero_grad(set_to_none=True)
     try:
-        while not state.stop and (epochs is None or state.epoch < epochs) and (steps is None or state.step < steps):
-            set_epoch(train_loader, state.epoch)
+        for epoch in range(start_epoch, epochs) if epochs is not None else itertools.count(start_epoch):
+            if run.finished():
+                break
+            state.epoch = epoch
+            set_epoch(train_loader, epoch)  # the true epoch number: its shuffle, on every rank
             model.train()
             stats, paused = _EpochStats(), 0.0
             synchronize(device)  # sync point: start the clock
             t0 = time.perf_counter()
             # The hot loop: no host synchronisation, and as little Python per step as we can.
             for x, y in train_loader:
-                x, y = _to(x, device, channels_last), _to(y, device)
+                x, y = _to(x, device, channels_last), _to(y, device)  # non-blocking; none for a DeviceLoader
                 micro += 1
+                # Under DDP, backward all-reduces the gradients on the window's last micro-batch only.
                 with no_sync() if no_sync and micro < grad_accum else _NULL:
                     with autocast(device, amp_dtype):
                         out = model(x)
                         loss = loss_fn(out, y)
-                    scaled = loss / grad_accum if grad_accum > 1 else loss
-                    (scaler.scale(scaled) if scaler else scaled).backward()
-                state.loss = loss = loss.detach()
+                    run.backward(loss)
+                state.loss = loss = loss.detach()  # stays on the device: reading it would sync
                 stats.add(loss, out, y)
                 if micro < grad_accum:
                     continue
                 micro = 0
-                optimizer_step(stats)
-                if val_loader is not None and eval_every and state.step % eval_every == 0:
-                    paused += timed_eval()  # off the clock
-                for cb in callbacks:
-                    cb.on_step_end(state)
-                if state.stop or (steps is not None and state.step >= steps):
+                run.optimizer_step(stats)
+                paused += run.end_step()  # periodic evaluation (a sync point, off the clock), then the callbacks
+                if run.finished():
                     break
             synchronize(device)  # sync point: stop the clock
-            _end_epoch(
-                hist,
-                stats,
-                state,
-                device,
-                time.perf_counter() - t0 - paused,
-                (lambda: run_eval(state.epoch, record=bool(eval_every))) if val_loader is not None else None,
-            )
-            for cb in callbacks:
-                cb.on_epoch_end(state)
-            state.epoch += 1
+            run.end_epoch(stats, time.perf_counter() - t0 - paused)  # sync points: reads the epoch's losses
     finally:
         if bar:
             bar.close()
-    hist.steps = state.step
-    hist.wall_time = time.perf_counter() - t_start
-    return hist
-
-
-def _end_epoch(hist: History, stats: _EpochStats, state, device, elapsed: float, run_eval) -> None:
-    """Read the epoch's statistics (its sync points), evaluate unless the last step just did, and
-    append the epoch's record to ``hist``."""
-    step_losses, train_loss, train_acc = stats.close(device)
-    hist.step_loss.extend(step_losses)
-    rec = {
-        "epoch": state.epoch,
-        "step": state.step,
-        "train_loss": train_loss,
-        "train_acc": train_acc,
-        "time_s": elapsed,
-        "images": stats.seen,
-        "images_per_s": stats.seen / elapsed if elapsed > 0 else float("nan"),
-        "val_loss": None,
-        "val_acc": None,
-    }
-    hist.images += stats.seen
-    hist.train_time += elapsed
-    if run_eval is not None:
-        if hist.evals and hist.evals[-1]["step"] == state.step:
-            rec["val_loss"], rec["val_acc"] = hist.evals[-1]["val_loss"], hist.evals[-1]["val_acc"]
-        else:
-            r = run_eval()
-            rec["val_loss"], rec["val_acc"] = r["loss"], r["acc"]
-    hist.epochs.append(rec)
-    hist.steps = state.step
+    run.hist.steps = state.step
+    run.hist.wall_time = time.perf_counter() - t_start
+    return run.hist

@@ -31,7 +31,7 @@ The experiments the notebooks launch with these (``shard_demo``, ``tp_demo``, ``
 live in :mod:`utils.demos`; nothing here imports them.
 """
 
-from .checkpoint import Checkpointer, EpochOffset, load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .checkpoint import Checkpointer, load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .collectives import (
     allreduce_time,
     alpha_beta_fit,
@@ -78,7 +78,6 @@ __all__ = [
     "set_rng_state",
     "save_checkpoint",
     "load_checkpoint",
-    "EpochOffset",
     "Checkpointer",
     "ring_allreduce_bytes",
     "alpha_beta_fit",

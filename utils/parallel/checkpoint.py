@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
@@ -13,7 +12,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data import EpochLoader
 from ..files import atomic_save
 
 # ----------------------------------------------------------------------------------------
@@ -138,23 +136,12 @@ def load_checkpoint(
     return ckpt
 
 
-class EpochOffset(EpochLoader):
-    """A loader seen by ``fit`` as starting at epoch 0, while its sampler gets the real epoch
-    ``offset + e``: a resumed run reshuffles exactly as the uninterrupted one did."""
-
-    def __init__(self, loader: Iterable, offset: int):
-        self.loader, self.epoch_offset = loader, int(offset)
-
-    def __iter__(self):
-        return iter(self.loader)
-
-    def __getattr__(self, name):
-        return getattr(self.loader, name)
-
-
 class Checkpointer:
     """A ``fit`` callback that saves a checkpoint at the end of every ``every`` epochs (all ranks
-    call it; rank 0 writes). ``start_epoch`` / ``start_step``: where a resumed run began."""
+    call it; rank 0 writes). ``fit``'s epoch numbers are true ones (``start_epoch``), so the
+    checkpoint's ``epoch`` is ``state.epoch + 1``, the epochs completed, which a resumed run passes
+    back as ``fit(start_epoch=...)``. ``fit`` counts steps from 0 in every call: ``start_step``
+    is where a resumed run began, added to make the checkpoint's ``step`` the run's total."""
 
     def __init__(
         self,
@@ -163,18 +150,17 @@ class Checkpointer:
         scheduler: Any = None,
         *,
         every: int = 1,
-        start_epoch: int = 0,
         start_step: int = 0,
     ):
         self.path, self.optimizer, self.scheduler = path, optimizer, scheduler
-        self.every, self.start_epoch, self.start_step = every, start_epoch, start_step
+        self.every, self.start_step = every, start_step
         self.saved = []
 
     def on_step_end(self, state: SimpleNamespace) -> None:
         pass
 
     def on_epoch_end(self, state: SimpleNamespace) -> None:
-        epoch = self.start_epoch + state.epoch + 1  # epochs completed so far
+        epoch = state.epoch + 1  # epochs completed so far
         if epoch % self.every == 0:
             save_checkpoint(
                 self.path,
