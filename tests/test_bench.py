@@ -1,5 +1,5 @@
-"""utils.bench: the timer against known durations, throughput and loaders; the stage-2
-self-checks; the throughput benchmark. (Byte counts and the memory predictor: test_memory.py.)"""
+"""utils.bench: the timer against known durations, throughput and loaders; the throughput
+benchmark. (Byte counts and the memory predictor: test_memory.py; lab 2's self-checks: test_checks_throughput.py.)"""
 
 import json
 import statistics
@@ -9,7 +9,6 @@ import time
 import pytest
 import torch
 
-import utils.checks as checks
 from utils import bench, data, models, train
 
 # ----------------------------------------------------------------------------------------
@@ -154,150 +153,6 @@ def test_simulated_gpu_refuses_work_after_close():
     gpu.close()
     with pytest.raises(RuntimeError, match="closed"):
         gpu.launch(0.01)
-
-
-# ----------------------------------------------------------------------------------------
-# Self-checks: pass on a right answer, fail on the placeholder and typical mistakes
-# ----------------------------------------------------------------------------------------
-
-
-def _placeholder(*a, **k):
-    raise NotImplementedError("Exercise: write this part (see the hint above)")
-
-
-def state_bytes_right(model, optimizer, momentum=0.0):
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    mult = {"adam": 2, "sgd": 1 if momentum else 0}[optimizer]
-    return {"params": params, "grads": grads, "optimizer_state": mult * grads}
-
-
-def state_bytes_counts_elements(model, optimizer, momentum=0.0):
-    d = state_bytes_right(model, optimizer, momentum)
-    return {k: v // next(model.parameters()).element_size() for k, v in d.items()}
-
-
-def state_bytes_adam_once(model, optimizer, momentum=0.0):
-    d = state_bytes_right(model, optimizer, momentum)
-    if optimizer == "adam":
-        d["optimizer_state"] //= 2
-    return d
-
-
-def state_bytes_ignores_frozen(model, optimizer, momentum=0.0):
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    mult = {"adam": 2, "sgd": 1 if momentum else 0}[optimizer]
-    return {"params": params, "grads": params, "optimizer_state": mult * params}
-
-
-def test_check_state_bytes():
-    checks.check_state_bytes(state_bytes_right)
-    for wrong, says in [
-        (_placeholder, "not implemented"),
-        (state_bytes_counts_elements, "element"),
-        (state_bytes_adam_once, "TWO"),
-        (state_bytes_ignores_frozen, "requires_grad"),
-    ]:
-        with pytest.raises(checks.CheckFailed, match=says):
-            checks.check_state_bytes(wrong)
-
-
-def time_step_right(step, sync, warmup=3, repeats=5):
-    for _ in range(warmup):
-        step()
-    sync()
-    times = []
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        step()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def time_step_no_sync(step, sync, warmup=3, repeats=5):
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - t0)
-    sync()
-    return statistics.median(times)
-
-
-def time_step_mean(step, sync, warmup=3, repeats=5):
-    for _ in range(warmup):
-        step()
-    sync()
-    t0 = time.perf_counter()
-    for _ in range(repeats):
-        step()
-    sync()
-    return (time.perf_counter() - t0) / repeats
-
-
-def time_step_no_warmup(step, sync, warmup=3, repeats=5):
-    return time_step_right(step, sync, 0, repeats)
-
-
-def test_check_time_step():
-    checks.check_time_step(time_step_right)
-    for wrong, says in [
-        (_placeholder, "not implemented"),
-        (time_step_no_sync, "sync"),
-        (time_step_mean, "MEDIAN"),
-        (time_step_no_warmup, "warmup"),
-    ]:
-        with pytest.raises(checks.CheckFailed, match=says):
-            checks.check_time_step(wrong)
-    assert not [th for th in threading.enumerate() if th.name == "SimulatedGPU"]
-
-
-def wait_fraction_right(loader, step):
-    waited, t_start = 0.0, time.perf_counter()
-    it = iter(loader)
-    while True:
-        t0 = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        waited += time.perf_counter() - t0
-        step(batch)
-    return waited / (time.perf_counter() - t_start)
-
-
-def wait_fraction_ratio(loader, step):
-    waited = stepped = 0.0
-    it = iter(loader)
-    while True:
-        t0 = time.perf_counter()
-        try:
-            batch = next(it)
-        except StopIteration:
-            break
-        t1 = time.perf_counter()
-        step(batch)
-        waited, stepped = waited + t1 - t0, stepped + time.perf_counter() - t1
-    return waited / stepped
-
-
-def wait_fraction_step_share(loader, step):
-    return 1 - wait_fraction_right(loader, step)
-
-
-def test_check_wait_fraction():
-    checks.check_wait_fraction(wait_fraction_right)
-    for wrong, says in [
-        (_placeholder, "not implemented"),
-        (wait_fraction_ratio, "TOTAL"),
-        (wait_fraction_step_share, "share spent in step"),
-    ]:
-        with pytest.raises(checks.CheckFailed, match=says):
-            checks.check_wait_fraction(wrong)
 
 
 # ----------------------------------------------------------------------------------------

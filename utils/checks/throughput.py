@@ -1,276 +1,230 @@
-"""Self-checks for stage 2: throughput (lab2): predicting memory, timing a step, finding the
-input-pipeline bottleneck."""
+"""Lab 2's exercises (solutions/lab2_throughput.ipynb): predicting memory, timing a step, finding the
+input-pipeline bottleneck. Time runs on a simulated clock, so every case has one exact answer."""
 
+import contextlib
+import statistics
+import threading
 import time
-from collections.abc import Callable
-from typing import Any
+import timeit
+from functools import partial
 
 import torch
-from torch import nn
 
 from .. import models
-from ._common import CheckFailed, _call, _close, _fail, _passed  # noqa: F401
+from .engine import Case, Exercise, Mistake, difference
 
-__all__ = ["check_state_bytes", "check_time_step", "check_wait_fraction"]
+__all__ = ["check_state_bytes", "check_time_step", "check_wait_fraction", "STATE_BYTES", "TIME_STEP", "WAIT_FRACTION"]
+LAB = "lab2_throughput"
+_STATE_CASES = [("adam", 0.0, torch.float32, False, "Adam"), ("sgd", 0.9, torch.float32, False, "SGD, momentum 0.9"),
+                ("sgd", 0.0, torch.float32, False, "plain SGD (momentum 0)"), ("adam", 0.0, torch.bfloat16, False,
+                "Adam, in bfloat16"), ("adam", 0.0, torch.float32, True, "Adam, its first layer frozen")]  # fmt: skip
 
 
-# ----------------------------------------------------------------------------------------
-# Exercise 1: memory
-# ----------------------------------------------------------------------------------------
+def _run_state(answer, case: Case):
+    torch.manual_seed(0)
+    model = models.mlp(20, 2, in_features=10, out_features=3).to(case.kwargs["dtype"])  # Linear(10, 20), Linear(20, 3)
+    model[0].requires_grad_(not case.kwargs["frozen"])
+    got, keys = answer(model, *case.args), ("params", "grads", "optimizer_state")
+    return {k: got[k] for k in keys} if isinstance(got, dict) and set(keys) <= set(got) else got
 
 
-def _counted(model: nn.Module, optimizer: str, momentum: float) -> dict:
-    """The oracle: build the real optimizer, take one step, count what it holds."""
-    from ..memory import counted_state_bytes
+def _counted(model, optimizer, momentum=0.0):
+    """The oracle: the bytes a real optimizer holds after one step."""
+    from ..memory import counted_state_bytes, grad_bytes, parameter_bytes
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    if optimizer == "sgd":
-        opt = torch.optim.SGD(trainable, lr=0.1, momentum=momentum)
-    else:
-        opt = torch.optim.Adam(trainable, lr=0.1)
-    first = next(model.parameters())
-    x = torch.randn(2, model[0].in_features, dtype=first.dtype)
-    model(x).float().pow(2).mean().backward()
+    opt = torch.optim.SGD(trainable, lr=0.1, momentum=momentum) if optimizer == "sgd" else torch.optim.Adam(trainable)
+    model(torch.randn(2, 10, dtype=trainable[0].dtype)).float().pow(2).mean().backward()
     opt.step()
-    grads = sum(p.grad.numel() * p.grad.element_size() for p in model.parameters() if p.grad is not None)
-    out = {
-        "params": sum(p.numel() * p.element_size() for p in model.parameters()),
-        "grads": grads,
-        "optimizer_state": counted_state_bytes(opt),
-    }
-    model.zero_grad(set_to_none=True)
-    return out
+    return {"params": parameter_bytes(model), "grads": grad_bytes(model), "optimizer_state": counted_state_bytes(opt)}
 
 
-def check_state_bytes(state_bytes: Callable[..., Any]) -> None:
-    """``state_bytes(model, optimizer, momentum=0.0)`` -> dict with ``params``, ``grads`` and
-    ``optimizer_state`` in bytes, for ``optimizer`` "sgd" or "adam". Compared with the bytes a
-    real optimizer holds after one step."""
-    name = "state_bytes"
-
-    def mlp(dtype=torch.float32, freeze_first=False):
-        torch.manual_seed(0)
-        m = models.mlp(20, 2, in_features=10, out_features=3).to(dtype)  # Linear(10, 20), ReLU, Linear(20, 3)
-        if freeze_first:
-            m[0].requires_grad_(False)
-        return m
-
-    cases = [
-        ("adam", 0.0, torch.float32, False, "Adam, float32"),
-        ("sgd", 0.9, torch.float32, False, "SGD with momentum 0.9, float32"),
-        ("sgd", 0.0, torch.float32, False, "plain SGD (momentum 0), float32"),
-        ("adam", 0.0, torch.bfloat16, False, "Adam, a bfloat16 model"),
-        ("adam", 0.0, torch.float32, True, "Adam, first layer frozen (requires_grad=False)"),
-    ]
-    for opt, mom, dtype, freeze, what in cases:
-        got = _call(name, state_bytes, mlp(dtype, freeze), opt, mom)
-        want = _counted(mlp(dtype, freeze), opt, mom)
-        if not isinstance(got, dict) or not {"params", "grads", "optimizer_state"} <= set(got):
-            _fail(
-                name,
-                f"returned {type(got).__name__} {got!r}",
-                "return a dict with the keys 'params', 'grads' and 'optimizer_state' (numbers of bytes)",
-            )
-        for key in ("params", "grads", "optimizer_state"):
-            g, w = got[key], want[key]
-            if isinstance(g, torch.Tensor):
-                g = g.item()
-            if g == w:
-                continue
-            n_elems = w / (2 if dtype == torch.bfloat16 else 4)
-            if w and g == n_elems:
-                _fail(
-                    name,
-                    f"{what}: {key} is {g}, the number of elements; expected {w} bytes",
-                    "multiply each tensor's numel() by its element_size() (4 bytes for float32)",
-                )
-            if dtype == torch.bfloat16 and w and g == 2 * w:
-                _fail(
-                    name,
-                    f"{what}: {key} is {g}, twice the {w} bytes a bfloat16 model holds",
-                    "don't assume 4 bytes per number: use p.element_size()",
-                )
-            if key == "optimizer_state" and opt == "adam" and g == w // 2:
-                _fail(
-                    name,
-                    f"{what}: optimizer_state is {g}, expected {w}",
-                    "Adam keeps TWO tensors per parameter: exp_avg and exp_avg_sq",
-                )
-            if key == "optimizer_state" and opt == "sgd" and mom == 0 and g > 0:
-                _fail(
-                    name,
-                    f"{what}: optimizer_state is {g}, expected 0",
-                    "plain SGD (momentum=0) keeps no state; only momentum creates a buffer per parameter",
-                )
-            if key == "optimizer_state" and opt == "sgd" and mom and g == 0:
-                _fail(
-                    name,
-                    f"{what}: optimizer_state is 0, expected {w}",
-                    "SGD with momentum keeps one momentum buffer the size of each parameter",
-                )
-            if freeze and key != "params":
-                _fail(
-                    name,
-                    f"{what}: {key} is {g}, expected {w}",
-                    "frozen parameters (requires_grad=False) get no gradient and no optimizer state; "
-                    "count only parameters with p.requires_grad",
-                )
-            _fail(
-                name,
-                f"{what}: {key} is {g} bytes, expected {w}",
-                "params: sum of p.numel() * p.element_size(); grads: the same for trainable parameters; "
-                "optimizer state: 2x that for Adam, 1x for SGD with momentum, 0 without",
-            )
-    _passed(name, "params, grads and optimizer state match a real optimizer's, byte for byte")
+def _bytes(model, optimizer, momentum=0.0, size=lambda p: p.numel() * p.element_size(), every=False, adam=2, sgd=None):
+    """state_bytes with a slip (``size`` of a tensor, ``every`` parameter trainable, copies of state kept)."""
+    grads = sum(size(p) for p in model.parameters() if every or p.requires_grad)
+    copies = adam if optimizer == "adam" else (1 if momentum else 0) if sgd is None else sgd
+    return {"params": sum(size(p) for p in model.parameters()), "grads": grads, "optimizer_state": copies * grads}
 
 
-# ----------------------------------------------------------------------------------------
-# Exercise 2: timing a step
-# ----------------------------------------------------------------------------------------
+STATE_BYTES = Exercise(
+    name="state_bytes", oracle=_counted, run=_run_state,
+    cases=lambda: [Case((o, m), {"dtype": d, "frozen": f}, f"a model trained with {w}") for o, m, d, f, w in _STATE_CASES],
+    hint="params: the sum of p.numel() * p.element_size(); grads: the same over trainable parameters; optimizer "
+    "state: twice that for Adam, once for SGD with momentum, zero without",
+    passed="byte for byte what a real optimizer holds, for 5 models and optimizers",
+    refuse=tuple(f"utils.memory.{f}" for f in ("parameter_bytes", "grad_bytes", "optimizer_state_bytes",
+                                                "counted_state_bytes", "predict_memory")),
+    mistakes=[
+        Mistake("it does not return a dict with the keys params, grads and optimizer_state", "return such a dict of "
+                "numbers of bytes", variant=lambda *a: tuple(_bytes(*a).values()), when=lambda o: type(o.got) is not dict),
+        Mistake("it returns the number of elements, not bytes", "multiply each tensor's numel() by its element_size()",
+                variant=partial(_bytes, size=lambda p: p.numel())),
+        Mistake("it assumes 4 bytes per number, twice what a bfloat16 model holds", "use p.element_size()",
+                variant=partial(_bytes, size=lambda p: 4 * p.numel())),
+        Mistake("Adam's state is counted once", "Adam keeps TWO tensors per parameter: exp_avg and exp_avg_sq",
+                variant=partial(_bytes, adam=1)),
+        Mistake("plain SGD (momentum 0) is given optimizer state", "only momentum makes a buffer per parameter",
+                variant=partial(_bytes, sgd=1)),
+        Mistake("SGD with momentum is given no optimizer state", "momentum keeps one buffer the size of each parameter",
+                variant=partial(_bytes, sgd=0)),
+        Mistake("frozen parameters are given gradients and optimizer state", "count gradients and optimizer state "
+                "only for parameters with p.requires_grad", variant=partial(_bytes, every=True)),
+    ],
+)  # fmt: skip
+check_state_bytes = STATE_BYTES.checker("``state_bytes(model, optimizer, momentum=0.0)``: a dict of bytes.")
 
 
-def check_time_step(time_step: Callable[..., Any]) -> None:
-    """``time_step(step, sync, warmup, repeats)`` -> median seconds per ``step()``.
+class _Machine:
+    """A host clock ``now``; ``step()`` queues ``work[i]`` s on a device (the launch costs the host 20 us),
+    ``sync()`` waits for it; iterated, a loader whose batch i comes ``loads[i]`` s after it is asked for."""
 
-    Checked on a simulated asynchronous GPU: ``step()`` only queues its work (as a CUDA launch
-    does) and ``sync()`` waits for it. The first calls are slow (warm-up), and one timed call
-    is an outlier, as a real machine has."""
-    from ..bench import SimulatedGPU
+    def __init__(self, work=(0.0,), loads=()):
+        self.now = self.free = 0.0
+        self.work, self.loads, self.steps = list(work), list(loads), 0
 
-    name = "time_step"
-    warmup, repeats = 3, 5
-    normal, cold, outlier = 0.03, 0.15, 0.3
-    calls = []
-    with SimulatedGPU() as gpu:
+    def step(self):
+        self.now += 2e-5
+        self.free = max(self.free, self.now) + self.work[min(self.steps, len(self.work) - 1)]
+        self.steps += 1
 
-        def step():
-            i = len(calls)
-            calls.append(i)
-            gpu.launch(cold if i < warmup else outlier if i == warmup + 3 else normal)
-
-        got = _call(name, time_step, step, gpu.synchronize, warmup, repeats)
-        gpu.synchronize()
-    if isinstance(got, torch.Tensor):
-        got = got.item()
-    if not isinstance(got, (int, float)):
-        _fail(
-            name,
-            f"returned {type(got).__name__}, expected a number of seconds",
-            "return the median of the per-repeat times, a float",
-        )
-    if len(calls) < warmup + repeats:
-        _fail(
-            name,
-            f"called step() {len(calls)} times; expected warmup + repeats = {warmup + repeats}",
-            "run `warmup` untimed calls first, then `repeats` timed ones",
-        )
-    total = (repeats - 1) * normal + outlier
-    if abs(got - total) < 0.15 * total:
-        _fail(
-            name,
-            f"returned {got * 1e3:.0f} ms: about the TOTAL of the {repeats} timed repeats",
-            "keep one time per repeat in a list and return their median, not the sum",
-        )
-    if got > 5:
-        _fail(
-            name,
-            f"returned {got:.1f}; the step takes about {normal * 1e3:.0f} ms",
-            "return seconds (differences of perf_counter readings), not milliseconds",
-        )
-    if got < 0.25 * normal:
-        _fail(
-            name,
-            f"measured {got * 1e3:.2f} ms per step, but each step's work takes {normal * 1e3:.0f} ms",
-            "the step only QUEUES work, as on a GPU: call sync() before reading the clock at the end "
-            "of each timed repeat (and before starting it)",
-        )
-    if abs(got - cold) < 0.25 * cold:
-        _fail(
-            name,
-            f"measured {got * 1e3:.1f} ms: the cold first calls ({cold * 1e3:.0f} ms) got into the timing",
-            "make `warmup` untimed calls (then sync) before the timed repeats",
-        )
-    if 2 * normal < got < 0.75 * cold:
-        _fail(
-            name,
-            f"measured {got * 1e3:.1f} ms: one slow repeat ({outlier * 1e3:.0f} ms) pulled the result up",
-            "report the MEDIAN of the repeats (statistics.median), not the mean or the total / repeats",
-        )
-    if not 0.7 * normal <= got <= 1.6 * normal:
-        _fail(
-            name,
-            f"measured {got * 1e3:.1f} ms per step, expected about {normal * 1e3:.0f} ms",
-            "time each repeat on its own, with sync() before starting the clock and before stopping it; "
-            "then return the median of the repeats",
-        )
-    _passed(name, f"{got * 1e3:.1f} ms per step on a simulated GPU whose step takes {normal * 1e3:.0f} ms")
-
-
-# ----------------------------------------------------------------------------------------
-# Exercise 3: the input pipeline
-# ----------------------------------------------------------------------------------------
-
-
-class _SlowLoader:
-    """Yields ``n`` batches, each after ``load_s`` seconds of 'decoding'."""
-
-    def __init__(self, n, load_s):
-        self.n, self.load_s, self.served = n, load_s, []
-
-    def __len__(self):
-        return self.n
+    def sync(self):
+        self.now = max(self.now, self.free)
 
     def __iter__(self):
-        for i in range(self.n):
-            time.sleep(self.load_s)
-            batch = (torch.full((2, 1), float(i)), torch.tensor([i, i]))
-            self.served.append(i)
-            yield batch
+        for i, load in enumerate(self.loads):
+            self.now += load
+            yield torch.full((2, 1), float(i)), torch.tensor([i, i])
+
+    def __len__(self):
+        return len(self.loads)
 
 
-def check_wait_fraction(wait_fraction: Callable[..., Any]) -> None:
-    """``wait_fraction(loader, step)`` -> the fraction (0..1) of one pass's time spent waiting
-    for the loader's next batch, calling ``step(batch)`` for every batch."""
-    name = "wait_fraction"
-    for load_s, step_s in ((0.03, 0.01), (0.01, 0.04)):
-        want = load_s / (load_s + step_s)
-        loader, stepped = _SlowLoader(5, load_s), []
+@contextlib.contextmanager
+def _clock(machine: _Machine, answer):
+    """While the answer runs, time's clocks, under any name (``perf_counter`` imported, timeit's
+    default_timer), read ``machine.now`` in this thread; other threads read the real ones."""
+    me, names = threading.get_ident(), ("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns")
 
-        def step(batch, stepped=stepped, step_s=step_s):
-            stepped.append(int(batch[1][0]))
-            time.sleep(step_s)
+    def fake(real, ns):
+        return lambda: real() if threading.get_ident() != me else int(machine.now * 1e9) if ns else machine.now
 
-        got = _call(name, wait_fraction, loader, step)
-        if isinstance(got, torch.Tensor):
-            got = got.item()
-        if not isinstance(got, (int, float)):
-            _fail(name, f"returned {type(got).__name__}, expected a float", "return wait_time / total_time")
-        if stepped != list(range(5)):
-            _fail(
-                name,
-                f"step() saw batches {stepped}, expected each of the 5 batches once, in order",
-                "for batch in loader: ... step(batch)",
-            )
-        case = f"loading {load_s * 1e3:.0f} ms and stepping {step_s * 1e3:.0f} ms per batch"
-        if got > 1.5:
-            if abs(got - 100 * want) < 10:
-                _fail(name, f"returned {got:.1f}: a percentage", "return a fraction between 0 and 1")
-            _fail(
-                name,
-                f"returned {got:.2f} for {case}, more than 1",
-                "divide the waiting time by the TOTAL time (waiting + stepping), not by the stepping time",
-            )
-        if abs(got - (1 - want)) < 0.08 and abs(got - want) > 0.08:
-            _fail(
-                name,
-                f"returned {got:.2f} for {case}: that is the share spent in step()",
-                "time only the wait for the next batch: next(iterator), not the step",
-            )
-        if abs(got - want) > 0.08:
-            _fail(
-                name,
-                f"returned {got:.2f} for {case}, expected about {want:.2f}",
-                "time only each request for the next batch (an explicit iterator over the loader), add those "
-                "times up, and divide by the time of the whole pass",
-            )
-    _passed(name, "waiting share measured right on a data-bound and a compute-bound pipeline")
+    fakes = {id(getattr(time, n)): fake(getattr(time, n), n.endswith("_ns")) for n in names}
+    scopes = [vars(time), vars(timeit), getattr(answer, "__globals__", {})]
+    saved = [(scope, k, v) for scope in scopes for k, v in list(scope.items()) if id(v) in fakes]
+    for scope, k, v in saved:
+        scope[k] = fakes[id(v)]
+    try:
+        yield
+    finally:
+        for scope, k, v in saved:
+            scope[k] = v
+
+
+def _compare(got, want):
+    """(result, what step() saw) against the oracle's: the calls first, then the number."""
+    said = [f"{t} times" if isinstance(t, int) else f"on batches {t[:12]}" for t in (got[1], want[1])]
+    return f"called step() {said[0]}, not {said[1]}" if got[1] != want[1] else difference(got[0], want[0], 1e-3, 1e-9)
+
+
+def _timer(step, sync, warmup=3, repeats=5, pick=statistics.median, warm="untimed", synced=True):
+    """The oracle, and its slips: ``warm`` calls "skipped" or "timed", no sync if not ``synced``, another ``pick``."""
+    for _ in range(warmup if warm == "untimed" else 0):
+        step()
+    sync()
+    times = []
+    for _ in range(repeats + (warmup if warm == "timed" else 0)):
+        sync() if synced else None
+        t0 = time.perf_counter()
+        step()
+        sync() if synced else None
+        times.append(time.perf_counter() - t0)
+    return pick(times)
+
+
+def _run_timer(answer, case: Case):
+    machine = _Machine([case.args[1]] * case.args[0] + case.args[2])  # warm-up calls are slow, then the repeats
+    with _clock(machine, answer):
+        return answer(machine.step, machine.sync, case.args[0], len(case.args[2])), machine.steps
+
+
+TIME_STEP = Exercise(
+    name="time_step", oracle=_timer, run=_run_timer, compare=_compare, refuse=("utils.bench.time_fn",), timeout_s=10,
+    cases=lambda: [Case((3, 0.15, [0.021, 0.019, 0.3, 0.020, 0.022]), label="5 repeats after 3 slow calls"),
+                   Case((2, 0.09, [0.052, 0.2, 0.049, 0.25, 0.05, 0.048, 0.051]), label="7 repeats after 2 slow calls")],
+    hint="make `warmup` untimed calls, then time each repeat on its own with sync() before starting and before "
+    "stopping the clock, and return the median of those times in seconds",
+    passed="on a simulated GPU with slow first calls and outliers, for two step lengths",
+    mistakes=[
+        Mistake("it returns something other than one number of seconds", "return the median of the per-repeat times",
+                variant=partial(_timer, pick=list), when=lambda o: not isinstance(o.got[0], (int, float, torch.Tensor))),
+        Mistake("step() was called fewer than warmup + repeats times, as if the warm-up calls were left out", "run "
+                "`warmup` untimed calls first, then `repeats` timed ones", variant=partial(_timer, warm="skipped"),
+                when=lambda o: o.got[1] < o.want[1]),
+        Mistake("it measured far less than the work each step queues", "the step only QUEUES work, as on a GPU: call "
+                "sync() before reading the clock at the end of each timed repeat (and before starting it)",
+                variant=partial(_timer, synced=False), when=lambda o: o.got[0] < o.want[0] / 4),
+        Mistake("it returns the total of the repeats", "return their median, not the sum", variant=partial(_timer, pick=sum)),
+        Mistake("it returns milliseconds", "return seconds, the difference of two perf_counter readings",
+                variant=partial(_timer, pick=lambda t: 1e3 * statistics.median(t))),
+        Mistake("the slow warm-up calls were timed with the repeats", "keep the `warmup` calls out of the times",
+                variant=partial(_timer, warm="timed")),
+        Mistake("one slow repeat pulled the result up, as it does a mean", "report the MEDIAN of the repeats "
+                "(statistics.median), not the mean or the total / repeats", variant=partial(_timer, pick=statistics.mean)),
+        Mistake("it returns the middle repeat in the order they ran", "sort the times first, or use statistics.median",
+                variant=partial(_timer, pick=lambda t: t[len(t) // 2])),
+    ],
+)  # fmt: skip
+check_time_step = TIME_STEP.checker("``time_step(step, sync, warmup, repeats)``: the median seconds of one step().")
+
+
+def _fraction(loader, step, out=lambda wait, total: wait / total, fresh=False, warm=False):
+    """The oracle, and its slips: another ``out``, a ``fresh`` iterator per batch, a ``warm``-up step."""
+    waited, start, it = 0.0, time.perf_counter(), iter(loader)
+    step(next(iter(loader))) if warm else None
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(iter(loader) if fresh else it)  # a fresh iterator gives batch 0 for ever
+        except StopIteration:
+            return out(waited, time.perf_counter() - start)
+        waited += time.perf_counter() - t0
+        step(batch)
+
+
+def _run_pass(answer, case: Case):
+    machine, stepped = _Machine(loads=case.args[0]), []
+
+    def step(batch):
+        stepped.append(int(batch[1][0]))
+        machine.now += case.args[1]
+
+    with _clock(machine, answer):
+        return answer(machine, step), stepped
+
+
+WAIT_FRACTION = Exercise(
+    name="wait_fraction", oracle=_fraction, run=_run_pass, compare=_compare, refuse=("utils.bench.TimedLoader",),
+    timeout_s=5, passed="on a data-bound and a compute-bound pipeline",
+    cases=lambda: [Case(([0.03] * 5, 0.01), label="5 batches that load slower than they step"),
+                   Case(([0.05] + [0.01] * 6, 0.04), label="7 batches that step slower than they load")],
+    hint="time only each request for the next batch (an explicit iterator over the loader), add those times up, "
+    "and divide by the time of the whole pass",
+    mistakes=[
+        Mistake("the pass never ends, as when a new iterator is made for every batch", "make one iterator over the "
+                "loader before the loop and ask it for each next batch", variant=partial(_fraction, fresh=True),
+                when=lambda o: o.hung, replay=False),
+        Mistake("it returns something other than one fraction", "divide the waiting time by the whole pass's time",
+                variant=partial(_fraction, out=lambda w, t: (w, t)),
+                when=lambda o: not isinstance(o.got[0], (int, float, torch.Tensor))),
+        Mistake("step() did not see each batch exactly once, in order", "call step(batch) once on each batch of "
+                "one pass, and on nothing else", variant=partial(_fraction, warm=True), when=lambda o: o.got[1] != o.want[1]),
+        Mistake("it returns a percentage", "return a fraction between 0 and 1", variant=partial(_fraction, out=lambda w, t: 100 * w / t)),
+        Mistake("it divides the waiting time by the stepping time", "divide by the TOTAL time (waiting + stepping)",
+                variant=partial(_fraction, out=lambda w, t: w / (t - w))),
+        Mistake("it returns the share spent in step()", "time only the wait for the next batch: next(iterator), not "
+                "the step", variant=partial(_fraction, out=lambda w, t: 1 - w / t)),
+    ],
+)  # fmt: skip
+check_wait_fraction = WAIT_FRACTION.checker(
+    "``wait_fraction(loader, step)``: the share of one pass spent waiting for data."
+)
