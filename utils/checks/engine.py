@@ -77,9 +77,10 @@ class Mistake:
     """A known-wrong answer and what to say about it.
 
     ``variant`` has the answer's signature and makes the mistake; the tests submit it and expect
-    ``problem`` back. It is replayed on a failing case unless ``replay=False`` (variants that hang,
-    or whose output is no fingerprint). ``when(outcome) -> bool`` recognises the mistake instead
-    of (or before) replaying it; with ``mechanism=True`` it is tried on every case, right or wrong.
+    ``problem`` back. It is replayed on a failing case, unless ``replay=False`` (a variant whose
+    output is no fingerprint) or a ``when(outcome) -> bool`` recognises the mistake instead (then
+    the variant is never replayed, so it may hang); with ``mechanism=True`` ``when`` is tried on
+    every case, right or wrong.
     """
 
     problem: str
@@ -508,7 +509,7 @@ def _run_all(ex: Exercise, answer, cases_fn, *, student: bool, scopes=()) -> lis
 
 
 def _replayed(ex: Exercise) -> list:
-    return [m for m in ex.mistakes if m.replay and m.variant is not None]
+    return [m for m in ex.mistakes if m.replay and m.variant is not None and m.when is None]
 
 
 def _rank_worker(module: str, name: str, shipment: Shipment) -> dict:
