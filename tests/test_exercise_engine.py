@@ -69,7 +69,7 @@ RANK_SUM = engine.Exercise(
     hint="sum the tensor over all ranks",
     mistakes=[engine.Mistake("the sum is doubled", "add each rank's tensor once", variant=_sum_twice)],
     ranks=2,
-    timeout_s=40,
+    timeout_s=60,
 )
 
 RANK_SUM_BY_HAND = engine.Exercise(
@@ -80,7 +80,7 @@ RANK_SUM_BY_HAND = engine.Exercise(
     refuse=("torch.distributed.all_reduce",),
     refuse_hint="exchange the tensors with point-to-point sends and receives",
     ranks=2,
-    timeout_s=20,
+    timeout_s=60,
 )
 
 

@@ -188,6 +188,8 @@ def difference(got, want, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
         return f"returned {got:.6g} where {want:.6g} was expected"
     if _category(got) != _category(want):
         return f"returned {_kind(got)} where {_kind(want)} was expected"
+    if isinstance(want, (str, bool)) or want is None:
+        return None if got == want else f"returned {got!r} where {want!r} was expected"
     if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and got.shape != want.shape:
         return f"returned {_kind(got)} where {_kind(want)} was expected"
     try:
@@ -246,6 +248,11 @@ class _RefusedModule(types.ModuleType):
         self._raise(f"{self._real.__name__}.{attr}")
 
 
+def _methods(cls) -> list:
+    """The functions defined in a class answer's body (their globals are the notebook's)."""
+    return [v for v in vars(cls).values() if hasattr(v, "__code__")] if inspect.isclass(cls) else []
+
+
 def _cell_value(cell):
     try:
         return cell.cell_contents
@@ -273,8 +280,9 @@ def refusing(ex: Exercise, answer: Sequence, scopes: Sequence[dict] = ()) -> Ite
 
         return refused
 
-    cells = [c for fn in answer for c in (getattr(fn, "__closure__", None) or ())]
-    scopes = [fn.__globals__ for fn in answer if hasattr(fn, "__globals__")] + list(scopes)
+    fns = [f for a in answer for f in ([a] if hasattr(a, "__code__") else _methods(a))]
+    cells = [c for fn in fns for c in (getattr(fn, "__closure__", None) or ())]
+    scopes = list({id(fn.__globals__): fn.__globals__ for fn in fns}.values()) + list(scopes)
     targets = _refused_objects(ex.refuse)
     modules = {dotted: _resolve(dotted)[2] for dotted in ex.refuse}
     saved = []
@@ -519,7 +527,7 @@ def _rank_worker(module: str, name: str, shipment: Shipment) -> dict:
     importlib.import_module(module)
     ex = REGISTRY[name]
     parallel.exact_fp32()
-    ctx = parallel.setup(timeout=max(10.0, ex.timeout_s / 2))
+    ctx = parallel.setup(timeout=ex.timeout_s)
     try:
         out = {"oracle": _run_all(ex, ex.oracle, lambda: ex.cases(ctx), student=False), "mistakes": []}
         out["labels"] = [c.label for c in ex.cases(ctx)]
@@ -535,20 +543,31 @@ def _rank_worker(module: str, name: str, shipment: Shipment) -> dict:
         parallel.teardown()
 
 
+STARTUP_S = 120.0  # allowance for spawning ranks and importing torch on a loaded machine
+
+
+def _hung(ex: Exercise, source: str) -> None:
+    _diagnose(ex, Outcome(None, hung=True, source=source), [])
+    fail(
+        ex.name,
+        f"your code did not finish within {ex.timeout_s:.0f} s: a rank waited for a message that never came",
+        "every rank must make the same calls in the same order, and every send needs a matching receive",
+    )
+
+
 def _on_ranks(ex: Exercise, answer: tuple, source: str):
     """Run on ``ex.ranks`` processes; per case (answer, oracle, each replayed mistake: lists over ranks; label)."""
     from utils import parallel
 
     shipment = ship(ex.name, answer)
     try:
-        res = parallel.launch(_rank_worker, ex.ranks, ex.module, ex.name, shipment, timeout=ex.timeout_s, stream=False)
-    except parallel.LaunchTimeout:
-        _diagnose(ex, Outcome(None, hung=True, source=source), [])
-        fail(
-            ex.name,
-            f"your code did not finish within {ex.timeout_s:.0f} s: a rank waited for a message that never came",
-            "every rank must make the same calls in the same order, and every send needs a matching receive",
+        # A collective that waits longer than ex.timeout_s raises in its rank (the process group's
+        # timeout); the launch's own limit adds the ranks' start-up, which a busy machine stretches.
+        res = parallel.launch(
+            _rank_worker, ex.ranks, ex.module, ex.name, shipment, timeout=2 * ex.timeout_s + STARTUP_S, stream=False
         )
+    except parallel.LaunchTimeout:
+        _hung(ex, source)
     except parallel.LaunchError as e:
         tb = e.remote_traceback or ""
         last = tb.strip().splitlines()[-1] if tb.strip() else str(e).split("\n")[0]
@@ -556,6 +575,8 @@ def _on_ranks(ex: Exercise, answer: tuple, source: str):
             raise CheckFailed(last.split("CheckFailed: ", 1)[1]) from None
         if "NotImplementedError" in last:
             _not_implemented(ex)
+        if "timed out" in last.lower() or "timeout" in last.lower():
+            _hung(ex, source)
         _diagnose(ex, Outcome(None, error=last, source=source), [])
         rank = f"rank {e.rank}" if e.rank is not None else "a rank"
         if not tb:
