@@ -1,6 +1,6 @@
-"""Lab 4's exercises (solutions/lab4_large_batch.ipynb): gradual warmup, the LARS trust ratio and step, the rate for
-a new batch size, LARS as a torch.optim.Optimizer, ghost batch norm. Oracles: the warmup's closed form,
-utils.optim.LARS, utils.schedules.lr_for_batch, utils.models.GhostBatchNorm2d (nn.BatchNorm2d for one virtual batch)."""
+"""Lab 4's exercises (solutions/lab4_large_batch.ipynb): warmup, the LARS trust ratio and step, the rate for a batch
+size, LARS as a torch.optim.Optimizer, ghost batch norm. Oracles: the warmup's closed form, utils.optim.LARS,
+utils.schedules.lr_for_batch, utils.models.GhostBatchNorm2d (nn.BatchNorm2d for one virtual batch)."""
 
 import math
 
@@ -10,26 +10,40 @@ from torch import nn
 from ..models import GhostBatchNorm2d
 from ..optim import LARS, lars_param_groups
 from ..schedules import lr_for_batch as _lr_reference
-from . import engine
-from .engine import Case, Exercise, Mistake
+from .engine import Case, Exercise, Mistake, difference
 
-__all__ = [f"check_{n}" for n in ("warmup_lr", "trust_ratio", "lars_step", "lr_for_batch", "lars_optimizer")]
-__all__ += ["check_ghost_batch_norm"]
+_NAMES = ("warmup_lr", "trust_ratio", "lars_step", "lr_for_batch", "lars_optimizer", "ghost_batch_norm")
+__all__ = [f"check_{n}" for n in _NAMES]
 LAB = "lab4_large_batch"
 F64 = torch.float64
+_NOT_CLASS = "it is not a class. Try: pass the class itself, as the check cell does"
 
 
-def _named(texts: dict, variant, when: dict | None = None) -> list:
+def _named(texts: dict, variant, **when) -> list:
     """A Mistake per entry of ``texts`` ({key: "problem. Try: hint"}), made by ``variant(key)``, seen by ``when[key]``."""
-    return [Mistake(*t.split(". Try: "), variant=variant(k), when=(when or {}).get(k)) for k, t in texts.items()]
+    return [Mistake(*t.split(". Try: "), variant=variant(k), when=when.get(k)) for k, t in texts.items()]
 
 
 def _raised(*words):  # the answer raised an error whose last line holds one of ``words``
     return lambda o: any(w in o.error for w in words)
 
 
-def _randn(gen, *shape):
-    return torch.randn(*shape, generator=gen, dtype=F64)
+def _made(cls, base, *args, **kwargs):
+    """``cls(*args, **kwargs)``, which must be an instance of ``base`` made by a class."""
+    obj = cls(*args, **kwargs)
+    if not isinstance(cls, type) or not isinstance(obj, base):
+        raise TypeError("it is not a class" if not isinstance(cls, type) else f"it is not a {base.__name__} class")
+    return obj
+
+
+def _plain_class(kind, cls):  # the variants of a class exercise that are no class, or a class of the wrong kind
+    if kind == "not_class":
+        return lambda *args, **kwargs: cls(*args, **kwargs)
+    return type(cls.__name__, (), {"__init__": _ignore})
+
+
+def _ignore(self, *args, **kwargs):
+    pass
 
 
 def _warmup(step, base_lr, peak_lr, warmup_steps):
@@ -61,39 +75,28 @@ WARMUP_LR = Exercise(
             "no_peak": "after the warmup the rate keeps growing. Try: from step warmup_steps on, the rate stays at the peak",
         },
         _WARMUP_VARIANTS.get,
-        {"list": lambda o: any(not isinstance(v, (int, float, torch.Tensor)) for v in o.got)},
+        list=lambda o: any(not isinstance(v, (int, float, torch.Tensor)) for v in o.got),
     ),
 )
 
 
 def _ratio(w, g, weight_decay, trust_coefficient, eps):
     wn, gn = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
-    return torch.where(
-        (wn > 0) & (gn > 0), trust_coefficient * wn / (gn + weight_decay * wn + eps), torch.ones_like(wn)
-    )
-
-
-def _trust_item(w, g, weight_decay, trust_coefficient, eps):
-    wn, gn = torch.linalg.vector_norm(w).item(), torch.linalg.vector_norm(g).item()
-    return torch.tensor(trust_coefficient * wn / (gn + weight_decay * wn + eps) if wn and gn else 1.0)
-
-
-def _trust_if(w, g, weight_decay, trust_coefficient, eps):
-    wn, gn = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
-    return torch.ones_like(wn) if wn == 0 or gn == 0 else trust_coefficient * wn / (gn + weight_decay * wn + eps)
+    ratio = trust_coefficient * wn / (gn + weight_decay * wn + eps)
+    return torch.where((wn > 0) & (gn > 0), ratio, torch.ones_like(wn))
 
 
 def _ratio_case(shape, scale, *hp, seed):  # three (w, g) pairs: the 2nd with zero weights, the 3rd with a zero grad
     gen = torch.Generator().manual_seed(seed)
-    w, g = _randn(gen, 3, *shape) * scale, _randn(gen, 3, *shape) * 0.1
+    w, g = torch.randn(3, *shape, generator=gen, dtype=F64) * scale, torch.randn(3, *shape, generator=gen, dtype=F64)
     w[1], g[2] = 0.0, 0.0
     label = f"three {'x'.join(map(str, shape))} tensors, one with zero weights and one with a zero gradient"
-    return Case((w, g, *hp), label=label)
+    return Case((w, g * 0.1, *hp), label=label)
 
 
 _TRUST_VARIANTS = {
-    "item": _trust_item,
-    "if": _trust_if,
+    "item": lambda w, g, wd, tc, eps: torch.tensor(_ratio(w, g, wd, tc, eps).item()),
+    "if": lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, eps) if w.norm() > 0 and g.norm() > 0 else torch.ones(()),
     "number": lambda w, g, wd, tc, eps: tc,
     "no_wd": lambda w, g, wd, tc, eps: _ratio(w, g, 0.0, tc, eps),
     "swapped": lambda w, g, wd, tc, eps: _ratio(g, w, wd, tc, eps),
@@ -119,11 +122,9 @@ TRUST_RATIO = Exercise(
             "no_fallback": "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give 1, chosen with torch.where so that it stays on the device",
         },
         _TRUST_VARIANTS.get,
-        {
-            "item": _raised("item()", "data pointer"),
-            "if": _raised("control flow"),
-            "number": _raised("only return Tensors"),
-        },
+        item=_raised("item()", "data pointer"),
+        number=_raised("only return Tensors"),
+        **{"if": _raised("control flow")},
     ),
 )
 
@@ -154,22 +155,22 @@ def _step_variant(kind):
 def _run_steps(f, case):
     """Steps of ``f`` along the case's rates, each fed the weights and buffer the step before returned."""
     w, grads, lrs, hp = case.args
-    buf, out = None, {"w": [], "buf": [], "inputs kept": True}
+    buf, out = None, {"steps": [], "inputs kept": True}
     for g, lr in zip(grads, lrs):
         args = (w.clone(), g.clone(), None if buf is None else buf.clone())
         res = f(*args, lr, *hp)
         if not (isinstance(res, tuple) and len(res) == 2):
             raise TypeError(f"lars_step returned {type(res).__name__}, not a pair (new_w, new_buf)")
         out["inputs kept"] &= all(a is None or torch.equal(a, b) for a, b in zip(args, (w, g, buf)))
+        out["steps"].append(res)
         w, buf = res
-        out["w"].append(w)
-        out["buf"].append(buf)
     return out
 
 
 def _step_case(shape, lrs, hp, seed, label):
     gen = torch.Generator().manual_seed(seed)
-    return Case((_randn(gen, *shape), [_randn(gen, *shape) * 0.3 for _ in lrs], lrs, hp), label=label)
+    w, grads = torch.randn(*shape, generator=gen, dtype=F64), torch.randn(len(lrs), *shape, generator=gen, dtype=F64)
+    return Case((w, list(grads * 0.3), lrs, hp), label=label)
 
 
 LARS_STEP = Exercise(
@@ -197,7 +198,8 @@ LARS_STEP = Exercise(
             "return_d": "the returned buffer is this step's scaled update, not the momentum buffer. Try: return momentum times the old buffer plus this step's scaled update",
         },
         _step_variant,
-        {"in_place": lambda o: o.got["inputs kept"] is False, "not_pair": _raised("not a pair")},
+        in_place=lambda o: o.got["inputs kept"] is False,
+        not_pair=_raised("not a pair"),
     ),
 )
 
@@ -209,6 +211,12 @@ def _run_lr(f, case):
         if case.args[3] in ("linear", "sqrt") or isinstance(e, NotImplementedError):
             raise
         return type(e).__name__
+
+
+def _compare_lr(got, want):  # what an unknown rule raised is a name, which assert_close does not compare
+    if isinstance(want, str):
+        return None if got == want else f"gave {got!r} where {want} was expected"
+    return difference(got, want)
 
 
 _LR_VARIANTS = {
@@ -228,14 +236,7 @@ LR_FOR_BATCH = Exercise(
     ],
     oracle=_lr_reference,
     run=_run_lr,
-    # what an unknown rule raised is a name, which assert_close does not compare
-    compare=lambda got, want: (
-        engine.difference(got, want)
-        if not isinstance(want, str)
-        else None
-        if got == want
-        else f"gave {got!r} where {want} was expected"
-    ),
+    compare=_compare_lr,
     refuse=("utils.schedules.lr_for_batch",),
     hint="linear: the base rate times the batch growth factor (the new batch over the base one); sqrt: times its square root",
     passed="both rules, up and down, and an unknown rule",
@@ -247,10 +248,8 @@ LR_FOR_BATCH = Exercise(
             "int_division": "the batch ratio is rounded down by integer division. Try: divide with / so that the ratio keeps its fraction",
         },
         _LR_VARIANTS.get,
-        {
-            "no_error": lambda o: o.want == "ValueError" and not isinstance(o.got, str),
-            "key_error": lambda o: o.want == "ValueError" and o.got != "ValueError",
-        },
+        no_error=lambda o: o.want == "ValueError" and not isinstance(o.got, str),
+        key_error=lambda o: o.want == "ValueError" and o.got != "ValueError",
     ),
 )
 
@@ -269,15 +268,11 @@ class _LarsVariant(torch.optim.Optimizer):
         k = self.kinds
         with torch.set_grad_enabled(bool(k & {"grad_on", "graph_buffers"})):
             for group in self.param_groups:
-                lr, wd, ex = (
-                    self.init_lr if "lr_from_init" in k else group["lr"],
-                    group["weight_decay"],
-                    group["exclude"],
-                )
+                lr, ex = self.init_lr if "lr_from_init" in k else group["lr"], group["exclude"]
                 for p in group["params"]:
                     if (p.grad is None and "none_grads" not in k) or (ex and "skip_excluded" in k):
                         continue
-                    adapt = not ex or "ignore_exclude" in k
+                    wd, adapt = group["weight_decay"], not ex or "ignore_exclude" in k
                     r = _ratio(p, p.grad, wd, group["trust_coefficient"], group["eps"]) if adapt else 1.0
                     d = r * p.grad + wd * p if "wd_after" in k else r * (p.grad + wd * p)
                     store, key = (self.bufs, p) if "outside_state" in k else (self.state[p], "buf")
@@ -287,18 +282,15 @@ class _LarsVariant(torch.optim.Optimizer):
                         (p.data if "graph_buffers" in k else p).sub_(lr * store[key].detach())
 
 
-class _NotAnOptimizer:
-    def __init__(self, params, lr, **hp):
-        self.param_groups = [dict(hp, lr=lr, **g) for g in params]
+def _flipped(groups, old, new):  # the groups with the flag ``old`` replaced by its negation ``new``
+    return [{**{k: v for k, v in g.items() if k != old}, new: not g[old]} for g in groups]
 
 
 class _LarsOracle(LARS):
     """utils.optim.LARS, for groups marked with the lab's ``exclude`` instead of the library's ``adapt``."""
 
     def __init__(self, params, lr, **hp):
-        super().__init__(
-            [dict({k: v for k, v in g.items() if k != "exclude"}, adapt=not g["exclude"]) for g in params], lr, **hp
-        )
+        super().__init__(_flipped(params, "exclude", "adapt"), lr, **hp)
 
 
 def _run_optimizer(cls, case):
@@ -309,13 +301,8 @@ def _run_optimizer(cls, case):
         model = nn.Sequential(nn.Linear(i, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Linear(h, o)).double()
         model.unused = nn.Parameter(torch.randn(2, 2, dtype=F64))  # never gets a gradient
         data = [(torch.randn(16, i, dtype=F64), torch.randint(0, o, (16,))) for _ in lrs]
-    groups = lars_param_groups(model, hp["weight_decay"])
-    opt = cls(
-        [{"params": g["params"], "weight_decay": g["weight_decay"], "exclude": not g["adapt"]} for g in groups], **hp
-    )
-    if not isinstance(cls, type) or not isinstance(opt, torch.optim.Optimizer):
-        raise TypeError(f"MyLARS is {'a class but' if isinstance(cls, type) else ''} not a torch.optim.Optimizer class")
-    out = {"params": [], "buffers in state": True, "plain buffers": True}
+    groups = _flipped(lars_param_groups(model, hp["weight_decay"]), "adapt", "exclude")
+    opt, out = _made(cls, torch.optim.Optimizer, groups, **hp), {"params": [], "state": True, "plain": True}
     for (x, y), lr in zip(data, lrs):
         for g in opt.param_groups:
             g["lr"] = lr
@@ -325,15 +312,15 @@ def _run_optimizer(cls, case):
         out["params"].append([p.detach().clone() for p in model.parameters()])
         for p in model.parameters():
             kept = [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
-            out["buffers in state"] &= p.grad is None or any(v.shape == p.shape for v in kept)
-            out["plain buffers"] &= not any(v.requires_grad for v in kept)
+            out["state"] &= p.grad is None or any(v.shape == p.shape for v in kept)  # a buffer in self.state
+            out["plain"] &= not any(v.requires_grad for v in kept)  # and outside the autograd graph
     return out
 
 
 def _lars_variant(kind):
-    if kind == "not_class":
-        return lambda params, lr, **hp: _LarsVariant(params, lr, **hp)
-    return _NotAnOptimizer if kind == "not_optimizer" else type("MyLARS", (_LarsVariant,), {"kinds": frozenset([kind])})
+    if kind in ("not_class", "not_optimizer"):
+        return _plain_class(kind, _LarsVariant)
+    return type("MyLARS", (_LarsVariant,), {"kinds": frozenset([kind])})
 
 
 LARS_OPTIMIZER = Exercise(
@@ -369,7 +356,7 @@ LARS_OPTIMIZER = Exercise(
     passed="steps of a network with an excluded group and a schedule, as utils.optim.LARS takes them",
     mistakes=_named(
         {
-            "not_class": "it is not a class. Try: pass the class itself, as the check cell does",
+            "not_class": _NOT_CLASS,
             "not_optimizer": "your class is not a torch.optim.Optimizer. Try: subclass torch.optim.Optimizer and pass your groups and defaults to its constructor",
             "grad_on": "an in-place update of a parameter ran with autograd on. Try: update the parameters with autograd off (torch.no_grad, as a context or a decorator of step)",
             "none_grads": "a parameter without a gradient (its .grad is None) made your step crash. Try: skip parameters whose .grad is None, as torch.optim.SGD does",
@@ -383,14 +370,12 @@ LARS_OPTIMIZER = Exercise(
             "graph_buffers": "a momentum buffer in self.state is part of the autograd graph. Try: run the update with autograd off (torch.no_grad) so the buffers are plain tensors",
         },
         _lars_variant,
-        {
-            "not_class": _raised("is  not a torch.optim"),
-            "not_optimizer": _raised("a class but not"),
-            "grad_on": _raised("leaf Variable"),
-            "none_grads": _raised("NoneType"),
-            "outside_state": lambda o: o.got["buffers in state"] is False,
-            "graph_buffers": lambda o: o.got["plain buffers"] is False,
-        },
+        not_class=_raised("not a class"),
+        not_optimizer=_raised("not a Optimizer class"),
+        grad_on=_raised("leaf Variable"),
+        none_grads=_raised("NoneType"),
+        outside_state=lambda o: o.got["state"] is False,
+        graph_buffers=lambda o: o.got["plain"] is False,
     ),
 )
 
@@ -411,13 +396,10 @@ class _GhostVariant(nn.Module):
             del self.weight
 
     def _update(self, v):
-        n = v.numel() // v.shape[1]
-        mean, var = (
-            v.mean((0, 2, 3)),
-            v.var((0, 2, 3), correction=0) * (1 if "running_biased" in self.kinds else n / (n - 1)),
-        )
+        n, biased = v.numel() // v.shape[1], "running_biased" in self.kinds
         with torch.set_grad_enabled("graph_running" in self.kinds):
-            self.running_mean = (1 - self.m) * self.running_mean + self.m * mean
+            self.running_mean = (1 - self.m) * self.running_mean + self.m * v.mean((0, 2, 3))
+            var = v.var((0, 2, 3), correction=0) * (1 if biased else n / (n - 1))
             self.running_var = (1 - self.m) * self.running_var + self.m * var
 
     def forward(self, x):
@@ -429,15 +411,9 @@ class _GhostVariant(nn.Module):
                 self._update(x)
             return (x - c(self.running_mean)) / torch.sqrt(c(self.running_var) + self.eps) * w + b
         dims = {"per_pixel": (0,), "per_sample": (2, 3), "mix_channels": (0, 1, 2, 3)}.get(next(iter(k), ""), (0, 2, 3))
-        parts = (
-            [x]
-            if "whole_batch" in k
-            else x.reshape(-1, self.vb, *x.shape[1:]).unbind(0)
-            if "reshape" in k
-            else x.split(self.vb)
-        )
+        parts = x.reshape(-1, self.vb, *x.shape[1:]).unbind(0) if "reshape" in k else x.split(self.vb)
         out = []
-        for v in parts:
+        for v in [x] if "whole_batch" in k else parts:
             mean, var = v.mean(dims, keepdim=True), v.var(dims, keepdim=True, correction=int("unbiased_norm" in k))
             if "detach_stats" in k:
                 mean, var = mean.detach(), var.detach()
@@ -454,37 +430,30 @@ def _run_ghost(cls, case):
     n, vb, seed = case.args
     gen, ch = torch.Generator().manual_seed(seed), lambda *v: torch.tensor(v, dtype=F64).view(1, -1, 1, 1)
     drift = torch.linspace(-2, 2, n, dtype=F64).view(-1, 1, 1, 1)  # the virtual batches differ
-    x = (_randn(gen, n, 3, 5, 4) * ch(0.5, 2.0, 4.0) + ch(-3.0, 0.0, 5.0) + drift).requires_grad_()
-    m = cls(3, virtual_batch_size=vb)
-    if not isinstance(cls, type) or not isinstance(m, nn.Module):
-        raise TypeError(
-            f"MyGhostBatchNorm2d is {'a class but' if isinstance(cls, type) else ''} not an nn.Module class"
-        )
-    m, names = m.double().train(), ("weight", "bias", "running_mean", "running_var")
+    x = torch.randn(n, 3, 5, 4, generator=gen, dtype=F64) * ch(0.5, 2.0, 4.0) + ch(-3.0, 0.0, 5.0) + drift
+    m, names = _made(cls, nn.Module, 3, virtual_batch_size=vb).double().train(), ("running_mean", "running_var")
     state = {**dict(m.named_parameters()), **dict(m.named_buffers())}
-    if any(k not in state or state[k].shape != (3,) for k in names):
+    if any(k not in state or state[k].shape != (3,) for k in ("weight", "bias", *names)):
         raise AttributeError("it lacks weight, bias, running_mean or running_var, one value per channel")
     with torch.no_grad():
-        state["weight"].copy_(torch.rand(3, generator=gen, dtype=F64) + 0.5)
-        state["bias"].copy_(_randn(gen, 3))
-    y = m(x)
-    (y * _randn(gen, *y.shape)).sum().backward()
+        m.weight.copy_(torch.rand(3, generator=gen, dtype=F64) + 0.5)
+        m.bias.copy_(torch.randn(3, generator=gen, dtype=F64))
+    y = m(x.requires_grad_())
+    (y * torch.randn(y.shape, generator=gen, dtype=F64)).sum().backward()
     out = {"output": y.detach(), "input grad": x.grad, "weight grad": m.weight.grad, "bias grad": m.bias.grad}
-    out |= {k: getattr(m, k).detach().clone() for k in names[2:]}
+    out |= {k: getattr(m, k).detach().clone() for k in names}
     out["running stats outside autograd"] = not (m.running_mean.requires_grad or m.running_var.requires_grad)
     with torch.no_grad():
-        m.eval().running_mean.copy_(_randn(gen, 3))
+        m.eval().running_mean.copy_(torch.randn(3, generator=gen, dtype=F64))
         m.running_var.copy_(torch.rand(3, generator=gen, dtype=F64) + 0.5)
         out["eval output"] = m(x.detach())
-        out |= {f"{k} after eval": getattr(m, k).clone() for k in names[2:]}
+        out |= {f"{k} after eval": getattr(m, k).clone() for k in names}
     return out
 
 
 def _ghost_variant(kind):
-    if kind == "not_class":
-        return lambda c, virtual_batch_size=32: _GhostVariant(c, virtual_batch_size)
-    if kind == "not_module":
-        return type("MyGhostBatchNorm2d", (), {"__init__": lambda self, c, virtual_batch_size=32: None})
+    if kind in ("not_class", "not_module"):
+        return _plain_class(kind, _GhostVariant)
     return type("MyGhostBatchNorm2d", (_GhostVariant,), {"kinds": frozenset([kind])})
 
 
@@ -506,7 +475,7 @@ GHOST_BATCH_NORM = Exercise(
     passed="outputs, gradients and running statistics in training, uneven and single virtual batches, and eval mode",
     mistakes=_named(
         {
-            "not_class": "it is not a class. Try: pass the class itself, as the check cell does",
+            "not_class": _NOT_CLASS,
             "not_module": "your class is not an nn.Module. Try: subclass nn.Module and call super().__init__() first",
             "rename": "the parameters or buffers are not named as in nn.BatchNorm2d. Try: use weight and bias (nn.Parameter), running_mean and running_var (register_buffer), one value per channel",
             "whole_batch": "your statistics are over the whole batch, not per virtual batch. Try: split the batch into virtual batches of virtual_batch_size (Tensor.split) and normalise each with its own mean and variance",
@@ -526,13 +495,11 @@ GHOST_BATCH_NORM = Exercise(
             "eval_updates": "eval mode changed the running statistics. Try: update them only when self.training is True",
         },
         _ghost_variant,
-        {
-            "not_class": _raised("is  not an nn.Module"),
-            "not_module": _raised("a class but not"),
-            "rename": _raised("one value per channel"),
-            "graph_running": lambda o: o.got["running stats outside autograd"] is False,
-            "reshape": _raised("is invalid for input of size"),
-        },
+        not_class=_raised("not a class"),
+        not_module=_raised("not a Module class"),
+        rename=_raised("one value per channel"),
+        graph_running=lambda o: o.got["running stats outside autograd"] is False,
+        reshape=_raised("is invalid for input of size"),
     ),
 )
 
