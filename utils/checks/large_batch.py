@@ -457,6 +457,22 @@ def _ghost_variant(kind):
     return type("MyGhostBatchNorm2d", (_GhostVariant,), {"kinds": frozenset([kind])})
 
 
+def _stage(kind, *keys):
+    """Seen when the answer's outputs under ``keys`` differ from the oracle's and equal those of the variant ``kind``:
+    the first part that goes wrong names the mistake, whatever the later parts do."""
+
+    def seen(o):
+        theirs, diff = _run_ghost(_ghost_variant(kind), o.case), lambda a, b: difference(a, b, 1e-6, 1e-8)
+        return any(diff(o.got[k], o.want[k]) for k in keys) and not any(diff(o.got[k], theirs[k]) for k in keys)
+
+    return seen
+
+
+_RUNNING = ("running_mean", "running_var")
+_GHOST_STAGES = {k: ("output",) for k in ("whole_batch", "unbiased_norm", "per_pixel", "per_sample", "mix_channels")}
+_GHOST_STAGES |= {"no_affine": ("output",), "detach_stats": ("input grad",), "detach_weight": ("weight grad",)}
+_GHOST_STAGES |= {"no_running": _RUNNING, "running_whole": _RUNNING, "running_biased": _RUNNING}
+_GHOST_STAGES |= {"eval_batch_stats": ("eval output",), "eval_updates": tuple(f"{k} after eval" for k in _RUNNING)}
 GHOST_BATCH_NORM = Exercise(
     name="ghost_batch_norm",
     answer=("MyGhostBatchNorm2d",),
@@ -495,6 +511,7 @@ GHOST_BATCH_NORM = Exercise(
             "eval_updates": "eval mode changed the running statistics. Try: update them only when self.training is True",
         },
         _ghost_variant,
+        **{k: _stage(k, *keys) for k, keys in _GHOST_STAGES.items()},
         not_class=_raised("not a class"),
         not_module=_raised("not a Module class"),
         rename=_raised("one value per channel"),
