@@ -114,7 +114,7 @@ NOISE_SCALE = Exercise(
         Mistake("b_small and b_big are swapped in |G|^2", "the big batch's norm is weighted by B_big, and B_big - B_small is below", variant=_pairs(lambda s, g, bs, bb, G2, tr: tr.mean() / ((bs * g - bb * s) / (bs - bb)).mean())),
         Mistake("B_small and B_big are swapped in the |G|^2 formula (each norm got the other batch's size)", "weight each squared norm by its OWN batch size, the big batch's term first", variant=_pairs(lambda s, g, bs, bb, G2, tr: tr.mean() / ((bs * g - bb * s) / (bb - bs)).mean())),
         Mistake("the ratio is upside down (|G|^2 / tr(Sigma))", "B_simple is tr(Sigma) over |G|^2: the noise on top, the signal below", variant=_pairs(lambda s, g, bs, bb, G2, tr: G2.mean() / tr.mean())),
-        Mistake("the first 4 pairs give the right value but more pairs do not: not every pair is used", "average over all the pairs you are given, in float64", variant=_pairs(lambda s, g, bs, bb, G2, tr: tr[:4].mean() / G2[:4].mean())),
+        Mistake("the first 4 pairs give the right value but more pairs give a wrong one: some pairs are left out", "average over all the pairs you are given, in float64", variant=_pairs(lambda s, g, bs, bb, G2, tr: tr[:4].mean() / G2[:4].mean())),
         Mistake("the noise scale is negative", "check the signs: the small batch's norm minus the big batch's, over 1/B_small minus 1/B_big, is positive", variant=_pairs(lambda s, g, bs, bb, G2, tr: -tr.mean() / G2.mean()), when=lambda o: o.got < 0),
     ])
 # fmt: on
@@ -209,7 +209,7 @@ DATASET_NOISE_SCALE = Exercise(
     hint="keep two running totals over every chunk (the summed gradients, the summed squared entries), divide once by N at the end, then use the unbiased tr(Sigma) and |G|^2", mistakes=[
         Mistake("you averaged the per-chunk B_simple values", "accumulate sums over ALL examples (of the gradients, of their squared entries) and divide once at the end", variant=lambda m, f, x, y, c: float(np.mean([_b_simple(g) for g in _chunks(m, f, x, y, c)]))),
         Mistake("only the first chunk was used", "loop over every chunk, from the first example to the last, and add up before dividing", variant=lambda m, f, x, y, c: _b_simple(_chunks(m, f, x, y, c)[0])),
-        Mistake("the last, shorter chunk was dropped", "step through the starts 0, chunk, 2 chunk and so on up to N; the last slice may be shorter, keep it", variant=lambda m, f, x, y, c: _b_simple(_per_example(m, f, x[: len(x) // c * c], y[: len(x) // c * c]))),
+        Mistake("the last, shorter chunk was dropped", "start a chunk at every multiple of the chunk size below N; the last slice may be shorter, keep it", variant=lambda m, f, x, y, c: _b_simple(_per_example(m, f, x[: len(x) // c * c], y[: len(x) // c * c]))),
         Mistake("tr(Sigma) divides by N, not N - 1", "the sum of the squared norms less N times the squared norm of the mean, over N - 1", variant=lambda m, f, x, y, c: _b_simple(_per_example(m, f, x, y), ddof=0)),
         Mistake("|G|^2 is |mean|^2 without the correction for the mean's own noise", "subtract tr(Sigma) / N from the squared norm of the mean", variant=lambda m, f, x, y, c: _b_simple(_per_example(m, f, x, y), correct=False)),
     ])
