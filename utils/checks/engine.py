@@ -179,6 +179,8 @@ def _category(x) -> str:
 
 def difference(got, want, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
     """None when ``got`` equals ``want`` within the tolerances, else what differs, in words."""
+    if type(want).__module__ == "numpy":
+        want = want.item() if getattr(want, "shape", None) == () else torch.as_tensor(want)
     got = _plain(got, want)
     if isinstance(want, float) and isinstance(got, int) and not isinstance(got, bool):
         got = float(got)
@@ -656,11 +658,12 @@ def check(ex: Exercise, *answer) -> Any:
 
 def _student_run(ex: Exercise, answer, i: int, source: str):
     """The answer on case ``i`` (a fresh copy), bounded in time, refused the forbidden names."""
+    case = ex.cases()[i]
     try:
         with refusing(ex, (answer,) if callable(answer) else answer), _deadline(ex.timeout_s):
-            return ex.run(answer, ex.cases()[i])
+            return ex.run(answer, case)
     except _Hung:
-        _diagnose(ex, Outcome(None, hung=True, source=source), [])
+        _diagnose(ex, Outcome(case, hung=True, source=source), [])
         fail(
             ex.name,
             f"your code did not finish within {ex.timeout_s:.0f} s",
@@ -669,9 +672,8 @@ def _student_run(ex: Exercise, answer, i: int, source: str):
         )
     except Exception as e:  # the student's code crashed: a named mistake, else where it failed
         if not isinstance(e, (CheckFailed, NotImplementedError)):
-            _diagnose(
-                ex, Outcome(None, error=traceback.format_exception_only(type(e), e)[-1].strip(), source=source), []
-            )
+            last = traceback.format_exception_only(type(e), e)[-1].strip()
+            _diagnose(ex, Outcome(case, error=last, source=source), [])
         _raised(ex, e)
 
 
