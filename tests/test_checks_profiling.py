@@ -44,9 +44,8 @@ def _authoring_tests():
 
 def test_the_trace_oracles_give_the_hand_counted_answers():
     assert spec._self_times(spec._trace(spec._NESTING)) == {"A": 60, "B": 20, "C": 20, "D": 60, "G": 30, "H": 20}
-    assert spec._wait(spec._waits(3000, 5000)) == pytest.approx((3000 + 5000) / 20000)
-    assert spec._wait(spec._waits(6000, 1000)) == pytest.approx((6000 + 1000) / 20000)
-    assert spec._syncs(spec._syncs_made(2, 1)) == 2.0 and spec._syncs(spec._syncs_made(3, 2)) == 3.0
+    assert spec._wait(spec._trace(spec._WAITS)) == pytest.approx((3000 + 5000) / 20000)  # two 10 ms steps
+    assert spec._syncs(spec._trace(spec._SYNCS)) == 2.0  # 4 syncs in 2 steps
 
 
 def test_the_self_time_oracle_matches_key_averages_on_a_real_trace(tmp_path):

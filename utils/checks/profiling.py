@@ -1,6 +1,6 @@
 """Lab 6's exercises (solutions/lab6_profiling.ipynb): reading a trace (self time per op, the steps' share waiting for data,
 host syncs per step) on hand-made events and real traces of a small fit, then the fixes of utils.profiling's planted
-bottlenecks, with their mechanism measured (per-image reads, host reads inside a step, passes over the reference per call).
+bottlenecks, their mechanism measured (per-image reads, host reads inside a step, passes over the reference per call).
 tests/test_checks_profiling.py holds the oracles below to key_averages(), the planted loader's cost and the originals."""
 
 import tempfile
@@ -17,23 +17,21 @@ from ..bench import SlowDataset
 from ..train import Callback
 from .engine import Case, Exercise, Mistake, difference
 
-_NAMES = ("self_times", "data_wait_fraction", "syncs_per_step", "fixed_loader", "loss_log", "standardize")
-__all__ = [f"check_{n}" for n in _NAMES]
+__all__ = [f"check_{n}" for n in ("self_times", "data_wait_fraction", "syncs_per_step", "fixed_loader", "loss_log", "standardize")]  # fmt: skip
 LAB = "lab6_profiling"
-UA, SYNC = "user_annotation", "aten::_local_scalar_dense"
+UA, SYNC, STEP = "user_annotation", "aten::_local_scalar_dense", "ProfilerStep#"
 _m = lambda text, variant, **kw: Mistake(*text.split(". Try: "), variant=variant, **kw)  # from "problem. Try: hint"
 
 
 def _trace(rows, scale=1.0, shift=0.0):
     """Complete events from rows (name, ts, dur[, tid[, cat[, pid]]]) in microseconds, scaled and shifted in time."""
-    keys, defaults = ("name", "ts", "dur", "tid", "cat", "pid"), (1, "cpu_op", 100)
-    events = [dict(zip(keys, r + defaults[len(r) - 3 :]), ph="X") for r in rows]
-    return [e | {"ts": shift + scale * e["ts"], "dur": scale * e["dur"]} for e in events]
+    events = [dict(zip(("name", "ts", "dur", "tid", "cat", "pid"), r + (1, "cpu_op", 100)[len(r) - 3 :])) for r in rows]
+    return [e | {"ph": "X", "ts": shift + scale * e["ts"], "dur": scale * e["dur"]} for e in events]
 
 
 @cache
 def _fit_trace(kind):
-    """A small fit's events under the profiler: "plain", "slow" (a loader costing 2 ms per image), "item" (a sync a step)."""
+    """A small fit's events: "plain", "slow" (its loader costs 2 ms per image) or "item" (a callback syncs every step)."""
     g, _ = torch.Generator().manual_seed(0), torch.manual_seed(0)
     ds = torch.utils.data.TensorDataset(torch.randn(96, 32, generator=g), torch.randint(0, 10, (96,), generator=g))
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
@@ -45,6 +43,7 @@ def _fit_trace(kind):
 
 
 _real = lambda kind, label: Case(([dict(e) for e in _fit_trace(kind)],), label=label)  # a copy the answer may change
+_hand = lambda rows, label: [Case((_trace(rows),), label=label), Case((_trace(rows, 2.5, 1e3),), label=f"{label}, 2.5 times longer")]  # fmt: skip
 
 
 def _self_times(events, lane=lambda e: (e["pid"], e["tid"]), host=True, direct=True, ties=True):
@@ -71,11 +70,10 @@ _NESTING = [("A", 0, 100), ("B", 10, 30), ("C", 15, 10), ("C", 50, 10), ("D", 20
             ("kernel_k", 30, 40, 7, "kernel", 0), ("H", 200, 20, 3), ("G", 200, 50, 3)]  # fmt: skip
 SELF_TIMES = Exercise(
     name="self_times", oracle=_self_times, rtol=0.02, atol=2.0, timeout_s=30,
-    cases=lambda: [Case((_trace(_NESTING),), label="hand-made events on three threads"), Case((_trace(_NESTING, 2.5, 1e3),),
-                   label="the same events, 2.5 times longer"), _real("plain", "a real trace of a small training run")],
+    cases=lambda: _hand(_NESTING, "hand-made events on three threads") + [_real("plain", "a real trace of a training run")],
     hint="per (pid, tid) lane of host events, sorted by start (longest first on ties), keep a stack of open events: add "
-    "each event's dur to its name and take it off the innermost open event's", passed="nested events on three threads, "
-    "and a real trace against the profiler's own self time",
+    "each event's dur to its name and take it off the innermost open event's",
+    passed="nested events on three threads, and a real trace against the profiler's own self time",
     mistakes=[
         _m("the result has a GPU kernel in it. Try: keep only host events, whose 'cat' is in "
            "utils.profiling.HOST_EVENT_CATS", partial(_self_times, host=False)),
@@ -93,7 +91,7 @@ SELF_TIMES = Exercise(
 
 def _per_step(events, match, per, value=lambda e: 1, inside=True):
     """The sum of ``value(e)`` over events whose name ``match``es (starting inside a ProfilerStep#), over ``per``."""
-    steps = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith("ProfilerStep#")]
+    steps = [(e["ts"], e["ts"] + e["dur"]) for e in events if e["name"].startswith(STEP)]
     hits = [e for e in events if match(e["name"]) and (not inside or any(a <= e["ts"] < b for a, b in steps))]
     return sum(value(e) for e in hits) / per(events, steps)
 
@@ -102,14 +100,14 @@ _wait = partial(
     _per_step, match="phase:data".__eq__, value=lambda e: e["dur"], per=lambda _, s: sum(b - a for a, b in s)
 )
 _span = lambda ev, _: max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)  # the trace's whole span
-_waits = lambda a, b: _trace([("phase:data", 0, 4000, 1, UA)] + [r for i, (t, w) in enumerate(((5000, a), (15000, b)))
-    for r in ((f"ProfilerStep#{i}", t, 1e4, 1, UA), ("phase:data", t, w, 1, UA), ("enumerate(DataLoader)#_Single"
-    "ProcessDataLoaderIter.__next__", t + 100, w - 200))] + [("Optimizer.step#SGD.step", 30000, 10000)])  # fmt: skip
+# a wait before the recorded steps; two 10 ms steps waiting 3 and 5 ms, the loader's own event inside each wait; an op after
+_LOADER = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
+_WAITS = [("phase:data", 0, 4000, 1, UA), (f"{STEP}1", 5000, 1e4, 1, UA), ("phase:data", 5000, 3000, 1, UA),
+          (_LOADER, 5100, 2800), (f"{STEP}2", 15000, 1e4, 1, UA), ("phase:data", 15000, 5000, 1, UA),
+          (_LOADER, 15100, 4800), ("Optimizer.step#SGD.step", 30000, 10000)]  # fmt: skip
 DATA_WAIT_FRACTION = Exercise(
     name="data_wait_fraction", oracle=_wait, rtol=1e-3, atol=1e-3, timeout_s=30,
-    cases=lambda: [Case((_waits(3000, 5000),), label="two 10 ms steps waiting 3 and 5 ms, after a wait before them"),
-                   Case((_waits(6000, 1000),), label="two 10 ms steps waiting 6 and 1 ms, after a wait before them"),
-                   _real("slow", "a real trace of a loader spending 2 ms per image")],
+    cases=lambda: _hand(_WAITS, "two 10 ms steps waiting 3 and 5 ms") + [_real("slow", "a real trace of a slow loader")],
     refuse=("utils.profiling.phase_times", "utils.profiling.phase_times_per_step"),
     refuse_hint="loop over the events and add up their durations", passed="hand-made steps, and a real trace whose "
     "loader costs a known time per image", hint="sum the dur of the phase:data events that start inside a "
@@ -125,16 +123,14 @@ DATA_WAIT_FRACTION = Exercise(
     ],
 )  # fmt: skip
 
-# ``n`` steps of 100 us, each with an .item() (aten::item around the sync) and ``k`` float(t) (no aten::item), then
-# one float(t) after the recorded steps (at an epoch's end)
-_syncs_made = lambda n, k: _trace([(SYNC, 100 * n + 1, 3)] + [r for t in range(0, 100 * n, 100) for r in [(f"ProfilerStep#"
-    f"{t}", t, 100, 1, UA), ("aten::item", t + 10, 5), (SYNC, t + 11, 3)] + [(SYNC, t + 50 + 5 * j, 3) for j in range(k)]])  # fmt: skip
 _syncs = partial(_per_step, match=SYNC.__eq__, per=lambda _, s: len(s))
+# two steps, each with an .item() (aten::item around the sync) and a float(t) (no aten::item); a float(t) after them
+_SYNCS = [(f"{STEP}1", 0, 100, 1, UA), ("aten::item", 10, 5), (SYNC, 11, 3), (SYNC, 50, 3), (f"{STEP}2", 100, 100, 1, UA),
+          ("aten::item", 110, 5), (SYNC, 111, 3), (SYNC, 150, 3), (SYNC, 301, 3)]  # fmt: skip
 SYNCS_PER_STEP = Exercise(
     name="syncs_per_step", oracle=_syncs, timeout_s=30,
-    cases=lambda: [Case((_syncs_made(2, 1),), label="2 hand-made steps with an .item() and a float(t) each"),
-                   Case((_syncs_made(3, 2),), label="3 hand-made steps with an .item() and two float(t) each"),
-                   _real("plain", "a real trace of fit alone"), _real("item", "a real trace of fit with a sync a step")],
+    cases=lambda: _hand(_SYNCS, "2 hand-made steps with an .item() and a float(t) each") + [
+        _real("plain", "a real trace of fit alone"), _real("item", "a real trace of fit with a sync a step")],
     refuse=("utils.profiling.count_per_step",), refuse_hint="loop over the events and count them",
     hint="count the aten::_local_scalar_dense events that start inside ProfilerStep# events, and divide by the steps",
     passed="hand-made events, and real traces with and without a sync per step",
@@ -172,8 +168,8 @@ def _run_loader(answer, case):
     for epoch in range(2):
         data.set_epoch(loader, epoch)
         epochs.append([(bx.cpu(), by.cpu()) for bx, by in loader])
-    return {"worker processes": 0, "per-image reads": getattr(ds, "reads", 0), "order": [[int(i) for _, y in e for i in y]
-            for e in epochs], "batch sizes": [[len(y) for _, y in e] for e in epochs],
+    return {"worker processes": 0, "per-image reads": getattr(ds, "reads", 0), "batch sizes": [[len(y) for _, y in e]
+            for e in epochs], "order": [[int(i) for _, y in e for i in y] for e in epochs],
             "images with their labels": all(torch.equal(bx, ds.tensors[0][by]) for e in epochs for bx, by in e)}  # fmt: skip
 
 
@@ -206,14 +202,10 @@ FIXED_LOADER = Exercise(
 
 
 class _Ops(TorchDispatchMode):
-    """Records each aten op run under it with its first argument's shape: a host read is aten._local_scalar_dense."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
+    """Records each aten op run under it, with its first argument's shape (a host read is aten::_local_scalar_dense)."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append((func.name(), tuple(getattr(args[0], "shape", ())) if args else ()))
+        self.__dict__.setdefault("seen", []).append((func.name(), tuple(getattr(args[0], "shape", ())) if args else ()))
         return func(*args, **(kwargs or {}))
 
 
@@ -236,23 +228,19 @@ class _Log(Callback):
 
 def _run_log(cls, case):
     """``cls()`` driven as fit drives a callback, over epochs of ``case.args`` steps; its host reads in each hook."""
-    log, state, reads = cls(), SimpleNamespace(step=0), defaultdict(int)
+    log, state, in_step, at_end = cls(), SimpleNamespace(step=0), _Ops(), _Ops()
     losses = torch.rand(sum(case.args), generator=torch.Generator().manual_seed(len(case.args))) * 3
-
-    def call(hook):
-        with _Ops() as ops:
-            getattr(log, hook)(state)
-        reads[hook] += sum(name == SYNC for name, _ in ops.seen)
-
     for state.epoch, steps in enumerate(case.args):
         for _ in range(steps):
             state.loss, state.step = losses[state.step].clone(), state.step + 1  # as fit's: detached, on the device
-            call("on_step_end")
-        call("on_epoch_end")
+            with in_step:
+                log.on_step_end(state)
+        with at_end:
+            log.on_epoch_end(state)
+    reads = [sum(name == SYNC for name, _ in getattr(ops, "seen", [])) for ops in (in_step, at_end)]
     got = getattr(log, "losses", None)
     return {"losses": got, "floats": isinstance(got, list) and all(type(v) is float for v in got),
-            "host reads per step": reads["on_step_end"] / state.step,
-            "at most one host read per epoch end": reads["on_epoch_end"] <= len(case.args)}  # fmt: skip
+            "host reads per step": reads[0] / state.step, "at most one host read per epoch end": reads[1] <= len(case.args)}  # fmt: skip
 
 
 LOSS_LOG = Exercise(
@@ -268,11 +256,9 @@ LOSS_LOG = Exercise(
            "on_epoch_end join the pending tensors into one tensor first, then read that one tensor",
            partial(_Log, "each"), when=lambda o: not o.got["at most one host read per epoch end"], mechanism=True),
         _m("after fit, losses holds tensors or something else, not floats. Try: keep the tensors during the epoch; in "
-           "on_epoch_end turn all of them into floats in one read", partial(_Log, "tensors"),
-           when=lambda o: not o.got["floats"]),
+           "on_epoch_end turn all of them into floats in one read", partial(_Log, "tensors"), when=lambda o: not o.got["floats"]),
         _m("losses does not hold one value per optimizer step after fit. Try: convert the pending losses at every "
-           "epoch's end, not only the first", partial(_Log, "first"),
-           when=lambda o: len(o.got["losses"]) != len(o.want["losses"])),
+           "epoch's end, not only the first", partial(_Log, "first"), when=lambda o: len(o.got["losses"]) != sum(o.case.args)),
     ],
 )  # fmt: skip
 
@@ -284,7 +270,7 @@ class _Std(nn.Module):
         super().__init__()
         std, mean = torch.std_mean(reference, dim=0, correction=0 if kind == "biased" else 1)
         for name, value in zip(("mean", "std") if kind == "swapped" else ("std", "mean"), (std, mean)):
-            setattr(self, name, value) if kind == "attributes" else self.register_buffer(name, value)
+            setattr(self, name, value) if kind in ("attributes", "batch") else self.register_buffer(name, value)
         self.eps, self.kind, self.reference = 0.0 if kind == "no_eps" else eps, kind, reference if kind else None
 
     def forward(self, x):
@@ -293,56 +279,48 @@ class _Std(nn.Module):
         return (x - mean) / (std + self.eps)
 
 
-def _std_case(n, shape, eps, label):
+def _run_std(cls, case):
+    """``cls(reference)`` on a batch: its output, whether the call read the whole reference, whether it has buffers."""
+    n, shape, eps = case.args
     g, w = torch.Generator().manual_seed(n), shape[-1]
     ref = torch.randn(n, *shape, generator=g) * torch.linspace(0.5, 3.0, w) + torch.linspace(1, -2, w)
     ref.view(n, -1)[:, 0] = 0.7  # a constant feature: its std is 0, as for the digits' corner pixels
-    return Case((ref, torch.randn(7, *shape, generator=g)), {"eps": eps} if eps else {}, label)
-
-
-def _run_std(cls, case):
-    """``cls(reference)`` on a batch: its output, whether the call read the whole reference, whether it has buffers."""
-    (ref, x), ops = case.args, _Ops()
-    mod = cls(ref.clone(), **case.kwargs)
+    mod, ops = cls(ref, **({"eps": eps} if eps else {})), _Ops()
     with ops:
-        out = mod(x)
-    reads = any(shape[:1] == (len(ref),) for _, shape in ops.seen)
-    return {
-        "output": out,
-        "reads the whole reference per call": reads,
-        "statistics in buffers": bool(list(mod.buffers())),
-    }
+        out = mod(torch.randn(7, *shape, generator=g))
+    return {"output": out, "reads the whole reference per call": any(s[:1] == (n,) for _, s in getattr(ops, "seen", [])),
+            "statistics in buffers": bool(list(mod.buffers()))}  # fmt: skip
 
 
+_std_like = lambda kind: (
+    lambda o: difference(o.got["output"], _run_std(partial(_Std, kind=kind), o.case)["output"]) is None
+)
 STANDARDIZE = Exercise(
     name="standardize", answer=("Standardize",), oracle=_Std, run=_run_std, timeout_s=30,
-    cases=lambda: [_std_case(41, (2, 3), 0, "a reference of 41 rows of 2 x 3 features"),
-                   _std_case(29, (5,), 1e-3, "a reference of 29 rows of 5 features, eps 1e-3")],
+    cases=lambda: [Case((41, (2, 3), 0), label="a reference of 41 rows of 2 x 3 features"),
+                   Case((29, (5,), 1e-3), label="a reference of 29 rows of 5 features, eps 1e-3")],
     hint="subtract the reference's mean and divide by its std plus eps, per feature (statistics over dim 0)",
     passed="the original's outputs, statistics in buffers, and no pass over the reference per call",
     mistakes=[
         _m("each call still reads the whole reference. Try: compute the statistics once, in __init__, and only use them "
            "in forward", partial(_Std, kind="every_call"), when=lambda o: o.got["reads the whole reference per call"],
            mechanism=True),
+        _m("some outputs are inf or nan: a feature of the reference is constant (std 0). Try: add eps to the std before "
+           "dividing, as the original does", partial(_Std, kind="no_eps"), when=lambda o: not o.got["output"].isfinite().all()),
+        _m("you swapped the mean and the std: torch.std_mean returns them in the order (std, mean). Try: unpack its "
+           "result in that order, std first", partial(_Std, kind="swapped"), when=_std_like("swapped")),
+        _m("you standardised with the batch's own statistics. Try: compute mean and std over the reference (all "
+           "training images), along dim 0", partial(_Std, kind="batch"), when=_std_like("batch")),
+        _m("your std is the biased one (divides by N). Try: torch.std_mean's default divides by N - 1: use it with its "
+           "defaults, as the original does", partial(_Std, kind="biased"), when=_std_like("biased")),
         _m("the statistics are not buffers, so model.to(device) would leave them behind. Try: keep them as buffers of "
            "the module (nn.Module has a method for that), so they move with it", partial(_Std, kind="attributes"),
-           when=lambda o: not o.got["statistics in buffers"], mechanism=True),
-        _m("some outputs are inf or nan: a feature of the reference is constant (std 0). Try: add eps to the std before "
-           "dividing, as the original does", partial(_Std, kind="no_eps"),
-           when=lambda o: not torch.isfinite(o.got["output"]).all()),
-        _m("you swapped the mean and the std: torch.std_mean returns them in the order (std, mean). Try: unpack its "
-           "result in that order, std first", partial(_Std, kind="swapped")),
-        _m("you standardised with the batch's own statistics. Try: compute mean and std over the reference (all "
-           "training images), along dim 0", partial(_Std, kind="batch")),
-        _m("your std is the biased one (divides by N). Try: torch.std_mean's default divides by N - 1: use it with its "
-           "defaults, as the original does", partial(_Std, kind="biased")),
+           when=lambda o: not o.got["statistics in buffers"]),
     ],
 )  # fmt: skip
 check_self_times = SELF_TIMES.checker("``self_times(events)``: {op name: self time in microseconds} of host events.")
 check_data_wait_fraction = DATA_WAIT_FRACTION.checker("``data_wait_fraction(events)``: the steps' share spent waiting.")
 check_syncs_per_step = SYNCS_PER_STEP.checker("``syncs_per_step(events)``: host syncs per recorded step.")
-check_fixed_loader = FIXED_LOADER.checker(
-    "``fixed_loader(dataset, batch_size, device, seed)``: the original's batches."
-)
+check_fixed_loader = FIXED_LOADER.checker("``fixed_loader(dataset, batch_size, device, seed)``: the planted order.")
 check_loss_log = LOSS_LOG.checker("``LossLog``: a fit callback keeping every step's loss, without a sync per step.")
 check_standardize = STANDARDIZE.checker("``Standardize(reference, eps=1e-5)``: the original's outputs, its stats once.")
