@@ -71,20 +71,19 @@ _NESTING = [("A", 0, 100), ("B", 10, 30), ("C", 15, 10), ("C", 50, 10), ("D", 20
 SELF_TIMES = Exercise(
     name="self_times", oracle=_self_times, rtol=0.02, atol=2.0, timeout_s=30,
     cases=lambda: _hand(_NESTING, "hand-made events on three threads") + [_real("plain", "a real trace of a training run")],
-    hint="per (pid, tid) lane of host events, sorted by start (longest first on ties), keep a stack of open events: add "
-    "each event's dur to its name and take it off the innermost open event's",
-    passed="nested events on three threads, and a real trace against the profiler's own self time",
+    hint="per (pid, tid) lane of host events, sorted by start, add each dur to its name and take it off the innermost "
+    "open event's", passed="nested events on three threads, and a real trace against the profiler's own self time",
     mistakes=[
-        _m("the result has a GPU kernel in it. Try: keep only host events, whose 'cat' is in "
-           "utils.profiling.HOST_EVENT_CATS", partial(_self_times, host=False)),
-        _m("each op got its whole duration, though other ops ran inside it. Try: subtract from each event the durations "
-           "of the events directly inside it", partial(_self_times, lane=id)),
-        _m("an op inside a child was subtracted from its grandparent as well as from its parent. Try: subtract only the "
-           "DIRECT children (the innermost open event is the parent)", partial(_self_times, direct=False)),
-        _m("an op alone on its thread lost time to ops of another thread. Try: nest events only within the same (pid, "
-           "tid) lane", partial(_self_times, lane=lambda e: 0)),
-        _m("of two events starting together, the shorter one, listed first, was taken as the caller. Try: order ties "
-           "longest first: the longer event is the caller", partial(_self_times, ties=False)),
+        _m("the result has a GPU kernel in it. Try: keep only host events (cat in utils.profiling.HOST_EVENT_CATS)",
+           partial(_self_times, host=False)),
+        _m("each op got its whole duration. Try: take each event's dur off the event directly around it",
+           partial(_self_times, lane=id)),
+        _m("an op was taken off its grandparent as well as its parent. Try: take it off its DIRECT parent only (the "
+           "innermost open event)", partial(_self_times, direct=False)),
+        _m("an op lost time to ops of another thread. Try: nest events only within one (pid, tid) lane",
+           partial(_self_times, lane=lambda e: 0)),
+        _m("of two events starting together, the shorter, listed first, was taken as the caller. Try: order ties longest "
+           "first", partial(_self_times, ties=False)),
     ],
 )  # fmt: skip
 
@@ -114,10 +113,10 @@ DATA_WAIT_FRACTION = Exercise(
     "ProfilerStep# event and divide by the steps' total dur",
     mistakes=[
         _m("it returns a percentage. Try: return a fraction between 0 and 1", lambda ev: 100 * _wait(ev)),
-        _m("the DataLoader's own events, nested inside phase:data, were counted again. Try: count only the phase:data "
-           "events (they already contain the loader's)", partial(_wait, match=lambda n: n.startswith(("phase:d", "enum")))),
-        _m("a data wait before the first recorded step was counted. Try: count only the phase:data events that start "
-           "inside a ProfilerStep# event", partial(_wait, inside=False)),
+        _m("the DataLoader's events inside phase:data were counted again. Try: count only the phase:data events",
+           partial(_wait, match=lambda n: n.startswith(("phase:d", "enum")))),
+        _m("a wait before the first recorded step was counted. Try: count only waits starting inside a ProfilerStep#",
+           partial(_wait, inside=False)),
         _m("it divides by the trace's whole span. Try: divide by the total duration of the ProfilerStep# events",
            partial(_wait, per=_span)),
     ],
@@ -135,12 +134,12 @@ SYNCS_PER_STEP = Exercise(
     hint="count the aten::_local_scalar_dense events that start inside ProfilerStep# events, and divide by the steps",
     passed="hand-made events, and real traces with and without a sync per step",
     mistakes=[
-        _m("you counted aten::item, which float(t) syncs skip. Try: every sync goes through aten::_local_scalar_dense "
-           "(aten::item calls it): count that op, once per sync", partial(_syncs, match="aten::item".__eq__)),
-        _m("aten::item was counted as well as the aten::_local_scalar_dense inside it. Try: count only "
-           "aten::_local_scalar_dense (float(t) skips aten::item)", partial(_syncs, match=("aten::item", SYNC).__contains__)),
-        _m("a sync after the last recorded step was counted. Try: count only events that start inside a ProfilerStep# "
-           "event", partial(_syncs, inside=False)),
+        _m("you counted aten::item, which float(t) skips. Try: count aten::_local_scalar_dense, once per sync",
+           partial(_syncs, match="aten::item".__eq__)),
+        _m("aten::item was counted as well as the sync inside it. Try: count only aten::_local_scalar_dense",
+           partial(_syncs, match=("aten::item", SYNC).__contains__)),
+        _m("a sync after the last recorded step was counted. Try: count only syncs starting inside a ProfilerStep#",
+           partial(_syncs, inside=False)),
         _m("it returns a total, not a mean per step. Try: divide by the number of ProfilerStep# events",
            partial(_syncs, per=lambda *_: 1)),
     ],
@@ -181,22 +180,20 @@ FIXED_LOADER = Exercise(
     hint="return a loader of (x, y) batches in utils.data's order for this seed, each batch a slice of the dataset's "
     "tensors", passed="the original's batches for two epochs and two seeds, with no per-image reads",
     mistakes=[
-        _m("your loader reads the images in worker processes: the per-image work is still done every epoch, only spread "
-           "over more cores. Try: keep the data resident instead: serve each batch as a slice of the dataset's tensors, "
-           "with no per-image read at all", partial(_loader, kind="dataloader", num_workers=2),
+        _m("your loader reads the images in worker processes, still paying the per-image work every epoch. Try: serve "
+           "each batch as a slice of the dataset's tensors", partial(_loader, kind="dataloader", num_workers=2),
            when=lambda o: o.got["worker processes"], mechanism=True),
-        _m("your loader reads the images one at a time (dataset[i]), so any per-image work is paid again every epoch. "
-           "Try: serve batches as slices of the dataset's tensors (dataset.tensors), as a device-resident loader does",
-           partial(_loader, kind="dataloader"), when=lambda o: o.got["per-image reads"], mechanism=True),
-        _m("epoch 0 is right but epoch 1 repeats it or differs from the original's order. Try: draw a new order each "
-           "epoch: a loader with set_epoch (utils.data's loaders have it)", partial(_loader, listed=True),
-           when=lambda o: _same_epoch(o, 0) and not _same_epoch(o, 1)),
+        _m("your loader reads the images one at a time (dataset[i]), paying the per-image work every epoch. Try: serve "
+           "each batch as a slice of the dataset's tensors", partial(_loader, kind="dataloader"),
+           when=lambda o: o.got["per-image reads"], mechanism=True),
+        _m("epoch 1 repeats epoch 0 or differs from the original's. Try: use a loader with set_epoch, as utils.data's are",
+           partial(_loader, listed=True), when=lambda o: _same_epoch(o, 0) and not _same_epoch(o, 1)),
         _m("your batches come in the dataset's order. Try: shuffle, with the seed you are given",
            partial(_loader, shuffle=False)),
         _m("your batch sizes differ from the original's. Try: keep the last, smaller batch (no drop_last)",
            partial(_loader, drop_last=True), when=lambda o: o.got["batch sizes"] != o.want["batch sizes"]),
-        _m("your batches differ from the original loader's for the same seed. Try: use utils.data's order for this seed "
-           "(data.make_loader takes a seed), not a shuffle of your own", lambda ds, b, dev, seed: _loader(ds, b, dev, 0)),
+        _m("your batches differ from the original's for this seed. Try: use utils.data's order (make_loader's seed)",
+           lambda ds, b, dev, seed: _loader(ds, b, dev, 0)),
     ],
 )  # fmt: skip
 
@@ -249,16 +246,14 @@ LOSS_LOG = Exercise(
     hint="keep state.loss of each step: your values must be the ones .item() reads every step",
     passed="the same losses as .item() every step, with no host read inside the steps",
     mistakes=[
-        _m("your LossLog still reads the loss on the host at every step (aten::_local_scalar_dense inside on_step_end). "
-           "Try: in on_step_end only append the tensor state.loss; no .item(), float() or .tolist() there",
+        _m("your LossLog reads the loss on the host at every step. Try: in on_step_end only keep the tensor state.loss",
            partial(_Log, "float"), when=lambda o: o.got["host reads per step"] > 0, mechanism=True),
-        _m("at the epochs' ends your LossLog reads the losses one at a time; one read per epoch is the point. Try: in "
-           "on_epoch_end join the pending tensors into one tensor first, then read that one tensor",
+        _m("at an epoch's end your LossLog reads the losses one at a time. Try: stack them into one tensor, then read it",
            partial(_Log, "each"), when=lambda o: not o.got["at most one host read per epoch end"], mechanism=True),
-        _m("after fit, losses holds tensors or something else, not floats. Try: keep the tensors during the epoch; in "
-           "on_epoch_end turn all of them into floats in one read", partial(_Log, "tensors"), when=lambda o: not o.got["floats"]),
-        _m("losses does not hold one value per optimizer step after fit. Try: convert the pending losses at every "
-           "epoch's end, not only the first", partial(_Log, "first"), when=lambda o: len(o.got["losses"]) != sum(o.case.args)),
+        _m("after fit, losses holds something other than floats. Try: turn the tensors into floats at each epoch's end",
+           partial(_Log, "tensors"), when=lambda o: not o.got["floats"]),
+        _m("losses lacks some steps' values. Try: convert the pending losses at every epoch's end, not only the first",
+           partial(_Log, "first"), when=lambda o: len(o.got["losses"]) != sum(o.case.args)),
     ],
 )  # fmt: skip
 
@@ -302,20 +297,18 @@ STANDARDIZE = Exercise(
     hint="subtract the reference's mean and divide by its std plus eps, per feature (statistics over dim 0)",
     passed="the original's outputs, statistics in buffers, and no pass over the reference per call",
     mistakes=[
-        _m("each call still reads the whole reference. Try: compute the statistics once, in __init__, and only use them "
-           "in forward", partial(_Std, kind="every_call"), when=lambda o: o.got["reads the whole reference per call"],
-           mechanism=True),
-        _m("some outputs are inf or nan: a feature of the reference is constant (std 0). Try: add eps to the std before "
-           "dividing, as the original does", partial(_Std, kind="no_eps"), when=lambda o: not o.got["output"].isfinite().all()),
-        _m("you swapped the mean and the std: torch.std_mean returns them in the order (std, mean). Try: unpack its "
-           "result in that order, std first", partial(_Std, kind="swapped"), when=_std_like("swapped")),
-        _m("you standardised with the batch's own statistics. Try: compute mean and std over the reference (all "
-           "training images), along dim 0", partial(_Std, kind="batch"), when=_std_like("batch")),
-        _m("your std is the biased one (divides by N). Try: torch.std_mean's default divides by N - 1: use it with its "
-           "defaults, as the original does", partial(_Std, kind="biased"), when=_std_like("biased")),
-        _m("the statistics are not buffers, so model.to(device) would leave them behind. Try: keep them as buffers of "
-           "the module (nn.Module has a method for that), so they move with it", partial(_Std, kind="attributes"),
-           when=lambda o: not o.got["statistics in buffers"]),
+        _m("each call still reads the whole reference. Try: compute the statistics once, in __init__",
+           partial(_Std, kind="every_call"), when=lambda o: o.got["reads the whole reference per call"], mechanism=True),
+        _m("some outputs are inf or nan, where a feature is constant (std 0). Try: add eps to the std before dividing",
+           partial(_Std, kind="no_eps"), when=lambda o: not o.got["output"].isfinite().all()),
+        _m("you swapped the mean and the std. Try: torch.std_mean returns (std, mean), in that order",
+           partial(_Std, kind="swapped"), when=_std_like("swapped")),
+        _m("you standardised with the batch's own statistics. Try: use the reference's, over its dim 0",
+           partial(_Std, kind="batch"), when=_std_like("batch")),
+        _m("your std is the biased one (divides by N). Try: use torch.std_mean's default, which divides by N - 1",
+           partial(_Std, kind="biased"), when=_std_like("biased")),
+        _m("the statistics are not buffers, so model.to(device) would leave them behind. Try: register them as buffers",
+           partial(_Std, kind="attributes"), when=lambda o: not o.got["statistics in buffers"]),
     ],
 )  # fmt: skip
 check_self_times = SELF_TIMES.checker("``self_times(events)``: {op name: self time in microseconds} of host events.")
