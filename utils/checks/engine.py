@@ -139,73 +139,73 @@ def fail(name: str, problem: str, hint: str) -> None:
 # ---------------------------------------------------------------------------------------- comparing
 
 
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def _from_numpy(x):
+    if type(x).__module__ != "numpy":
+        return x
+    return x.item() if getattr(x, "shape", None) == () else torch.as_tensor(x)
+
+
 def _plain(x, like):
-    """Numbers as Python numbers, arrays as tensors, so assert_close compares values, not types."""
-    if hasattr(x, "item") and not isinstance(x, torch.Tensor) and getattr(x, "shape", None) == ():
-        x = x.item()  # numpy scalar
-    if type(x).__module__ == "numpy":
-        x = torch.as_tensor(x)
-    if isinstance(like, (int, float)) and not isinstance(like, bool):
-        if isinstance(x, torch.Tensor) and x.numel() == 1:
-            return x.item()
-        if isinstance(x, int) and not isinstance(x, bool):
-            return x
+    """``x`` shaped like ``like``: numbers as Python numbers, arrays as CPU tensors, containers item by item."""
+    x = _from_numpy(x)
+    if _number(like):
+        return x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x
     if isinstance(like, torch.Tensor) and isinstance(x, torch.Tensor):
         return x.detach().to("cpu")
     if isinstance(like, (list, tuple)) and isinstance(x, (list, tuple)) and len(x) == len(like):
         return type(like)(_plain(a, b) for a, b in zip(x, like))
     if isinstance(like, dict) and isinstance(x, dict):
-        return {k: _plain(x[k], like[k]) if k in like else x[k] for k in x}
+        return {k: _plain(v, like[k]) if k in like else v for k, v in x.items()}
     return x
 
 
 def _kind(x) -> str:
     if isinstance(x, torch.Tensor):
         return f"a tensor of shape {tuple(x.shape)}"
-    if x is None:
-        return "None"
-    return f"a {type(x).__name__}"
+    return "None" if x is None else f"a {type(x).__name__}"
 
 
 def _category(x) -> str:
-    if isinstance(x, bool):
-        return "bool"
-    if isinstance(x, (int, float)):
+    if _number(x):
         return "number"
     if isinstance(x, (list, tuple)):
         return "sequence"
-    return type(x).__name__ if x is None or isinstance(x, (torch.Tensor, dict, str)) else "other"
+    return type(x).__name__ if x is None or isinstance(x, (bool, torch.Tensor, dict, str)) else "other"
 
 
 def difference(got, want, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
     """None when ``got`` equals ``want`` within the tolerances, else what differs, in words."""
-    if type(want).__module__ == "numpy":
-        want = want.item() if getattr(want, "shape", None) == () else torch.as_tensor(want)
+    want = _from_numpy(want)
     got = _plain(got, want)
-    if isinstance(want, float) and isinstance(got, int) and not isinstance(got, bool):
-        got = float(got)
-    if isinstance(want, (int, float)) and isinstance(got, (int, float)) and not isinstance(got, bool):
-        if math.isclose(float(got), float(want), rel_tol=rtol, abs_tol=atol):
-            return None
-        return f"returned {got:.6g} where {want:.6g} was expected"
-    if _category(got) != _category(want):
+    if _number(want) and _number(got):
+        close = math.isclose(float(got), float(want), rel_tol=rtol, abs_tol=atol)
+        return None if close else f"returned {got:.6g} where {want:.6g} was expected"
+    shapes = [tuple(t.shape) for t in (got, want) if isinstance(t, torch.Tensor)]
+    if _category(got) != _category(want) or (len(shapes) == 2 and shapes[0] != shapes[1]):
         return f"returned {_kind(got)} where {_kind(want)} was expected"
     if isinstance(want, (str, bool)) or want is None:
         return None if got == want else f"returned {got!r} where {want!r} was expected"
-    if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and got.shape != want.shape:
-        return f"returned {_kind(got)} where {_kind(want)} was expected"
+    return _assert_close(got, want, rtol, atol)
+
+
+def _assert_close(got, want, rtol: float, atol: float) -> str | None:
     try:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, check_dtype=False, check_device=False)
         return None
-    except AssertionError as e:
-        first = str(e).strip().splitlines()[0].rstrip(".!")
-        if isinstance(want, torch.Tensor) and isinstance(got, torch.Tensor) and want.numel() <= 12:
-            return f"returned {got.tolist()} where {want.tolist()} was expected ({first.lower()})"
-        at = re.search(r"failure occurred for item (\S+)", str(e))
-        where = f" at {at.group(1).rstrip('.:')}" if at else ""
-        return f"returned values that differ from the expected ones{where} ({first[0].lower() + first[1:]})"
     except (TypeError, ValueError):
         return f"returned {_kind(got)} where {_kind(want)} was expected"
+    except AssertionError as e:
+        first = str(e).strip().splitlines()[0].rstrip(".!")
+        first = first[0].lower() + first[1:]
+        if isinstance(want, torch.Tensor) and want.numel() <= 12:
+            return f"returned {got.tolist()} where {want.tolist()} was expected ({first})"
+        at = re.search(r"failure occurred for item (\S+)", str(e))
+        where = f" at {at.group(1).rstrip('.:')}" if at else ""
+        return f"returned values that differ from the expected ones{where} ({first})"
 
 
 # ---------------------------------------------------------------------------------------- refusing
@@ -262,58 +262,61 @@ def _cell_value(cell):
         return None
 
 
+def _reach(answer: Sequence, scopes: Sequence[dict]) -> tuple[list, list]:
+    """The namespaces and closure cells through which the answer's code finds its names."""
+    fns = [f for a in answer for f in ([a] if hasattr(a, "__code__") else _methods(a))]
+    cells = [c for fn in fns for c in (getattr(fn, "__closure__", None) or ())]
+    return list({id(fn.__globals__): fn.__globals__ for fn in fns}.values()) + list(scopes), cells
+
+
+def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
+    """[(holder, attribute, replacement)]: each refused object in its module, and wherever the
+    answer holds it (its globals, its closures, a class answer's methods' globals, ``scopes``)."""
+
+    def raise_(what: str):
+        problem = f"your code uses {what}, which this exercise asks you to write yourself"
+        raise CheckFailed(message(ex.name, problem, ex.refuse_hint))
+
+    def refuser(what):
+        return lambda *a, **k: raise_(what)
+
+    scopes, cells = _reach(answer, scopes)
+    modules = [m for m in (_resolve(d)[2] for d in ex.refuse) if isinstance(m, types.ModuleType)]
+    out = []
+    for holder, attr, obj in _refused_objects(ex.refuse):
+        what = f"{getattr(holder, '__name__', holder)}.{attr}"
+        out.append((holder, attr, refuser(what)))
+        out += [(scope, k, refuser(what)) for scope in scopes for k, v in scope.items() if v is obj]
+        out += [(cell, "cell_contents", refuser(what)) for cell in cells if _cell_value(cell) is obj]
+    for scope in scopes:
+        out += [(scope, k, _RefusedModule(v, raise_)) for k, v in scope.items() if any(v is m for m in modules)]
+    return out
+
+
+def _get(holder, attr):
+    return holder[attr] if isinstance(holder, dict) else getattr(holder, attr)
+
+
+def _set(holder, attr, value) -> None:
+    if isinstance(holder, dict):
+        holder[attr] = value
+    else:
+        setattr(holder, attr, value)
+
+
 @contextlib.contextmanager
 def refusing(ex: Exercise, answer: Sequence, scopes: Sequence[dict] = ()) -> Iterator[None]:
     """While the answer runs, what ``ex.refuse`` names raises :class:`CheckFailed` wherever the
-    answer can reach it: in its module, and under any name in the answer's globals and closures
-    (and in ``scopes``: a rank's namespace)."""
-    if not ex.refuse:
-        yield
-        return
-
-    def raise_(what: str):
-        raise CheckFailed(
-            message(ex.name, f"your code uses {what}, which this exercise asks you to write yourself", ex.refuse_hint)
-        )
-
-    def refuser(what):
-        def refused(*a, **k):
-            raise_(what)
-
-        return refused
-
-    fns = [f for a in answer for f in ([a] if hasattr(a, "__code__") else _methods(a))]
-    cells = [c for fn in fns for c in (getattr(fn, "__closure__", None) or ())]
-    scopes = list({id(fn.__globals__): fn.__globals__ for fn in fns}.values()) + list(scopes)
-    targets = _refused_objects(ex.refuse)
-    modules = {dotted: _resolve(dotted)[2] for dotted in ex.refuse}
+    answer can reach it; everything is put back afterwards."""
     saved = []
     try:
-        for holder, attr, obj in targets:
-            what = f"{getattr(holder, '__name__', holder)}.{attr}"
-            saved.append((holder, attr, obj))
-            setattr(holder, attr, refuser(what))
-            for scope in scopes:
-                for k, v in list(scope.items()):
-                    if v is obj:
-                        saved.append((scope, k, v))
-                        scope[k] = refuser(what)
-            for cell in cells:
-                if _cell_value(cell) is obj:
-                    saved.append((cell, "cell_contents", obj))
-                    cell.cell_contents = refuser(what)
-        for scope in scopes:
-            for k, v in list(scope.items()):
-                if any(v is m for m in modules.values() if isinstance(m, types.ModuleType)):
-                    saved.append((scope, k, v))
-                    scope[k] = _RefusedModule(v, raise_)
+        for holder, attr, value in _patches(ex, answer, scopes) if ex.refuse else ():
+            saved.append((holder, attr, _get(holder, attr)))
+            _set(holder, attr, value)
         yield
     finally:
-        for holder, attr, obj in reversed(saved):
-            if isinstance(holder, dict):
-                holder[attr] = obj
-            else:
-                setattr(holder, attr, obj)
+        for holder, attr, old in reversed(saved):
+            _set(holder, attr, old)
 
 
 # ---------------------------------------------------------------------------------------- the answer
