@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-# The probe's own fingerprint: the job's rank 0 and the grader hash weights with one definition.
+# The probe's own fingerprint: the job's rank 0 and the grader hash weights with one definition. The
+# probe keeps to torch and the standard library: importing this package from it would load the
+# whole grader (its __init__: core, sandbox) into every rank of every graded job.
 from ._probe.sitecustomize import fingerprint as fingerprint
 from .spec import Spec
 
