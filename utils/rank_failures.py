@@ -1,10 +1,10 @@
 """How a run of several ranks ended, read from what they printed: which rank failed first and with
 what error, and gloo's abort at interpreter exit told apart from a failure.
 
-One reader for every launcher of the course: ``parallel.launch`` (each rank's traceback and exit
-code), ``parallel.torchrun`` and the lab's script check (torchrun's output, where torch.distributed
-prefixes each traceback line of rank N with ``[rankN]:``), and the grader (each rank's own log and
-torchrun's summary). Standard library only, so that all of them may import it.
+One reader for every way the course starts ranks: ``parallel.launch`` (each rank's traceback and
+exit code), torchrun's output (its summary, and each traceback line of rank N prefixed ``[rankN]:``
+by torch.distributed) as ``parallel.torchrun`` returns it, and the grader's per-rank logs beside
+torchrun's summary. Standard library only, so that every layer may import it.
 
 When one rank fails, its peers fail moments later with errors of their own ("Connection closed by
 peer", a SIGTERM from torchrun): the rank to name is the one whose error is its own.

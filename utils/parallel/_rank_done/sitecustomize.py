@@ -4,8 +4,8 @@ can tell a rank that gloo's teardown aborted at interpreter exit, after its work
 failed.
 
 The marker ``rank{RANK}`` (it holds WORLD_SIZE) is written in the last exit handler, only when no
-exception ended the script and ``sys.exit`` was not called with a failing status. Standard library
-only. Processes without RANK (torchrun's agent) are left alone, and the ranks' own children never
+exception ended the script and ``sys.exit`` was not called with a failing status (a bare
+``raise SystemExit(2)`` goes unseen). Standard library only. Processes without RANK (torchrun's agent) are left alone, and the ranks' own children never
 see the variable. Any other ``sitecustomize`` further down the path still runs.
 """
 
@@ -23,7 +23,7 @@ def _install(folder: str) -> None:
     status = []
     real_exit = sys.exit
 
-    def exit(code=None):  # noqa: A001 - stands in for sys.exit
+    def recording_exit(code=None):
         status.append(code)
         real_exit(code)
 
@@ -32,7 +32,7 @@ def _install(folder: str) -> None:
             with open(marker, "w") as f:
                 f.write(world)
 
-    sys.exit = exit
+    sys.exit = recording_exit
     atexit.register(finished)
 
 
