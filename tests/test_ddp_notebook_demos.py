@@ -30,7 +30,7 @@ def test_plain_ddp_script_under_torchrun_matches_the_serial_script(tmp_path):
     assert serial.returncode == 0, serial.stderr
     args = ["--standalone", "--nproc-per-node=2", "-m", "utils.demos.plain_ddp", "--epochs=2"]
     proc = parallel.torchrun([*args, f"--out={tmp_path / 'd.pt'}"], timeout=300, cwd=ROOT)
-    assert parallel.torchrun_finished(proc, 2), proc.stdout[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:]
     s = torch.load(tmp_path / "s.pt", weights_only=True)
     d = torch.load(tmp_path / "d.pt", weights_only=True)
     assert d["epoch"] == 1 and d["losses"][1] < d["losses"][0], "the DDP script trains"
@@ -69,14 +69,3 @@ def test_dataparallel_on_a_cpu_just_calls_the_module():
     assert [(pid, tid, rows) for pid, tid, _, rows in out["calls"]] == [
         (out["pid"], threading.current_thread().name, 6)
     ]
-
-
-def test_torchrun_finished_accepts_only_gloo_s_exit_abort_after_every_rank_is_done():
-    from subprocess import CompletedProcess
-
-    done = "epoch 0: loss 1.0\nrank 0: done\nrank 1: done\n"
-    abort = "terminate called without an active exception\n"
-    assert parallel.torchrun_finished(CompletedProcess([], 0, "anything"), 2)
-    assert parallel.torchrun_finished(CompletedProcess([], 1, done + abort), 2)
-    assert not parallel.torchrun_finished(CompletedProcess([], 1, done), 2), "another failure"
-    assert not parallel.torchrun_finished(CompletedProcess([], 1, "rank 0: done\n" + abort), 2), "rank 1 unfinished"

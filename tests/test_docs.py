@@ -2,9 +2,10 @@
 
 * docs/DESIGN.md's module table has exactly one row per module under utils/: every ``.py`` file,
   recursively, except ``__init__.py`` and ``__main__.py`` (they only re-export or dispatch).
-  ``utils/grader/_probe/sitecustomize.py`` counts: nobody imports it as a module of the package
-  (the grader puts its folder on a graded job's PYTHONPATH), but it is code the course owns and
-  a trust boundary of the grader, so it has a row like any other file.
+  ``utils/grader/_probe/sitecustomize.py`` and ``utils/parallel/_rank_done/sitecustomize.py`` count:
+  they are loaded from a folder put on the PYTHONPATH of a graded job or of torchrun's ranks, but
+  they are code the course owns (the probe a trust boundary of the grader), so each has a row like
+  any other file.
 * Every relative link target in README.md, CONTRIBUTING.md and docs/*.md exists.
 
 A row of the table is a line that starts with ``| `utils/.../name.py` |``.

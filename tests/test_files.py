@@ -57,3 +57,14 @@ def test_a_streaming_writer_that_fails_midway_leaves_the_old_file(tmp_path):
     with files.atomic_open(target) as f:
         f.write(b"new")
     assert target.read_bytes() == b"new"
+
+
+def test_shm_free_bytes_is_what_the_file_system_reports(tmp_path):
+    import shutil
+
+    before = shutil.disk_usage(tmp_path).free  # the oracle: the standard library's reading of the same folder
+    got = files.shm_free_bytes(str(tmp_path))
+    after = shutil.disk_usage(tmp_path).free
+    slack = 2**20  # other programs write to the same disk meanwhile
+    assert min(before, after) - slack <= got <= max(before, after) + slack
+    assert files.shm_free_bytes(str(tmp_path / "missing")) is None, "no such folder: nothing to check"

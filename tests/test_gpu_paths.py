@@ -232,7 +232,7 @@ def test_loader_pins_only_with_cuda_and_runs_without_warnings():
 
 
 def test_small_dev_shm_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(data, "_shm_free_bytes", lambda path=data.SHM_DIR: 64 * 2**20)  # Docker's default
+    monkeypatch.setattr(data, "shm_free_bytes", lambda path=data.SHM_DIR: 64 * 2**20)  # Docker's default
     ds = data.synthetic(4096, shape=(3, 224, 224))
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(8)))
     with pytest.raises(RuntimeError, match="shm-size"):
@@ -533,7 +533,7 @@ def test_fsdp2_under_gloo_with_fewer_gpus_than_ranks_uses_the_ranks_device_mesh(
 def shm_worker(free_mib):
     os.environ.pop("LAB_DIST_BACKEND", None)  # let the ranks decide, as under torchrun
     install_in_rank(1, [f"gpu-of-rank-{os.environ['RANK']}"])  # one GPU per rank: NCCL
-    group._shm_free_bytes = lambda path=group.SHM_DIR: free_mib * 2**20
+    group.shm_free_bytes = lambda path=group.SHM_DIR: free_mib * 2**20
     ctx = parallel.setup()
     return ctx.backend
 
@@ -547,7 +547,7 @@ def test_nccl_with_a_small_dev_shm_is_refused_before_the_group_exists():
 
 
 def test_one_nccl_rank_alone_needs_no_shared_memory(one_gpu, alone, monkeypatch):
-    monkeypatch.setattr(group, "_shm_free_bytes", lambda path=group.SHM_DIR: 64 * 2**20)
+    monkeypatch.setattr(group, "shm_free_bytes", lambda path=group.SHM_DIR: 64 * 2**20)
     assert parallel.setup().backend == "nccl"
 
 

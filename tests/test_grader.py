@@ -649,13 +649,22 @@ def test_a_killed_grader_takes_the_submission_along(tmp_path, tool):
     assert left == [], f"the dead grader's cgroup was not swept: {left}"
 
 
-def test_probe_and_grader_fingerprint_alike():
+def test_fingerprint_is_sha256_of_sorted_keys_and_tensor_bytes():
+    """One definition (the probe's, which the grader imports), against hashlib over bytes packed by
+    hand with struct: each key, then its values in row-major order, little-endian."""
+    import hashlib
+    import struct
+
     from utils.grader._probe import sitecustomize as probe
 
-    sd = utils.models.build("net", (1, 8, 8), width=4).state_dict()
-    assert probe.fingerprint(sd) == weights.fingerprint(sd)
-    nudged = {**sd, "fc3.bias": sd["fc3.bias"] + 1e-3}
-    assert probe.fingerprint(nudged) != weights.fingerprint(sd)
+    assert weights.fingerprint is probe.fingerprint, "the grader hashes with the probe's own function"
+    w = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    sd = {"w": w.t(), "step": torch.tensor([7, -1]), "empty": torch.empty(0)}  # a transposed view: not contiguous
+    expected = hashlib.sha256(
+        b"empty" + b"step" + struct.pack("<2q", 7, -1) + b"w" + struct.pack("<4f", 1.0, 3.0, 2.0, 4.0)
+    ).hexdigest()
+    assert probe.fingerprint(sd) == expected
+    assert probe.fingerprint({**sd, "step": torch.tensor([7, 0])}) != expected
 
 
 def test_graded_weights_must_be_the_ddp_models():

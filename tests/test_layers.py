@@ -13,12 +13,13 @@ UTILS = Path(__file__).resolve().parent.parent / "utils"
 # module (or package) -> the utils modules it may import (its own package always allowed)
 ALLOWED = {
     "files": set(),
+    "rank_failures": set(),
     "config": set(),
     "device": set(),
     "data": {"config", "device", "files"},
     "models": set(),
     "train": {"device", "data"},
-    "parallel": {"config", "data", "device", "files", "models", "train"},
+    "parallel": {"config", "data", "device", "files", "models", "rank_failures", "train"},
 }
 
 

@@ -71,6 +71,29 @@ def stuck_at_exit_worker():
     return int(os.environ["RANK"])
 
 
+class _GlooAbortAtExit:
+    """Dies of SIGABRT while the interpreter shuts down, with the line gloo's teardown prints."""
+
+    def __del__(self, write=os.write, abort=os.abort):
+        write(2, b"terminate called without an active exception\n")
+        abort()
+
+
+_held = None  # freed as the interpreter shuts down, after the rank sent its result
+
+
+def aborted_at_exit_worker(mode):
+    global _held
+    rank = int(os.environ["RANK"])
+    if rank == 1:
+        _held = _GlooAbortAtExit()
+        if mode == "raise":
+            raise ValueError("rank 1 failed before its exit")
+        if mode == "abort":
+            _held.__del__()  # the same abort, before the worker returned
+    return rank
+
+
 def _dataset():
     return data.synthetic(W * B * STEPS, shape=(1, 8, 8), seed=3)
 
@@ -186,6 +209,15 @@ def test_a_rank_stuck_exiting_after_its_result_does_not_hang_launch(monkeypatch)
     assert parallel.launch(stuck_at_exit_worker, W, timeout=60, stream=False) == list(range(W))
     assert time.monotonic() - t0 < 30, "launch should return soon after every rank sent its result"
     _no_children("a rank stuck at exit")
+
+
+def test_gloo_s_abort_at_exit_after_the_result_was_sent_is_no_failure():
+    assert parallel.launch(aborted_at_exit_worker, 2, "finish", timeout=120, stream=False) == [0, 1]
+    with pytest.raises(parallel.LaunchError, match="rank 1 raised ValueError: rank 1 failed before its exit"):
+        parallel.launch(aborted_at_exit_worker, 2, "raise", timeout=120, stream=False)
+    with pytest.raises(parallel.LaunchError, match="rank 1 was killed by signal 6"):
+        parallel.launch(aborted_at_exit_worker, 2, "abort", timeout=120, stream=False)
+    _no_children("launches whose rank aborted")
 
 
 def test_worker_from_main_or_lambda_is_refused():

@@ -123,3 +123,76 @@ def test_max_restarts_recovers_a_killed_rank_exactly(two_nodes, tmp_path):
     assert _same(final[0], two_nodes[0]), (
         "the recovered run must end with exactly the weights of the uninterrupted run (same world size)"
     )
+
+
+# ---------------------------------------------------------------------------- gloo's abort at interpreter exit
+
+# Each rank runs MODE, then shuts down; a rank holding GlooAbortAtExit dies of SIGABRT while the
+# interpreter shuts down, with the line gloo's teardown prints (as torch 2.13's gloo does, now and then).
+EXIT_SCRIPT = """
+import os, sys
+
+class GlooAbortAtExit:
+    def __del__(self, write=os.write, abort=os.abort):
+        write(2, b"terminate called without an active exception\\n")
+        abort()
+
+mode, rank = sys.argv[1], int(os.environ["RANK"])
+if rank == 1:
+    held = GlooAbortAtExit()
+    if mode == "raise":
+        raise ValueError("rank 1 failed")
+    if mode == "exit":
+        sys.exit(3)
+    if mode == "abort":  # the same line, but before the script's end
+        held.__del__()
+print(f"rank {rank} ran to its end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode, passes", [("finish", True), ("raise", False), ("exit", False), ("abort", False)])
+def test_an_abort_at_exit_after_the_script_finished_passes_and_any_other_failure_fails(tmp_path, mode, passes):
+    script = tmp_path / "script.py"
+    script.write_text(EXIT_SCRIPT)
+    p = torchrun(["--standalone", "--nproc-per-node=2", script, mode], cwd=tmp_path, env=_env(), timeout=120)
+    assert "exitcode  : -6" in p.stdout, f"rank 1 should have died of SIGABRT:\n{p.stdout[-3000:]}"
+    assert (p.returncode == 0) == passes, p.stdout[-3000:]
+    assert ("parallel.torchrun: every rank finished" in p.stdout) == passes
+
+
+def _python(code, env, cwd):
+    return subprocess.run([sys.executable, "-c", code], env=env, cwd=cwd, capture_output=True, text=True, timeout=60)
+
+
+def test_the_rank_marker_is_written_only_when_the_script_ran_to_its_end(tmp_path):
+    from utils.parallel.launcher import RANK_DONE_SITE
+
+    done = tmp_path / "done"
+    done.mkdir()
+    other = tmp_path / "other_site"  # a sitecustomize further down the path (a site's own) still runs
+    other.mkdir()
+    (other / "sitecustomize.py").write_text("print('the next sitecustomize ran')\n")
+    env = dict(_env(), PYTHONPATH=f"{RANK_DONE_SITE}{os.pathsep}{other}", LAB_RANK_DONE_DIR=str(done))
+    env.update(RANK="1", WORLD_SIZE="2")
+    marker = done / "rank1"
+    cases = [
+        ("print('work')", True),
+        ("import sys; sys.exit(0)", True),
+        ("import sys; sys.exit(2)", False),
+        ("import sys; sys.exit('a message')", False),
+        ("raise ValueError('x')", False),
+    ]
+    for code, written in cases:
+        marker.write_text("stale")  # a previous attempt's marker never counts for this one
+        r = _python(code, env, tmp_path)
+        assert "the next sitecustomize ran" in r.stdout, r.stdout + r.stderr
+        assert marker.exists() == written, code
+        if written:
+            assert marker.read_text() == "2", "the marker holds the world size"
+    child = "import os; print('child sees', os.environ.get('LAB_RANK_DONE_DIR'))"
+    r = _python(f"import subprocess, sys; subprocess.run([sys.executable, '-c', {child!r}])", env, tmp_path)
+    assert "child sees None" in r.stdout, "a rank's children never see the marker folder"
+    agent = {k: v for k, v in env.items() if k not in ("RANK", "WORLD_SIZE")}  # torchrun's agent: no RANK
+    marker.unlink()
+    r = _python("import os; print(os.environ['LAB_RANK_DONE_DIR'])", agent, tmp_path)
+    assert r.stdout.splitlines()[-1] == str(done) and not marker.exists(), "the agent passes it on, writes nothing"

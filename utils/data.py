@@ -40,7 +40,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from .files import atomic_open
+from .files import SHM_DIR, atomic_open, shm_free_bytes
 
 NUM_CLASSES = 10
 
@@ -657,22 +657,11 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-SHM_DIR = "/dev/shm"
-
-
-def _shm_free_bytes(path: str = SHM_DIR) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except (AttributeError, OSError):
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 def _check_shm(dataset, batch_size: int, workers: int, prefetch: int = 2) -> None:
     """Workers hand batches to the trainer through shared memory (/dev/shm). Docker gives a
     container 64 MB by default: a few batches of images fill it, and the workers then die with a
     bus error that names nothing useful. Check first, and say what to do."""
-    free = _shm_free_bytes()
+    free = shm_free_bytes()
     if free is None:
         return
     try:

@@ -7,6 +7,9 @@ failure on the way leaves the old file and no temporary file behind.
 
 One deliberate exception: ``data.fetch`` downloads to ``NAME.partPID`` and renames only after the
 whole file's MD5 matched, trying the next mirror on a mismatch.
+
+Also the room left in shared memory (``shm_free_bytes``), which DataLoader workers and NCCL's
+ranks on one node write through: ``data.make_loader`` and ``parallel.setup`` check it first.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["atomic_open", "atomic_write", "atomic_write_json", "atomic_save"]
+__all__ = ["atomic_open", "atomic_write", "atomic_write_json", "atomic_save", "SHM_DIR", "shm_free_bytes"]
 
 
 @contextlib.contextmanager
@@ -65,3 +68,16 @@ def atomic_save(obj: Any, path: str | os.PathLike) -> Path:
     buf = io.BytesIO()
     torch.save(obj, buf)
     return atomic_write(path, buf.getvalue())
+
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_free_bytes(path: str = SHM_DIR) -> int | None:
+    """Bytes free in shared memory (Docker gives a container 64 MB unless told otherwise); None
+    where there is no such folder (not Linux): nothing to check."""
+    try:
+        st = os.statvfs(path)
+    except (AttributeError, OSError):
+        return None
+    return st.f_bavail * st.f_frsize

@@ -66,10 +66,8 @@ def main() -> None:
             print(f"epoch {epoch}: loss {losses[-1]:.4f}")
             torch.save({"model": model.module.state_dict(), "epoch": epoch, "losses": losses}, args.out)
 
-    del model, opt  # DDP's reducer holds the group's last work: free it before the group
     dist.barrier()  # every rank is done before any leaves
     dist.destroy_process_group()
-    print(f"rank {rank}: done", flush=True)  # this rank finished and left the group
 
 
 if __name__ == "__main__":

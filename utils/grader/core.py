@@ -22,6 +22,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import stat
 import sys
 import tempfile
@@ -41,6 +42,7 @@ import utils.data
 import utils.models
 import utils.train
 
+from .. import rank_failures
 from ..files import atomic_write_json
 from . import sandbox, static, weights
 from .spec import ROOT, Spec
@@ -236,9 +238,7 @@ def rank_logs(work: Path, nprocs: int) -> dict:
     return out
 
 
-_ERR_LINE = re.compile(r"^([A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*)$")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+)')
-_RANK_PREFIX = re.compile(r"^\[rank\d+\]:[ ]?", re.M)
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -251,19 +251,16 @@ def printable(text: str) -> str:
 
 def rank_error(text: str) -> str | None:
     """The rank's own error, first line of it: 'ValueError: ... (assessment.py, line 12)'."""
-    text = _RANK_PREFIX.sub("", text)  # torch.distributed's excepthook prefixes "[rank0]: "
-    if "Traceback" not in text:
+    block = rank_failures.last_traceback(text)
+    err = rank_failures.exception_line(block)
+    if not err:
         return None
-    block = text[text.rindex("Traceback") :].splitlines()
     where = None
-    for line in block:
+    for line in block.splitlines():
         m = _FRAME.match(line)
         if m and m.group(1).startswith(sandbox.JOB_DIR + "/"):
             where = f"{m.group(1)[len(sandbox.JOB_DIR) + 1 :]}, line {m.group(2)}"
-    errs = [l.strip() for l in block if _ERR_LINE.match(l.strip()) and not l.startswith(" ")]
-    if not errs:
-        return None
-    return printable(errs[-1][:240] + (f" ({where})" if where else ""))
+    return printable(err[:240] + (f" ({where})" if where else ""))
 
 
 STDERR_TAIL_LINES, STDERR_TAIL_WIDTH = 3, 200
@@ -274,7 +271,7 @@ def stderr_tail(text: str) -> str | None:
     usage error), a few, each cut short; None when it wrote nothing."""
     lines = [
         l.strip()
-        for l in _RANK_PREFIX.sub("", text).splitlines()
+        for l in rank_failures.RANK_PREFIX.sub("", text).splitlines()
         if l.strip() and not l.startswith("[... earlier output not shown]")
     ]
     if not lines:
@@ -284,30 +281,26 @@ def stderr_tail(text: str) -> str | None:
 
 
 def failing_rank(launcher_log: str, logs: dict) -> tuple[str | None, str | None]:
-    """(rank, its error) of the first failure: torchrun's 'Root Cause' names the rank."""
-    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", launcher_log, re.S)
-    order = ([m.group(1)] if m else []) + sorted(k for k in logs if k.isdigit())
-    for r in order:
-        err = rank_error(logs.get(r, {}).get("stderr", "")) or rank_error(logs.get(r, {}).get("stdout", ""))
-        if err:
-            return r, err
-    if m:  # no traceback: what torchrun says of that rank
-        block = launcher_log[m.start() :]
-        code = re.search(r"exitcode\s*:\s*(-?\d+)", block)
-        if code and int(code.group(1)) < 0:
-            import signal as _signal
-
-            try:
-                name = _signal.Signals(-int(code.group(1))).name
-            except ValueError:
-                name = f"signal {-int(code.group(1))}"
-            return m.group(1), f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
-        if code:
-            said = stderr_tail(logs.get(m.group(1), {}).get("stderr", ""))
-            return m.group(1), f"exited with code {code.group(1)} without a Python traceback" + (
-                f"; the last lines it wrote to stderr: {said}" if said else ""
-            )
-    return None, None
+    """(rank, its error) of the first failure (``rank_failures.first_failure``: torchrun's summary
+    and each rank's log), in words; (None, None) when nothing names one."""
+    ranks = {int(k): v.get("stdout", "") + "\n" + v.get("stderr", "") for k, v in logs.items() if k.isdigit()}
+    first = rank_failures.first_failure(launcher_log, ranks)
+    if first is None:
+        return None, None
+    r = str(first.rank)
+    if first.error:
+        return r, rank_error(first.traceback)
+    code = first.exitcode
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return r, f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    said = stderr_tail(logs.get(r, {}).get("stderr", ""))
+    return r, f"exited with code {code} without a Python traceback" + (
+        f"; the last lines it wrote to stderr: {said}" if said else ""
+    )
 
 
 # ----------------------------------------------------------------------------------------

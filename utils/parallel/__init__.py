@@ -54,7 +54,7 @@ from .group import (
     sizes_for_ranks,
     teardown,
 )
-from .launcher import LaunchError, LaunchTimeout, WorkerNotImportable, launch, torchrun, torchrun_finished
+from .launcher import LaunchError, LaunchTimeout, WorkerNotImportable, launch, torchrun
 from .pipeline import bubble_fraction, gpipe_step, schedule
 from .shard import CommCounter, rank_bytes, ring_bytes, zero_bytes
 from .tensor_parallel import TPMLP, column_shard, row_shard
@@ -86,7 +86,6 @@ __all__ = [
     "ddp_efficiency",
     "parameter_server_bytes",
     "torchrun",
-    "torchrun_finished",
     "DEFAULT_TIMEOUT_S",
     "zero_bytes",
     "rank_bytes",

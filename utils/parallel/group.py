@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..files import SHM_DIR, shm_free_bytes
 from .env import rendezvous_env
 
 if TYPE_CHECKING:
@@ -219,23 +220,14 @@ def setup(
     return DistContext(rank, world, local_rank, local_world, backend, dev)
 
 
-SHM_DIR = "/dev/shm"
 NCCL_MIN_SHM_BYTES = 256 * 2**20  # NCCL's shared-memory transport and proxy buffers between local ranks
-
-
-def _shm_free_bytes(path: str = SHM_DIR) -> int | None:
-    try:
-        st = os.statvfs(path)
-    except (AttributeError, OSError):  # not Linux, or no /dev/shm: nothing to check
-        return None
-    return st.f_bavail * st.f_frsize
 
 
 def _check_shm_for_nccl(local_world: int) -> None:
     """NCCL ranks on one node talk through segments in /dev/shm. Docker gives a container 64 MB by
     default, and NCCL then dies in its first collective with "Error while creating shared memory
     segment", which names no cure. Refuse before the group exists, and say what to do."""
-    free = _shm_free_bytes()
+    free = shm_free_bytes()
     if local_world < 2 or free is None or free >= NCCL_MIN_SHM_BYTES:
         return
     raise RuntimeError(

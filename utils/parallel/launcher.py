@@ -18,16 +18,14 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..files import atomic_write
+from ..rank_failures import exit_abort_after_success, first_failure, torchrun_summary
 from .group import choose_backend, teardown
-
-if TYPE_CHECKING:
-    import subprocess
 
 # ----------------------------------------------------------------------------------------
 # launch(): processes from a notebook
@@ -238,7 +236,9 @@ def launch(
 
     If a rank raises, :class:`LaunchError` names the rank and carries its traceback; if the
     ranks have not all finished after ``timeout`` seconds (a hang), :class:`LaunchTimeout`.
-    Either way every process is stopped before this returns, so the next launch works.
+    Either way every process is stopped before this returns, so the next launch works. A rank
+    that sent its result and then died of gloo's abort at interpreter exit (torch 2.13 on a CPU,
+    now and then) has finished.
     ``threads``: torch (OpenMP) threads per process, default 1: with several ranks on a few
     cores, more threads make every small operation wait for a descheduled thread.
     """
@@ -282,13 +282,36 @@ def launch(
 EXIT_GRACE_S = 15.0  # a rank that sent its result but has not exited by then is stopped
 
 
+def _failed(procs, workdir) -> list:
+    """Ranks that failed: exited non-zero (but for gloo's abort at exit after sending a result), or
+    reported an error and are perhaps still stuck tearing down."""
+    return [
+        r
+        for r, p in enumerate(procs)
+        if (p.exitcode not in (None, 0) and not _aborted_after_success(workdir, r, p.exitcode))
+        or _reported_error(workdir, r)
+    ]
+
+
+def _aborted_after_success(workdir, rank, exitcode) -> bool:
+    """The rank sent its result, then gloo's teardown aborted it at interpreter exit."""
+    if exitcode != -signal.SIGABRT:
+        return False
+    res = _read_result(workdir, rank)
+    try:
+        with open(os.path.join(workdir, f"rank{rank}.log"), errors="replace") as f:
+            log = f.read()
+    except OSError:
+        log = ""
+    return exit_abort_after_success(exitcode, res is not None and res[0] == "ok", log)
+
+
 def _supervise(procs, workdir, timeout, relay) -> list:
     deadline = time.monotonic() + timeout
     all_reported = None
     while True:
         pending = [p for p in procs if p.exitcode is None]
-        # Failed: exited non-zero, or reported an error and is perhaps still stuck tearing down.
-        failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) or _reported_error(workdir, r)]
+        failed = _failed(procs, workdir)
         if (
             pending
             and not failed
@@ -306,11 +329,7 @@ def _supervise(procs, workdir, timeout, relay) -> list:
             while any(p.exitcode is None for p in procs) and time.monotonic() < grace:
                 mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
             relay.pump()
-            raise _failure(
-                procs,
-                workdir,
-                [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) or _reported_error(workdir, r)],
-            )
+            raise _failure(procs, workdir, _failed(procs, workdir))
         if not pending:
             relay.pump()
             out = []
@@ -338,41 +357,38 @@ def _supervise(procs, workdir, timeout, relay) -> list:
         relay.pump()
 
 
-_CONSEQUENCES = ("connection closed", "connection reset", "broken pipe", "connection refused")
-
-
 def _failure(procs, workdir, failed) -> LaunchError:
     """The error to show: the rank that failed first, judged by what each rank reported."""
-    errors = []
+    reports = {}
     for r in range(len(procs)):  # a rank still exiting may have reported already
         res = _read_result(workdir, r)
         if res is not None and res[0] == "error":
-            _, t, name, msg, tb = res
-            secondary = any(c in msg.lower() for c in _CONSEQUENCES)  # "my peer vanished"
-            errors.append((secondary, t, r, name, msg, tb))
-    reported = {e[2] for e in errors}
-    silent = [r for r in failed if r not in reported]  # killed or crashed: no Python exception
-    primary = [e for e in errors if not e[0]]
-    if silent and not primary:
-        r = silent[0]
-        code = procs[r].exitcode
+            reports[r] = res[1:]  # time, exception name, message, traceback
+    first = first_failure(
+        ranks={r: tb for r, (_, _, _, tb) in reports.items()},
+        exitcodes={r: procs[r].exitcode for r in failed},
+        times={r: t for r, (t, _, _, _) in reports.items()},
+    )
+    if first is None:
+        return LaunchError("a rank failed without reporting why; the other ranks were stopped", rank=None)
+    r = first.rank
+    if r not in reports:  # killed or crashed: no Python exception
+        code = first.exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
-        then = f" Rank(s) {sorted(reported)} lost their connection to it." if reported else ""
+        then = f" Rank(s) {sorted(reports)} lost their connection to it." if reports else ""
         return LaunchError(
             f"rank {r} {how} without a Python exception (killed, out of memory, or a crash "
             f"in native code; its output is above).{then} The other ranks were stopped.",
             rank=r,
         )
-    if errors:
-        _, t, r, name, msg, tb = min(errors)  # primary before secondary, then the earliest
-        others = sorted(e[2] for e in errors if e[2] != r) + silent
-        extra = f" (rank(s) {others} failed too, after it)" if others else ""
-        return LaunchError(
-            f"rank {r} raised {name}: {msg}{extra}. The other ranks were stopped.\n\nTraceback from rank {r}:\n{tb}",
-            rank=r,
-            remote_traceback=tb,
-        )
-    return LaunchError("a rank failed without reporting why; the other ranks were stopped", rank=None)
+    _, name, msg, tb = reports[r]
+    others = sorted((set(reports) | set(failed)) - {r})
+    extra = f" (rank(s) {others} failed too, after it)" if others else ""
+    return LaunchError(
+        f"rank {r} raised {name}: {msg}{extra}. The other ranks were stopped.\n\nTraceback from rank {r}:\n{tb}",
+        rank=r,
+        remote_traceback=tb,
+    )
 
 
 def torchrun(
@@ -380,9 +396,14 @@ def torchrun(
 ) -> subprocess.CompletedProcess:
     """Run ``python -m torch.distributed.run ARGS`` (torchrun) and return the CompletedProcess
     (``stdout`` holds stdout and stderr). The agent and its workers get their own session, so a
-    timeout stops all of them, not only the agent; then ``subprocess.TimeoutExpired`` is raised."""
-    import subprocess
+    timeout stops all of them, not only the agent; then ``subprocess.TimeoutExpired`` is raised.
 
+    gloo's teardown in torch 2.13 sometimes aborts a rank at interpreter exit, after its work is
+    done. Such a run counts as finished (exit status 0, and a line at the end of ``stdout`` says
+    so) when every rank of the run ran its script to the end, and every rank torchrun reports as
+    failed died of that abort. The evidence that a script ran to its end is a marker each rank
+    writes from the ``sitecustomize`` this launcher puts on its PYTHONPATH (``_rank_done/``). Any
+    other failure keeps torchrun's exit status."""
     env = dict(os.environ if env is None else env)
     env.setdefault("OMP_NUM_THREADS", "1")
     for k in (
@@ -398,6 +419,35 @@ def torchrun(
     ):
         env.pop(k, None)  # torchrun sets the first ones; launch()'s own must not leak into it
     cmd = [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
+    with tempfile.TemporaryDirectory(prefix="torchrun-") as done_dir:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (RANK_DONE_SITE, env.get("PYTHONPATH")) if p)
+        env["LAB_RANK_DONE_DIR"] = done_dir
+        out, code = _run_torchrun(cmd, env, cwd, timeout)
+        if code != 0 and _only_exit_aborts(out, done_dir):
+            out += "parallel.torchrun: every rank finished; gloo's teardown then aborted one at exit: exit status 0\n"
+            code = 0
+    return subprocess.CompletedProcess(cmd, code, out, None)
+
+
+RANK_DONE_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_done")
+
+
+def _only_exit_aborts(out: str, done_dir: str) -> bool:
+    """Did every rank write its marker (its script ran to its end), and did every rank torchrun
+    reports as failed die of gloo's abort at interpreter exit?"""
+    _, failed = torchrun_summary(out)
+    done = {}
+    for name in os.listdir(done_dir):
+        with open(os.path.join(done_dir, name)) as f:
+            done[int(name.removeprefix("rank"))] = f.read()
+    worlds = set(done.values())
+    if not failed or len(worlds) != 1 or not (world := worlds.pop()).isdigit() or set(done) != set(range(int(world))):
+        return False
+    return all(exit_abort_after_success(code, r in done, out) for r, code in failed.items())
+
+
+def _run_torchrun(cmd, env, cwd, timeout) -> tuple[str, int]:
+    """torchrun's output and exit status; on a timeout (or an interrupt) every process is stopped."""
     p = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True
     )
@@ -415,7 +465,7 @@ def torchrun(
                 os.kill(pid, signal.SIGKILL)
         p.communicate()
         raise
-    return subprocess.CompletedProcess(cmd, p.returncode, out, None)
+    return out, p.returncode
 
 
 def _descendants(pid: int) -> list:
@@ -435,18 +485,3 @@ def _descendants(pid: int) -> list:
             out.append(c)
             todo.append(c)
     return out
-
-
-GLOO_EXIT_ABORT = "terminate called without an active exception"
-
-
-def torchrun_finished(proc: subprocess.CompletedProcess, nprocs: int, done: str = "rank {rank}: done") -> bool:
-    """Did every rank of a :func:`torchrun` run finish? Exit status 0 says so. So does a run in which
-    every rank printed ``done`` (after leaving its group) and a process then aborted at interpreter
-    exit with gloo's teardown abort (torch 2.13 on a CPU, now and then: pytorch/pytorch#179291):
-    the work was done and saved before it."""
-    out = proc.stdout or ""
-    if proc.returncode == 0:
-        return True
-    said = all(done.format(rank=r) in out for r in range(nprocs))
-    return said and GLOO_EXIT_ABORT in out

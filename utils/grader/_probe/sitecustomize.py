@@ -242,13 +242,14 @@ def _patch_optim(module):
 
 
 def fingerprint(state_dict):
-    """sha256 over the bytes of every tensor, keys sorted (the grader computes the same)."""
+    """sha256 over each key and the bytes of its tensor (contiguous, on the CPU), keys sorted. The
+    grader's weights.py imports this function: both sides hash with this one definition."""
     import hashlib
 
     h = hashlib.sha256()
     for k in sorted(state_dict):
         t = state_dict[k].detach().cpu().contiguous()
-        h.update(k.encode())
+        h.update(str(k).encode())
         h.update(t.view(-1).view(__import__("torch").uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
@@ -374,9 +375,10 @@ def _import_path():
             pos += 1
 
 
-_import_path()
-if _FD:
-    try:
-        _install()
-    except (OSError, ValueError):
-        pass
+if __name__ == "sitecustomize":  # loaded by a job's Python; the grader imports it only for fingerprint
+    _import_path()
+    if _FD:
+        try:
+            _install()
+        except (OSError, ValueError):
+            pass

@@ -1,0 +1,1 @@
+"""``parallel.torchrun`` puts this folder first on its ranks' PYTHONPATH (see sitecustomize.py)."""
