@@ -237,7 +237,7 @@ ZERO2 = Exercise(
                            "torch.distributed.fsdp.FullyShardedDataParallel", "torch.nn.parallel.DistributedDataParallel", "utils.parallel", "utils.parallel.shard.shard_model"),
     refuse_hint="write the step from dist.reduce_scatter_tensor, an optimizer over your shard, and dist.all_gather_into_tensor",
     hint="rank r's shard is elements [r * S, (r + 1) * S) of the padded flat vector (S = its length / N) in both the reduce-scatter and the all-gather, and its gradient is the MEAN over the ranks",
-    passed="2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, with ZeRO-2's share of optimizer state and gradients and DDP's traffic",
+    passed="2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the optimizer state, only the shard's gradient after each step, and DDP's traffic",
     mistakes=[
         Mistake("zero2_optimizer returned something that is not a torch.optim optimizer", "return the optimizer class built over a list holding only your shard, with the keyword arguments",
                 variant=(_not_an_optimizer, _zero2_step), when=lambda o: "not a torch.optim optimizer" in o.error, replay=False),
