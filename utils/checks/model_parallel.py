@@ -115,33 +115,37 @@ def _zero2_cases(ctx):
 
 
 def _zero2_run(answer, case):
-    """3 steps, each on this rank's half of a batch; per step the flat parameters, the bytes the collectives send
-    (a ring's), the other collectives, the gradients left on the model; then the optimizer's state bytes."""
     (make_optimizer, step), ((d_in, width, d_out), kind, ctx) = answer, case.args
     model = mlp(width, 2, in_features=d_in, out_features=d_out, activation="tanh", seed=d_in + width).to(ctx.device)
-    g, rows = torch.Generator().manual_seed(d_in), slice(4 * ctx.rank, 4 * ctx.rank + 4)
     try:
         kw = {"lr": 0.1, "momentum": 0.9} if kind == "SGD" else {"lr": 0.01}
         opt = make_optimizer(model, torch.optim.SGD if kind == "SGD" else torch.optim.Adam, **kw)
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"zero2_optimizer returned {type(opt).__name__}, not a torch.optim optimizer")
-        held = [p for group in opt.param_groups for p in group["params"]]
-        out = {"numel": sum(p.numel() for p in model.parameters()), "held": sum(p.numel() for p in held)}
-        out |= {"view": sum(p.untyped_storage().nbytes() - p.numel() * p.element_size() for p in held) > 0}
-        out |= {"params": [], "sent": [], "other": [], "grads": []}
-        for x, y in [(torch.randn(8, d_in, generator=g), torch.randn(8, d_out, generator=g)) for _ in range(3)]:
-            model.zero_grad(set_to_none=True)
-            F.mse_loss(model(x[rows].to(ctx.device)), y[rows].to(ctx.device)).backward()
-            with CommCounter(ctx.world_size) as comm:
-                step(model, opt)
-            out["params"].append(torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]))
-            out["sent"].append(comm.sent)
-            out["other"].append(sum(v for k, v in comm.calls.items() if k not in ("reduce_scatter", "all_gather")))
-            out["grads"].append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None))
-        state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-        return out | {"state": sum(v.numel() * v.element_size() for v in state)}
+        return _zero2_train(model, opt, step, (d_in, d_out), ctx)
     except Exception as e:  # which case: the no-padding mistake raises on the 57-parameter MLP only
         raise RuntimeError(f"on {case.label}: {type(e).__name__}: {e}") from e
+
+
+def _zero2_train(model, opt, step, sizes, ctx):
+    """3 steps, each on this rank's half of a batch; per step the flat parameters, the bytes the collectives send
+    (a ring's), the other collectives, the gradients left on the model; then the optimizer's state bytes."""
+    g, rows = torch.Generator().manual_seed(sizes[0]), slice(4 * ctx.rank, 4 * ctx.rank + 4)
+    held = [p for group in opt.param_groups for p in group["params"]]
+    out = {"numel": sum(p.numel() for p in model.parameters()), "held": sum(p.numel() for p in held)}
+    out |= {"view": sum(p.untyped_storage().nbytes() - p.numel() * p.element_size() for p in held) > 0}
+    out |= {"params": [], "sent": [], "other": [], "grads": []}
+    for x, y in [(torch.randn(8, sizes[0], generator=g), torch.randn(8, sizes[1], generator=g)) for _ in range(3)]:
+        model.zero_grad(set_to_none=True)
+        F.mse_loss(model(x[rows].to(ctx.device)), y[rows].to(ctx.device)).backward()
+        with CommCounter(ctx.world_size) as comm:
+            step(model, opt)
+        out["params"].append(torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]))
+        out["sent"].append(comm.sent)
+        out["other"].append(sum(v for k, v in comm.calls.items() if k not in ("reduce_scatter", "all_gather")))
+        out["grads"].append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None))
+    state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+    return out | {"state": sum(v.numel() * v.element_size() for v in state)}
 
 
 def _flat(tensors, world, mode="end"):
