@@ -237,7 +237,7 @@ _REF = _zero2_optimizer
 ZERO2 = Exercise(
     name="zero2", answer=("zero2_optimizer", "zero2_step"), oracle=(_zero2_optimizer, _zero2_step), ranks=2,
     cases=_zero2_cases, run=_zero2_run, compare=lambda got, want: _SEEN.append(got) or engine.difference(got, want),
-    timeout_s=120, refuse=("torch.distributed.all_reduce", "torch.distributed.optim.ZeroRedundancyOptimizer", "torch.distributed.fsdp.fully_shard",
+    timeout_s=180, refuse=("torch.distributed.all_reduce", "torch.distributed.optim.ZeroRedundancyOptimizer", "torch.distributed.fsdp.fully_shard",
                            "torch.distributed.fsdp.FullyShardedDataParallel", "torch.nn.parallel.DistributedDataParallel", "utils.parallel", "utils.parallel.shard.shard_model"),
     refuse_hint="write the step from dist.reduce_scatter_tensor, an optimizer over your shard, and dist.all_gather_into_tensor",
     hint="rank r's shard is elements [r * S, (r + 1) * S) of the padded flat vector (S = its length / N) in both the reduce-scatter and the all-gather, and its gradient is the MEAN over the ranks",
