@@ -158,10 +158,10 @@ def _flat(tensors, world, mode="end"):
     return flat if mode == "none" else flat[: flat.numel() - flat.numel() % world]
 
 
-def _copy_back(tensors, full, mode="end"):
-    """``full``'s pieces into ``tensors``, in order, in place; the padding left out."""
+def _copy_back(tensors, full):
+    """``full``'s pieces from offset 0 into ``tensors``, in order, in place; the padding, at the end, left out."""
     n = sum(t.numel() for t in tensors)
-    full = full[full.numel() - n :] if mode == "front" else F.pad(full, (0, max(n - full.numel(), 0)))
+    full = F.pad(full, (0, max(n - full.numel(), 0)))  # a vector cut short (a mistake) reads as zeros
     with torch.no_grad():
         for t, piece in zip(tensors, full.split([t.numel() for t in tensors] + [full.numel() - n])):
             t.copy_(piece.view_as(t))
@@ -197,7 +197,7 @@ def _zero2_step(model, opt, power=1, mode="end", keep=False, first=False, gather
     if first:
         opt.step()
     if copy:
-        _copy_back(params, full, mode)
+        _copy_back(params, full)
 
 
 def _full_step(model, opt):
