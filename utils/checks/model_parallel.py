@@ -240,7 +240,7 @@ ZERO2 = Exercise(
     timeout_s=180, refuse=("torch.distributed.all_reduce", "torch.distributed.optim.ZeroRedundancyOptimizer", "torch.distributed.fsdp.fully_shard",
                            "torch.distributed.fsdp.FullyShardedDataParallel", "torch.nn.parallel.DistributedDataParallel", "utils.parallel", "utils.parallel.shard.shard_model"),
     refuse_hint="write the step from dist.reduce_scatter_tensor, an optimizer over your shard, and dist.all_gather_into_tensor",
-    hint="rank r's shard is elements [r * S, (r + 1) * S) of the padded flat vector (S = its length / N) in both the reduce-scatter and the all-gather, and its gradient is the MEAN over the ranks",
+    hint="rank r's shard is slice r of the padded flat vector cut into N equal slices, in both the reduce-scatter and the all-gather, and its gradient is the MEAN over the ranks",
     passed="2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the optimizer state, only the shard's gradient after each step, and DDP's traffic",
     mistakes=[
         Mistake("zero2_optimizer returned something that is not a torch.optim optimizer", "return the optimizer class built over a list holding only your shard, with the keyword arguments",
