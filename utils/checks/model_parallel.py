@@ -216,7 +216,6 @@ def _full_step(model, opt):
 # fmt: off
 def _no_division(model, opt): _zero2_step(model, opt, power=0)
 def _averaged_twice(model, opt): _zero2_step(model, opt, power=2)
-def _average_op(model, opt): _zero2_step(model, opt, op=dist.ReduceOp.AVG)
 def _no_padding(model, opt): _zero2_step(model, opt, mode="none")
 def _front_step(model, opt): _zero2_step(model, opt, mode="front")
 def _cut_step(model, opt): _zero2_step(model, opt, mode="cut")
@@ -245,8 +244,6 @@ ZERO2 = Exercise(
     mistakes=[
         Mistake("zero2_optimizer returned something that is not a torch.optim optimizer", "return the optimizer class built over a list holding only your shard, with the keyword arguments",
                 variant=(_not_an_optimizer, _zero2_step), when=lambda o: "not a torch.optim optimizer" in o.error, replay=False),
-        Mistake("a reduce-scatter with ReduceOp.AVG failed: this backend cannot average", "reduce-scatter with the default operation (a sum), then divide the shard's gradient by the world size",
-                variant=(_REF, _average_op), when=lambda o: "AVG" in o.error, replay=False),
         Mistake("your code ran on the 44-parameter MLP but raised on the 57-parameter one: 57 does not divide by 2 ranks", "pad the flat vectors with zeros at the end, to a multiple of the world size, so every rank's shard has the same size; leave the padding out when you copy back into the parameters",
                 variant=(_REF, _no_padding), when=lambda o: "57-parameter" in o.error, replay=False),
         Mistake("after a step the two ranks hold different parameters", "all-gather the updated shards into one full flat vector and copy it into every parameter, on every rank",
