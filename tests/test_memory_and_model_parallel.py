@@ -7,9 +7,7 @@ import math
 import pytest
 import torch
 
-import utils.checks
 from utils import memory, parallel
-from utils.checks import CheckFailed
 from utils.demos import pp_demo, shard_demo, tp_demo
 from utils.memory import parameter_bytes
 from utils.parallel import pipeline, shard
@@ -211,66 +209,3 @@ def test_pipeline_by_hand_and_with_pipelining_equal_one_process():
         (traces,) = out[0]["hand"][m]["traces"]
         assert pipeline.executed_bubble(traces) == pytest.approx(pipeline.bubble_fraction(2, m), abs=1e-12)
         assert 0 <= pipeline.measured_bubble(traces) < 1
-
-
-# ---------------------------------------------------------------------------- self-checks
-
-
-def _col(linear, rank, n):
-    return linear.weight.detach().chunk(n, 0)[rank], linear.bias.detach().chunk(n, 0)[rank]
-
-
-def _row(linear, rank, n):
-    return linear.weight.detach().chunk(n, 1)[rank]
-
-
-def test_check_tensor_parallel_passes_and_names_the_wrong_axis():
-    utils.checks.check_tensor_parallel(_col, _row)
-    with pytest.raises(CheckFailed, match="OUTPUT features"):
-        utils.checks.check_tensor_parallel(lambda l, r, n: (l.weight.detach().chunk(n, 1)[r], l.bias.detach()), _row)
-    with pytest.raises(CheckFailed, match="INPUT features"):
-        utils.checks.check_tensor_parallel(_col, lambda l, r, n: l.weight.detach().chunk(n, 0)[r])
-
-
-def test_check_zero_memory_passes_and_names_the_stage():
-    utils.checks.check_zero_memory(lambda p, n, s: parallel.zero_bytes(p, n, s)["total"])
-    with pytest.raises(CheckFailed, match="stage 2's value"):
-        utils.checks.check_zero_memory(
-            lambda p, n, s: parallel.zero_bytes(p, n, min(s + 1, 3) if s == 1 else s)["total"]
-        )
-    with pytest.raises(CheckFailed, match="plain DDP"):
-        utils.checks.check_zero_memory(lambda p, n, s: 16 * p / n)
-    with pytest.raises(CheckFailed, match="fp32"):
-        utils.checks.check_zero_memory(
-            lambda p, n, s: parallel.zero_bytes(p, n, s, param_bytes=4, grad_bytes=4)["total"]
-        )
-
-
-def _gpipe(stage0, stage1, x, y, m, scale=True, detach=True, order="gpipe"):
-    saved, total = [], 0.0
-    for xi, yi in zip(x.chunk(m), y.chunk(m)):
-        out0 = stage0(xi)
-        b = out0.detach().requires_grad_() if detach else out0
-        loss = ((stage1(b) - yi) ** 2).mean() / (m if scale else 1)
-        if order == "gpipe":
-            saved.append((out0, b, loss))
-        else:
-            loss.backward()
-            if detach:
-                out0.backward(b.grad)
-        total += loss.item()
-    for out0, b, loss in saved:
-        loss.backward(retain_graph=not detach)
-        if detach:
-            out0.backward(b.grad)
-    return total
-
-
-def test_check_gpipe_passes_and_names_the_mistake():
-    utils.checks.check_gpipe_microbatches(_gpipe)
-    with pytest.raises(CheckFailed, match="times too large"):
-        utils.checks.check_gpipe_microbatches(lambda *a: _gpipe(*a, scale=False))
-    with pytest.raises(CheckFailed, match="GPipe runs"):
-        utils.checks.check_gpipe_microbatches(lambda *a: _gpipe(*a, order="1f1b"))
-    with pytest.raises(CheckFailed, match="not implemented"):
-        utils.checks.check_gpipe_microbatches(lambda *a: (_ for _ in ()).throw(NotImplementedError()))
