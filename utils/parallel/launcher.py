@@ -310,6 +310,7 @@ def _supervise(procs, workdir, timeout, relay) -> list:
                 procs,
                 workdir,
                 [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) or _reported_error(workdir, r)],
+                relay.enabled,
             )
         if not pending:
             relay.pump()
@@ -341,8 +342,9 @@ def _supervise(procs, workdir, timeout, relay) -> list:
 _CONSEQUENCES = ("connection closed", "connection reset", "broken pipe", "connection refused")
 
 
-def _failure(procs, workdir, failed) -> LaunchError:
-    """The error to show: the rank that failed first, judged by what each rank reported."""
+def _failure(procs, workdir, failed, stream: bool = True) -> LaunchError:
+    """The error to show: the rank that failed first, judged by what each rank reported
+    (``stream``: the ranks' output was printed, so the message may point to it)."""
     errors = []
     for r in range(len(procs)):  # a rank still exiting may have reported already
         res = _read_result(workdir, r)
@@ -358,9 +360,10 @@ def _failure(procs, workdir, failed) -> LaunchError:
         code = procs[r].exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         then = f" Rank(s) {sorted(reported)} lost their connection to it." if reported else ""
+        above = "; its output is above" if stream else ""
         return LaunchError(
             f"rank {r} {how} without a Python exception (killed, out of memory, or a crash "
-            f"in native code; its output is above).{then} The other ranks were stopped.",
+            f"in native code{above}).{then} The other ranks were stopped.",
             rank=r,
         )
     if errors:
