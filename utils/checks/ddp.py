@@ -19,8 +19,8 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DistributedSampler
 
+from . import ddp_variants as v
 from ._common import CheckFailed  # noqa: F401
 from .engine import Case, Exercise, Mistake, check, difference
 
@@ -89,56 +89,6 @@ def _ring_compare(got, want):
     return None
 
 
-def _ring_oracle(tensor):
-    dist.all_reduce(tensor)
-    return tensor
-
-
-def _ring(tensor, *, copies=False, reduce_add=True, gather=True, gather_add=False, gather_like_reduce=False):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    chunks = tensor.view(-1).tensor_split(world)
-    chunks = [c.clone() for c in chunks] if copies else list(chunks)
-
-    def step(send_i, recv_i, add):
-        buf = torch.empty_like(chunks[recv_i])
-        ops = [
-            dist.P2POp(dist.isend, chunks[send_i], (rank + 1) % world),
-            dist.P2POp(dist.irecv, buf, (rank - 1) % world),
-        ]
-        for req in dist.batch_isend_irecv(ops):
-            req.wait()
-        chunks[recv_i].add_(buf) if add else chunks[recv_i].copy_(buf)
-
-    for s in range(world - 1):
-        step((rank - s) % world, (rank - s - 1) % world, reduce_add)
-    for s in range(world - 1 if gather else 0):
-        at = (rank - s, rank - s - 1) if gather_like_reduce else (rank + 1 - s, rank - s)
-        step(at[0] % world, at[1] % world, gather_add)
-    return tensor
-
-
-def _ring_blocking(tensor):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    chunks = tensor.view(-1).tensor_split(world)
-    for s in range(2 * (world - 1)):
-        buf = torch.empty_like(chunks[(rank - s - 1) % world])
-        dist.send(chunks[(rank - s) % world], (rank + 1) % world)
-        dist.recv(buf, (rank - 1) % world)
-        chunks[(rank - s - 1) % world].add_(buf)
-    return tensor
-
-
-def _ring_no_wait(tensor):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    chunks = tensor.view(-1).tensor_split(world)
-    for s in range(2 * (world - 1)):
-        buf = torch.empty_like(chunks[(rank - s - 1) % world])
-        ops = [dist.P2POp(dist.isend, chunks[(rank - s) % world], (rank + 1) % world)]
-        dist.batch_isend_irecv(ops + [dist.P2POp(dist.irecv, buf, (rank - 1) % world)])
-        chunks[(rank - s - 1) % world].add_(buf) if s < world - 1 else chunks[(rank - s - 1) % world].copy_(buf)
-    return tensor
-
-
 def _blocking_sends(o):
     return (o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source
 
@@ -149,34 +99,10 @@ def _unwaited(o):
     return (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source
 
 
-def _ring_out_of_place(tensor):
-    return _ring(tensor.clone())
-
-
-def _ring_copies(tensor):
-    return _ring(tensor, copies=True)
-
-
-def _ring_gather_like_reduce(tensor):
-    return _ring(tensor, gather_like_reduce=True)
-
-
-def _ring_reduce_copies(tensor):
-    return _ring(tensor, reduce_add=False)
-
-
-def _ring_no_gather(tensor):
-    return _ring(tensor, gather=False)
-
-
-def _ring_gather_adds(tensor):
-    return _ring(tensor, gather_add=True)
-
-
 RING_ALL_REDUCE = Exercise(
     name="ring_all_reduce",
     cases=_ring_cases,
-    oracle=_ring_oracle,
+    oracle=v._ring_oracle,
     run=_ring_run,
     compare=_ring_compare,
     hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last "
@@ -186,7 +112,7 @@ RING_ALL_REDUCE = Exercise(
             "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank has posted yet",
             "post each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), "
             "then wait on every request it returns",
-            variant=_ring_blocking,
+            variant=v._ring_blocking,
             when=_blocking_sends,
             replay=False,
         ),
@@ -194,7 +120,7 @@ RING_ALL_REDUCE = Exercise(
             "the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before "
             "it has arrived (and a rank may wait forever)",
             "call wait() on every request the batch returns before you read the received buffer",
-            variant=_ring_no_wait,
+            variant=v._ring_no_wait,
             when=_unwaited,
             replay=False,
             mechanism=True,
@@ -202,34 +128,34 @@ RING_ALL_REDUCE = Exercise(
         Mistake(
             "the returned tensor is right but the tensor passed in was not changed",
             "work in place, like dist.all_reduce: cut the tensor into views and add into them, then return it",
-            variant=_ring_out_of_place,
+            variant=v._ring_out_of_place,
             when=lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want)),
         ),
         Mistake(
             "every rank still holds its own tensor: your chunks are copies or were rebound, not views of `tensor` "
             "changed in place",
             "cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy in place into them",
-            variant=_ring_copies,
+            variant=v._ring_copies,
         ),
         Mistake(
             "reduce-scatter is right but the all-gather is wrong: each rank ends with the full sum of only some chunks",
             "in the all-gather a rank first sends the chunk it finished, then passes on the chunk it just received",
-            variant=_ring_gather_like_reduce,
+            variant=v._ring_gather_like_reduce,
         ),
         Mistake(
             "reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it",
             "in reduce-scatter add what you receive into the same-numbered chunk; only the all-gather copies",
-            variant=_ring_reduce_copies,
+            variant=v._ring_reduce_copies,
         ),
         Mistake(
             "each rank has exactly one fully summed chunk: the reduce-scatter works but the all-gather is missing",
             "after N-1 reduce-scatter steps, run N-1 more steps that pass the finished chunks on and copy them",
-            variant=_ring_no_gather,
+            variant=v._ring_no_gather,
         ),
         Mistake(
             "some values were added twice: the all-gather adds what it receives",
             "in the all-gather copy the received chunk into place (copy_); only reduce-scatter adds",
-            variant=_ring_gather_adds,
+            variant=v._ring_gather_adds,
         ),
     ],
     refuse=_LIBRARY + tuple(f"torch.distributed.{c}" for c in ("all_reduce", "all_gather", "reduce_scatter", "reduce")),
@@ -259,39 +185,6 @@ def _grads_run(fn, case):
     return [None if p.grad is None else p.grad.detach().cpu() for p in case.args[0].parameters()]
 
 
-def _average(model, *, reduce=True, divide=True, by=None):
-    for p in model.parameters():
-        if reduce:
-            dist.all_reduce(p.grad)
-        if divide:
-            p.grad /= by or dist.get_world_size()
-
-
-def _average_oracle(model):
-    _average(model)
-
-
-def _average_sums(model):
-    _average(model, divide=False)
-
-
-def _average_nothing(model):
-    return None
-
-
-def _average_unreduced(model):
-    _average(model, reduce=False)
-
-
-def _average_by_two(model):
-    _average(model, by=2)
-
-
-def _average_none(model):
-    _average(model)
-    list(model.parameters())[-1].grad = None
-
-
 _WORLD_SIZES = (2, 3)
 
 
@@ -315,7 +208,7 @@ def _at_world_sizes(ex: Exercise, doc: str):
 AVERAGE_GRADIENTS = Exercise(
     name="average_gradients",
     cases=_grad_cases,
-    oracle=_average_oracle,
+    oracle=v._average_oracle,
     run=_grads_run,
     atol=1e-6,
     hint="sum every parameter's gradient over the ranks with an all-reduce, then divide it in place by the world size",
@@ -323,28 +216,28 @@ AVERAGE_GRADIENTS = Exercise(
         Mistake(
             "a gradient is None after your function",
             "average p.grad in place; do not set it to None",
-            variant=_average_none,
+            variant=v._average_none,
             when=lambda o: any(g is None for r in o.got for g in r),
         ),
         Mistake(
             "the gradients were summed, not averaged",
             "divide each one by the world size after the all-reduce",
-            variant=_average_sums,
+            variant=v._average_sums,
         ),
         Mistake(
             "each rank still has its own local gradient: nothing was exchanged",
             "all-reduce every parameter's gradient, on every rank",
-            variant=_average_nothing,
+            variant=v._average_nothing,
         ),
         Mistake(
             "each gradient was divided by the world size but not all-reduced",
             "all-reduce first, then divide",
-            variant=_average_unreduced,
+            variant=v._average_unreduced,
         ),
         Mistake(
             "the gradients were divided by 2, not by the number of processes",
             "divide by dist.get_world_size(): the check runs on 2 and on 3 processes",
-            variant=_average_by_two,
+            variant=v._average_by_two,
         ),
     ],
     refuse=_LIBRARY,
@@ -512,114 +405,6 @@ def _trace_compare(got, want):
     return None
 
 
-def _overlap(model, bucket_numel, *, order=reversed, divide=True, clear=True, copy=True, wait=False, hold=False):
-    world, params = dist.get_world_size(), [p for p in model.parameters() if p.requires_grad]
-    buckets, size = [[]], 0
-    for p in order(params):
-        if buckets[-1] and size + p.numel() > bucket_numel:
-            buckets, size = buckets + [[]], 0
-        buckets[-1].append(p)
-        size += p.numel()
-    bucket_of, ready, pending = {p: i for i, b in enumerate(buckets) for p in b}, [0] * len(buckets), []
-
-    def launch(i):
-        flat = torch.cat([q.grad.reshape(-1) for q in buckets[i]])
-        pending.append((i, flat, dist.all_reduce(flat, async_op=True)))
-        _ = pending[-1][2].wait() if wait else None
-
-    def hook(p):
-        ready[bucket_of[p]] += 1
-        if hold and sum(ready) == len(params):
-            [launch(j) for j in range(len(buckets))]
-        elif not hold and ready[bucket_of[p]] == len(buckets[bucket_of[p]]):
-            launch(bucket_of[p])
-
-    for p in params:
-        p.register_post_accumulate_grad_hook(hook)
-
-    def finish():
-        for i, flat, work in pending:
-            work.wait()
-            flat /= world if divide else 1
-            for q, part in zip(buckets[i], flat.split([q.numel() for q in buckets[i]])):
-                _ = q.grad.copy_(part.view_as(q.grad)) if copy else None
-        if clear:
-            pending.clear()
-            ready[:] = [0] * len(buckets)
-
-    return finish
-
-
-def _overlap_oracle(model, bucket_numel=0):
-    return _overlap(model, bucket_numel)
-
-
-def _overlap_no_finish(model, bucket_numel=0):
-    _overlap(model, bucket_numel)
-
-
-def _overlap_silent(model, bucket_numel=0):
-    return lambda: None
-
-
-def _overlap_after_backward(model, bucket_numel=0):
-    def finish():
-        works = [(p, dist.all_reduce(p.grad, async_op=True)) for p in model.parameters()]
-        for p, w in works:
-            w.wait()
-            p.grad /= dist.get_world_size()
-
-    return finish
-
-
-def _overlap_blocking(model, bucket_numel=0):
-    def hook(p):
-        dist.all_reduce(p.grad)
-        p.grad /= dist.get_world_size()
-
-    for p in model.parameters():
-        p.register_post_accumulate_grad_hook(hook)
-    return lambda: None
-
-
-def _overlap_waits_in_hook(model, bucket_numel=0):
-    return _overlap(model, bucket_numel, wait=True)
-
-
-def _overlap_holds(model, bucket_numel=0):
-    return _overlap(model, bucket_numel, hold=True)
-
-
-def _overlap_forward(model, bucket_numel=0):
-    return _overlap(model, bucket_numel, order=list)
-
-
-def _overlap_sums(model, bucket_numel=0):
-    return _overlap(model, bucket_numel, divide=False)
-
-
-def _overlap_no_copy(model, bucket_numel=0):
-    return _overlap(model, bucket_numel, copy=False)
-
-
-def _overlap_never_clears(model, bucket_numel=0):
-    return _overlap(model, bucket_numel, clear=False)
-
-
-def _overlap_one_per_param(model, bucket_numel=0):
-    return _overlap(model, 0)
-
-
-def _overlap_none(model, bucket_numel=0):
-    finish = _overlap(model, bucket_numel)
-
-    def done():
-        finish()
-        next(model.parameters()).grad = None
-
-    return done
-
-
 def _got(key, pred=bool):
     """A predicate on the outcome: ``pred`` holds for ``key`` of some rank's result."""
     return lambda o: bool(o.got) and any(pred(g[key]) for g in o.got)
@@ -628,14 +413,14 @@ def _got(key, pred=bool):
 _NO_FINISH = Mistake(
     "overlap_ddp did not return a function",
     "return the inner function that waits for the all-reduces and averages; the training loop calls it after backward",
-    variant=_overlap_no_finish,
+    variant=v._overlap_no_finish,
     when=_got("finish", lambda f: not f),
     mechanism=True,
 )
 _NO_CALLS = Mistake(
     "no dist.all_reduce was called",
     "in each parameter's hook, launch dist.all_reduce on its gradient (or its bucket's), with async_op=True",
-    variant=_overlap_silent,
+    variant=v._overlap_silent,
     when=_got("calls", lambda n: n == 0),
     mechanism=True,
 )
@@ -643,14 +428,14 @@ _AFTER_BACKWARD = Mistake(
     "every all-reduce started after backward returned: none overlaps with backward, so there is no overlap",
     "launch the all-reduces from gradient hooks, which fire during backward (look up "
     "Tensor.register_post_accumulate_grad_hook), with async_op=True; finish() only waits",
-    variant=_overlap_after_backward,
+    variant=v._overlap_after_backward,
     when=lambda o: bool(o.got) and any(g["calls"] and not g["in_bw"] for g in o.got),
     mechanism=True,
 )
 _BLOCKING = Mistake(
     "an all-reduce was blocking (async_op not set): backward stops at every hook until it is done, so nothing overlaps",
     "pass async_op=True, keep the work handle it returns, and wait() on it in finish()",
-    variant=_overlap_blocking,
+    variant=v._overlap_blocking,
     when=_got("blocking"),
     mechanism=True,
 )
@@ -658,7 +443,7 @@ _WAITS_IN_HOOK = Mistake(
     "each all-reduce is waited for before backward goes on: backward never runs while a reduction is "
     "outstanding, so nothing overlaps",
     "keep the work handles in the hooks and wait() on them only in finish(), after backward",
-    variant=_overlap_waits_in_hook,
+    variant=v._overlap_waits_in_hook,
     when=lambda o: bool(o.got) and any(g["in_bw"] and not g["overlapped"] for g in o.got),
     mechanism=True,
 )
@@ -666,12 +451,12 @@ _FORWARD = Mistake(
     "your buckets follow the forward order of model.parameters(), but gradients become ready last layer first, "
     "so a bucket with the first layer's parameters fills only at the end of backward",
     "build the buckets walking reversed(list(model.parameters())), the order in which the hooks fire",
-    variant=_overlap_forward,
+    variant=v._overlap_forward,
 )
 OVERLAP_DDP = Exercise(
     name="overlap_ddp",
     cases=_overlap_cases,
-    oracle=_overlap_oracle,
+    oracle=v._overlap_oracle,
     run=_overlap_run,
     compare=_overlap_compare,
     hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, "
@@ -685,7 +470,7 @@ OVERLAP_DDP = Exercise(
         Mistake(
             "the all-reduces start only once every gradient is ready, so none overlaps with the rest of backward",
             "launch a bucket's all-reduce from the hook of its last parameter, as soon as that gradient is accumulated",
-            variant=_overlap_holds,
+            variant=v._overlap_holds,
             when=_got("late"),
             mechanism=True,
         ),
@@ -693,28 +478,28 @@ OVERLAP_DDP = Exercise(
         Mistake(
             "the gradients were summed, not averaged",
             "in finish(), after waiting, divide by the world size",
-            variant=_overlap_sums,
+            variant=v._overlap_sums,
         ),
         Mistake(
             "each rank still has its own local gradient after finish(): the reduced values never reach p.grad",
             "after waiting, copy the reduced flat buffer back into each p.grad of its bucket",
-            variant=_overlap_no_copy,
+            variant=v._overlap_no_copy,
         ),
         Mistake(
             "the first step matches but later steps do not: finish() keeps the last step's handles or counts",
             "at the end of every finish(), forget the handles and reset the ready counts, so the next backward "
             "starts clean",
-            variant=_overlap_never_clears,
+            variant=v._overlap_never_clears,
         ),
         Mistake(
             "you make one all-reduce per parameter whatever bucket_numel is",
             "group parameters in the order their gradients arrive into buckets of at most bucket_numel elements",
-            variant=_overlap_one_per_param,
+            variant=v._overlap_one_per_param,
         ),
         Mistake(
             "a gradient is None after finish()",
             "leave the averaged gradient in p.grad",
-            variant=_overlap_none,
+            variant=v._overlap_none,
             when=_got("grads0", lambda gs: any(x is None for x in gs)),
         ),
     ],
@@ -729,7 +514,7 @@ OVERLAP_TRACE = Exercise(
     name="overlap_trace",
     answer=("overlap_ddp",),
     cases=_trace_cases,
-    oracle=_overlap_oracle,
+    oracle=v._overlap_oracle,
     run=_trace_run,
     compare=_trace_compare,
     hint="all-reduce a bucket from the hook of its last parameter, in the order the hooks fire",
@@ -785,22 +570,10 @@ def _shard_run(fn, case):
     return per, per[0] == [[int(i) for i in b] for b in fn(n, bs, 0, world, epoch, seed)]
 
 
-def _shard(n, batch_size, rank, world, epoch, seed, *, replicas=None, reshuffle=True, drop_last=False, whole=False):
-    s = DistributedSampler(range(n), num_replicas=replicas or world, rank=rank, seed=seed, drop_last=drop_last)
-    _ = s.set_epoch(epoch) if reshuffle else None
-    idx = list(s)
-    return [idx] if whole else [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
-
-
-def _shard_global_rng(n, batch_size, rank, world, epoch, seed):
-    idx = torch.randperm(n).tolist()[rank::world]
-    return [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
-
-
 SHARD_BATCHES = Exercise(
     name="shard_batches",
     cases=_shard_cases,
-    oracle=_shard,
+    oracle=v._shard,
     run=_shard_run,
     compare=lambda got, want: (
         None
@@ -817,38 +590,38 @@ SHARD_BATCHES = Exercise(
         Mistake(
             "two calls with the same arguments gave different batches",
             "use the seed argument (DistributedSampler(..., seed=seed)), not the global random state",
-            variant=_shard_global_rng,
+            variant=v._shard_global_rng,
             when=lambda o: not o.got[1],
         ),
         Mistake(
             "a batch has more than batch_size indices",
             "cut each rank's indices into batches of batch_size",
-            variant=lambda *a: _shard(*a, whole=True),
+            variant=lambda *a: v._shard(*a, whole=True),
         ),
         Mistake(
             "every rank got all the examples: the data is not sharded",
             "pass num_replicas=world_size and rank=rank to DistributedSampler",
-            variant=lambda *a: _shard(*a, replicas=1) if a[2] == 0 else _shard(a[0], a[1], 0, *a[3:], replicas=1),
+            variant=lambda *a: v._shard(*a, replicas=1) if a[2] == 0 else v._shard(a[0], a[1], 0, *a[3:], replicas=1),
         ),
         Mistake(
             "every rank got the same indices",
             "pass rank=rank to DistributedSampler, so each rank takes its own share",
-            variant=lambda n, b, r, w, e, s: _shard(n, b, 0, w, e, s),
+            variant=lambda n, b, r, w, e, s: v._shard(n, b, 0, w, e, s),
         ),
         Mistake(
             "the ranks share examples in the same epoch",
             "every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank",
-            variant=lambda n, b, r, w, e, s: _shard(n, b, r, w, e, s + r),
+            variant=lambda n, b, r, w, e, s: v._shard(n, b, r, w, e, s + r),
         ),
         Mistake(
             "together the ranks do not cover the dataset",
             "keep the sampler's default drop_last=False, which pads the last share so every example is used",
-            variant=lambda *a: _shard(*a, drop_last=True),
+            variant=lambda *a: v._shard(*a, drop_last=True),
         ),
         Mistake(
             "the epochs have the same order: the data is never reshuffled",
             "call the sampler's set_epoch with the epoch number before iterating it",
-            variant=lambda *a: _shard(*a, reshuffle=False),
+            variant=lambda *a: v._shard(*a, reshuffle=False),
         ),
     ],
     passed="3 cases of sizes, ranks, epochs and seeds, equal to DistributedSampler",
@@ -907,21 +680,10 @@ def _save_compare(got, want):
     return None
 
 
-def _save(path, model, optimizer, epoch, rank, *, every_rank=False, in_place=False, leave_tmp=False, state=None):
-    if rank != 0 and not every_rank:
-        return
-    tmp = path if in_place else f"{path}.tmp"
-    torch.save(state or {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch}, tmp)
-    if leave_tmp:
-        torch.save(torch.load(tmp, weights_only=True), tmp + "2")
-        tmp += "2"
-    _ = os.replace(tmp, path) if tmp != path else None
-
-
 SAVE_ON_RANK0 = Exercise(
     name="save_on_rank0",
     cases=_save_cases,
-    oracle=_save,
+    oracle=v._save,
     run=_save_run,
     compare=_save_compare,
     hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then "
@@ -930,7 +692,7 @@ SAVE_ON_RANK0 = Exercise(
         Mistake(
             "rank 1 wrote a file too",
             "only rank 0 saves: return first when rank is not 0",
-            variant=lambda *a: _save(*a, every_rank=True),
+            variant=lambda *a: v._save(*a, every_rank=True),
         ),
         Mistake(
             "rank 0 did not write the checkpoint",
@@ -941,29 +703,29 @@ SAVE_ON_RANK0 = Exercise(
             "the file was written in place, not atomically: a crash mid-write would leave a corrupt checkpoint",
             "save to a temporary file in the same folder, then rename it over the target with os.replace "
             "(one step, atomic)",
-            variant=lambda *a: _save(*a, in_place=True),
+            variant=lambda *a: v._save(*a, in_place=True),
         ),
         Mistake(
             "temporary files were left behind",
             "os.replace moves the temporary file onto path",
-            variant=lambda *a: _save(*a, leave_tmp=True),
+            variant=lambda *a: v._save(*a, leave_tmp=True),
         ),
         Mistake(
             "the checkpoint cannot be loaded with weights_only=True",
             "save state dicts and numbers, not objects",
-            variant=lambda p, m, o, e, r: _save(
+            variant=lambda p, m, o, e, r: v._save(
                 p, m, o, e, r, state={"model": m, "optimizer": o.state_dict(), "epoch": e}
             ),
         ),
         Mistake(
             "the checkpoint has no 'optimizer'",
             "save {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'epoch': epoch}",
-            variant=lambda p, m, o, e, r: _save(p, m, o, e, r, state={"model": m.state_dict(), "epoch": e}),
+            variant=lambda p, m, o, e, r: v._save(p, m, o, e, r, state={"model": m.state_dict(), "epoch": e}),
         ),
         Mistake(
             "the saved weights differ from the model's",
             "save model.state_dict()",
-            variant=lambda p, m, o, e, r: _save(
+            variant=lambda p, m, o, e, r: v._save(
                 p,
                 m,
                 o,
@@ -975,7 +737,7 @@ SAVE_ON_RANK0 = Exercise(
         Mistake(
             "the optimizer state (momentum) is missing",
             "save optimizer.state_dict(), not its param_groups",
-            variant=lambda p, m, o, e, r: _save(
+            variant=lambda p, m, o, e, r: v._save(
                 p,
                 m,
                 o,
@@ -991,7 +753,7 @@ SAVE_ON_RANK0 = Exercise(
         Mistake(
             "the epoch saved is not the one given",
             "store the epoch argument as given",
-            variant=lambda p, m, o, e, r: _save(p, m, o, e + 1, r),
+            variant=lambda p, m, o, e, r: v._save(p, m, o, e + 1, r),
         ),
     ],
     passed="2 models and epochs: rank 0 alone writes, atomically, everything a restart needs",
