@@ -584,12 +584,12 @@ SHARD_BATCHES = Exercise(
             else f"gave rank 0 the batches {got[0][0]} where {want[0][0]} were expected"
         )
     ),
-    hint="build DistributedSampler(range(n), num_replicas=world_size, rank=rank, shuffle=True, seed=seed), call "
-    "its set_epoch(epoch), then cut its indices into batches of batch_size",
+    hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this "
+    "rank and the seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
     mistakes=[
         Mistake(
             "two calls with the same arguments gave different batches",
-            "use the seed argument (DistributedSampler(..., seed=seed)), not the global random state",
+            "give the sampler the seed argument instead of drawing from the global random state",
             variant=v._shard_global_rng,
             when=lambda o: not o.got[1],
         ),
@@ -600,12 +600,12 @@ SHARD_BATCHES = Exercise(
         ),
         Mistake(
             "every rank got all the examples: the data is not sharded",
-            "pass num_replicas=world_size and rank=rank to DistributedSampler",
+            "tell DistributedSampler the world size and this rank (num_replicas, rank)",
             variant=lambda *a: v._shard(*a, replicas=1) if a[2] == 0 else v._shard(a[0], a[1], 0, *a[3:], replicas=1),
         ),
         Mistake(
             "every rank got the same indices",
-            "pass rank=rank to DistributedSampler, so each rank takes its own share",
+            "give DistributedSampler this rank's number, so each rank takes its own share",
             variant=lambda n, b, r, w, e, s: v._shard(n, b, 0, w, e, s),
         ),
         Mistake(
