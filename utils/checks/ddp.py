@@ -161,7 +161,7 @@ RING_ALL_REDUCE = Exercise(
     refuse=_LIBRARY + tuple(f"torch.distributed.{c}" for c in ("all_reduce", "all_gather", "reduce_scatter", "reduce")),
     refuse_hint="build it from point-to-point sends and receives (dist.P2POp, dist.batch_isend_irecv)",
     ranks=3,
-    timeout_s=40,
+    timeout_s=90,
     passed="3 processes, 3 tensor sizes, equal to all_reduce",
 )
 
@@ -243,7 +243,7 @@ AVERAGE_GRADIENTS = Exercise(
     refuse=_LIBRARY,
     refuse_hint="write the loop over the parameters yourself with dist.all_reduce",
     ranks=_WORLD_SIZES[-1],
-    timeout_s=40,
+    timeout_s=90,
     passed="2 and 3 processes, equal to the mean over ranks",
 )
 
@@ -506,7 +506,7 @@ OVERLAP_DDP = Exercise(
     refuse=_LIBRARY,
     refuse_hint="write the hooks, the buckets and finish() yourself with dist.all_reduce",
     ranks=_WORLD_SIZES[-1],
-    timeout_s=60,
+    timeout_s=90,
     passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while "
     "all-reduces were outstanding",
 )
@@ -529,7 +529,7 @@ OVERLAP_TRACE = Exercise(
     ],
     refuse=_LIBRARY,
     ranks=2,
-    timeout_s=60,
+    timeout_s=90,
     passed="2 processes, a traced step with backward running while all-reduces were outstanding",
 )
 check_overlap_ddp = _at_world_sizes(
