@@ -414,3 +414,15 @@ def test_killed_rank_is_named():
         parallel.launch(killed_worker, 2, timeout=60, stream=False)
     assert err.value.rank == 1
     _no_children("a launch with a killed rank")
+
+
+def test_a_rank_killed_by_a_signal_points_to_its_output_only_when_it_was_shown(tmp_path):
+    from types import SimpleNamespace
+
+    from utils.parallel import launcher
+
+    procs = [SimpleNamespace(exitcode=0), SimpleNamespace(exitcode=-9)]  # rank 1 killed, no result file
+    shown = str(launcher._failure(procs, str(tmp_path), [1], True))
+    hidden = str(launcher._failure(procs, str(tmp_path), [1], False))
+    assert "rank 1 was killed by signal 9" in shown and "its output is above" in shown
+    assert "rank 1 was killed by signal 9" in hidden and "output" not in hidden

@@ -1,36 +1,28 @@
-"""Self-checks for stage 3: data parallelism (solutions/lab3_ddp.ipynb).
+"""Lab 3's exercises (solutions/lab3_ddp.ipynb) as engine specs: the ring all-reduce, gradient
+averaging and DDP overlapped with backward run on real ranks (every tensor on the rank's device:
+NCCL takes GPU tensors only); sharding batches and saving on rank 0 run in the notebook.
 
-The ring all-reduce and gradient averaging must run on real processes, but a function defined
-in a notebook cannot be imported by a spawned process. So these checks send the *source* of
-your function to the processes, which define it again (with ``torch``, ``dist`` =
-``torch.distributed``, ``nn``, ``F``, ``math``, ``os`` in scope) and call it. Helper functions you
-defined in other cells of the notebook travel with it.
-
-Checks refuse the course's own implementations (``utils.parallel``) and, where the exercise is
-to build a collective, that collective itself. ``check_ddp_script`` runs your script FILE under
-torchrun on 2 processes; this module is also the probe each of those processes runs
-(``python -m utils.checks.ddp --probe SCRIPT ARGS``).
-
-The processes run on the backend the launcher picks (NCCL with a GPU per process), so every
-tensor is built on the rank's device (NCCL takes GPU tensors only), with TF32 off.
+Gradient averaging and overlapped DDP run on 2 processes, then on 3, so a fixed divisor fails.
+``run`` measures how an answer communicates: each async all-reduce's handle records whether it
+was waited for before backward ended (waited inside the hook: nothing overlaps).
 """
 
 from __future__ import annotations
 
-import inspect
-import math
+import contextlib
+import dataclasses
+import io
 import os
-import subprocess
 import tempfile
-import textwrap
-from collections.abc import Callable
-from typing import Any
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
-from ._common import CheckFailed, _call, _close, _fail, _passed, global_names  # noqa: F401
+from . import ddp_variants as v
+from ._common import CheckFailed  # noqa: F401
+from .engine import Case, Exercise, Mistake, check, difference
 
 __all__ = [
     "check_ring_all_reduce",
@@ -39,1299 +31,734 @@ __all__ = [
     "check_save_on_rank0",
     "check_overlap_ddp",
     "check_overlap_trace",
-    "check_ddp_script",
-    "SERIAL_SCRIPT",
-    "run_script",
 ]
 
-
-# ---------------------------------------------------------------------------- shipping source
-
-
-def _code_names(code) -> set:
-    """Every global/attribute name and string constant used by a code object and those nested in it."""
-    names = set(code.co_names)
-    for c in code.co_consts:
-        if isinstance(c, str):
-            names.add(c)
-        elif hasattr(c, "co_names"):
-            names |= _code_names(c)
-    return names
-
-
-def _helpers(fn, seen) -> list:
-    """Sources of the functions defined in the notebook (``__main__``) that ``fn`` uses, found by
-    name in its code; each is collected once, its own helpers first."""
-    out = []
-    glb = getattr(fn, "__globals__", {})
-    for n in sorted(_code_names(fn.__code__)):
-        obj = glb.get(n)
-        if (
-            callable(obj)
-            and getattr(obj, "__module__", None) in ("__main__", "__mp_main__")
-            and hasattr(obj, "__code__")
-            and obj is not fn
-            and n not in seen
-        ):
-            seen.add(n)
-            out += _helpers(obj, seen)
-            try:
-                out.append(textwrap.dedent(inspect.getsource(obj)))
-            except (OSError, TypeError):
-                pass
-    return out
-
-
-_LIBRARY = ("utils", "parallel", "ddp_train", "DistributedDataParallel", "DDP")
-
-
-def _source(name, fn, forbidden=()) -> str:
-    """The function's source plus its notebook helpers', after refusing what it must not use."""
-    if not callable(fn):
-        _fail(name, f"expected a function, got {type(fn).__name__}", "pass the function itself, without calling it")
-    mod = getattr(fn, "__module__", "") or ""
-    if mod.startswith("utils") or mod.startswith("torch"):
-        _fail(
-            name,
-            f"this is {mod}.{getattr(fn, '__name__', fn)}, the library's own implementation, not yours",
-            "write the function yourself in the exercise cell and pass that",
-        )
-    try:
-        src = textwrap.dedent(inspect.getsource(fn))
-    except (OSError, TypeError):
-        _fail(
-            name, "could not read your function's source", "define it with `def` in a notebook cell and run that cell"
-        )
-    if "NotImplementedError" in src:
-        _call(name, _raise_not_implemented)
-    helpers = _helpers(fn, {fn.__name__})
-    used = _code_names(fn.__code__)
-    for h in [g for g in (getattr(fn, "__globals__", {}).get(n) for n in used) if hasattr(g, "__code__")]:
-        used |= _code_names(h.__code__)
-    glb = getattr(fn, "__globals__", {})
-    read = global_names(fn.__code__)  # x.device is an attribute, not the notebook's `device` module
-    for h in [g for g in (glb.get(n) for n in read) if hasattr(g, "__code__")]:
-        read |= global_names(h.__code__)
-    for n in sorted(read):
-        obj = glb.get(n)
-        omod = getattr(obj, "__module__", None) or getattr(obj, "__name__", "") if obj is not None else ""
-        if isinstance(omod, str) and omod.startswith("utils.") and obj is not None and n not in ("utils",):
-            _fail(
-                name,
-                f"your code uses {n}, which comes from the course's {omod}",
-                "write the steps yourself with torch.distributed; the library's version is what this "
-                "exercise asks you to build",
-            )
-    bad = [n for n in _LIBRARY + tuple(forbidden) if n in used]
-    if bad:
-        what = ", ".join(sorted(set(bad)))
-        _fail(
-            name,
-            f"your code calls {what}, which this exercise asks you to build yourself",
-            f"remove {what}; build it from the pieces the exercise names"
-            + (" (point-to-point sends and receives)" if "all_reduce" in bad else ""),
-        )
-    return "\n\n".join(helpers + [src])
-
-
-def _raise_not_implemented():
-    raise NotImplementedError
-
-
-def _define(source: str, fn_name: str):
-    """In a spawned process: define the student's function again, with the lab's names in scope."""
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    scope = {"torch": torch, "dist": dist, "nn": nn, "F": F, "math": math, "os": os}
-    exec(compile(source, "<your exercise cell>", "exec"), scope)
-    return scope[fn_name]
-
-
-def _blocking_p2p(source: str) -> bool:
-    """Does the code send with blocking ``dist.send`` / ``dist.recv`` rather than one batch?"""
-    import re
-
-    return (
-        bool(re.search(r"\bdist\.send\s*\(|\bsend\s*\(\s*[^)]*\bdst\b", source)) and "batch_isend_irecv" not in source
-    )
-
-
-def _launch(name, worker, nprocs, *args, source: str = ""):
-    from utils import parallel
-
-    try:
-        return parallel.launch(worker, nprocs, *args, timeout=90, stream=False)
-    except parallel.LaunchTimeout:
-        if _blocking_p2p(source):
-            _fail(
-                name,
-                "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank "
-                "has posted yet (each one sends first and receives second)",
-                "post each step's send and receive together, as one batch of point-to-point operations "
-                "(look up dist.P2POp and dist.batch_isend_irecv), then wait on every request it returns",
-            )
-        _fail(
-            name,
-            "your function hung (the processes waited for each other until the timeout)",
-            "every send needs a matching receive on the neighbour, posted together in one batch; and every "
-            "rank must run the same number of steps",
-        )
-    except parallel.LaunchError as e:
-        text = str(e)
-        if _blocking_p2p(source):
-            _fail(
-                name,
-                "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank has posted yet",
-                "post each step's send and receive together as one batch (dist.P2POp, "
-                "dist.batch_isend_irecv), then wait on every request",
-            )
-        if "Timed out" in text:
-            _fail(
-                name,
-                "your function hung: a rank waited for a message that never came",
-                "check that rank r sends to (r + 1) % N and receives from (r - 1) % N, the same number of times",
-            )
-        first = text.split("\n")[0]
-        if not e.remote_traceback:
-            _fail(
-                name,
-                f"a process stopped without a Python exception ({first.split('. The other')[0]})",
-                "run your function's steps by hand on paper for 3 ranks: a rank that waits forever, or "
-                "writes past a tensor's end, stops like this",
-            )
-        tb = e.remote_traceback.strip().splitlines()
-        where = next((line.strip() for line in reversed(tb) if "<your exercise cell>" in line), "")
-        err = CheckFailed(
-            f"{name}: your code raised on {first.split(' raised ')[0]}: "
-            f"{first.split(' raised ', 1)[-1].split('. The other ranks')[0]}"
-            f"{'  (' + where + ')' if where else ''}. Try: read that rank's traceback, "
-            f"printed below, fix the line it names, rerun both cells"
-            f"\n\nTraceback from {first.split(' raised ')[0]}:\n{e.remote_traceback}"
-        )
-        err.remote_traceback = e.remote_traceback
-        raise err from None
-
+LAB = "lab3_ddp"
+_LIBRARY = ("utils.parallel", "torch.nn.parallel.DistributedDataParallel")
 
 # ---------------------------------------------------------------------------- ring all-reduce
 
-_COLLECTIVES = (
-    "all_reduce",
-    "all_gather",
-    "all_gather_into_tensor",
-    "reduce_scatter",
-    "reduce_scatter_tensor",
-    "all_to_all",
-    "reduce",
-)
 RING_SIZES = (12, 7, 2)  # divisible by 3 ranks, not divisible, fewer elements than ranks
 
 
-def _ring_worker(source, fn_name):
-    import torch.distributed as dist
-
-    from utils import parallel
-
-    ctx = parallel.setup(timeout=20)
-    fn = _define(source, fn_name)
-    out = []
-    for n in RING_SIZES:
-        x = (torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device)  # NCCL: GPU tensors
-        # The tensor as it stands when step N starts (N-1 exchanges done): the end of reduce-scatter,
-        # when each step is one batch_isend_irecv of a send and a receive (or one blocking send).
-        seen = {"steps": 0, "after_rs": None}
-
-        def spy(real, *a, _seen=seen, _x=x, _step=True, **k):
-            if _step:
-                if _seen["steps"] == ctx.world_size - 1:
-                    _seen["after_rs"] = _x.detach().clone()
-                _seen["steps"] += 1
-            return real(*a, **k)
-
-        def batch(ops, *a, _r=dist.batch_isend_irecv, **k):
-            return spy(_r, ops, *a, _step=len(ops) >= 2, **k)
-
-        with (
-            mock.patch.object(dist, "batch_isend_irecv", batch),
-            mock.patch.object(dist, "send", lambda *a, _r=dist.send, **k: spy(_r, *a, **k)),
-        ):
-            ret = fn(x)
-        out.append(
-            {"inplace": x, "returned": ret if isinstance(ret, torch.Tensor) else None, "after_rs": seen["after_rs"]}
-        )
-    return out
+def _ring_cases(ctx):
+    return [
+        Case(((torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device),), label=f"{n} elements")
+        for n in RING_SIZES
+    ]
 
 
-def _ring_expected(n, world):
-    return sum(torch.arange(n, dtype=torch.float32) + 100.0 * (r + 1) for r in range(world))
+class _Watched:
+    """A work handle that notes when it is waited for (``note(handle)``), then behaves as the real one."""
+
+    def __init__(self, work, note):
+        self._work, self._note, self.waited = work, note, False
+
+    def wait(self, *a, **k):
+        self._note(self)
+        self.waited = True
+        return self._work.wait(*a, **k)
+
+    def get_future(self):
+        self._note(self)
+        return self._work.get_future()
+
+    def __getattr__(self, attr):
+        return getattr(self._work, attr)
 
 
-def check_ring_all_reduce(ring_all_reduce: Callable[..., Any], world_size: int = 3) -> None:
-    """``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place (like
-    ``dist.all_reduce``), with N-1 reduce-scatter and N-1 all-gather steps, each one send and
-    one receive posted together with ``dist.batch_isend_irecv`` (the form that works on NCCL too).
-    Run on 3 real processes, for tensors of 12, 7 and 2 elements."""
-    name = "ring_all_reduce"
-    src = _source(name, ring_all_reduce, forbidden=_COLLECTIVES)
-    res = _launch(name, _ring_worker, world_size, src, ring_all_reduce.__name__, source=src)
-    for n, per_size in zip(RING_SIZES, zip(*res)):
-        want = _ring_expected(n, world_size)
-        got = [r["inplace"] for r in per_size]
-        if all(torch.equal(g, want) for g in got):
-            continue
-        rets = [r["returned"] for r in per_size]
-        if all(r is not None and r.shape == want.shape and torch.allclose(r, want) for r in rets):
-            _fail(
-                name,
-                f"the returned tensor is right but the tensor passed in was not changed ({n} elements)",
-                "work in place, like dist.all_reduce: cut the tensor into views with tensor.chunk / "
-                "tensor_split and add into them (chunk += received), then return the tensor",
-            )
-        own = [torch.arange(n, dtype=torch.float32) + 100.0 * (r + 1) for r in range(world_size)]
-        if all(torch.equal(g, o) for g, o in zip(got, own)):
-            _fail(
-                name,
-                "every rank still holds its own tensor: what it received never landed in `tensor`, so "
-                "your chunks are probably copies (clone, cat, a list of new tensors) or were rebound "
-                "(chunk = chunk + buffer), not views of `tensor` changed in place",
-                "cut with tensor.view(-1).tensor_split(N), which gives views, and add in place into them "
-                "(chunks[i] += buffer; all-gather: chunks[i].copy_(buffer))",
-            )
-        chunks_ok = [
-            [torch.equal(gc, wc) for gc, wc in zip(g.tensor_split(world_size), want.tensor_split(world_size))]
-            for g in got
-        ]
-        after_rs = [r["after_rs"] for r in per_size]
-        if n >= world_size and all(a is not None for a in after_rs):
-            rs_done = [
-                [torch.equal(ac, wc) for ac, wc in zip(a.tensor_split(world_size), want.tensor_split(world_size))]
-                for a in after_rs
-            ]
-            finished = [ok.index(True) for ok in rs_done if sum(ok) == 1]
-            rs_right = len(finished) == world_size and sorted(finished) == list(range(world_size))
-            if rs_right and not all(sum(ok) == 1 for ok in chunks_ok):
-                full = "; ".join(
-                    f"rank {r}: {[i for i, ok in enumerate(c) if ok] or 'none'}" for r, c in enumerate(chunks_ok)
-                )
-                _fail(
-                    name,
-                    f"reduce-scatter is right (after N-1 steps each rank held the full sum of one chunk) but "
-                    f"the all-gather is wrong: at the end each rank holds the full sum only for some of the "
-                    f"{world_size} chunks, or none (fully summed chunks: {full}; {n} elements)",
-                    "in the all-gather, a rank first sends the chunk it finished (the one it added to last), "
-                    "then passes on the chunk it just received, and copies what it receives into place",
-                )
-            if not rs_right and not any(sum(ok) for ok in rs_done):
-                _fail(
-                    name,
-                    f"reduce-scatter is wrong: after its N-1 steps no rank held the full sum of any chunk "
-                    f"({n} elements)",
-                    "at step 0 each rank sends a different chunk; at every later step it sends on the chunk "
-                    "it received and added to at the step before; add what it receives into the same-numbered chunk",
-                )
-        if n >= world_size and all(sum(ok) == 1 for ok in chunks_ok):
-            _fail(
-                name,
-                f"each rank has exactly one fully summed chunk ({n} elements): the reduce-scatter "
-                "works but the all-gather is missing or wrong",
-                "after N-1 reduce-scatter steps, run N-1 more steps that pass the finished chunks on "
-                "(copy the received chunk into place instead of adding it)",
-            )
-        if any(torch.allclose(g, want * 2) or torch.allclose(g, want + own[i]) for i, g in enumerate(got)):
-            _fail(
-                name,
-                f"some values were added twice ({n} elements)",
-                "in the all-gather phase copy the received chunk (chunk.copy_(buffer)); only reduce-scatter adds",
-            )
-        _fail(
-            name,
-            f"wrong sum for a tensor of {n} elements on {world_size} ranks: rank 0 got "
-            f"{got[0].tolist()}, expected {want.tolist()}",
-            "at every step send one chunk to the right and receive the chunk your left neighbour sends; "
-            "after the first step, pass on the chunk you last received; use tensor_split(N) so sizes "
-            "that do not divide by N work too",
-        )
-    _passed(name, f"{world_size} processes, {len(RING_SIZES)} tensor sizes, equal to all_reduce")
+def _ring_run(fn, case):
+    (x,) = case.args
+    real, reqs = dist.batch_isend_irecv, []
 
+    def batch(ops, *a, **k):
+        reqs.extend(_Watched(w, lambda h: None) for w in real(ops, *a, **k))
+        return reqs[len(reqs) - len(ops) :]
+
+    with mock.patch.object(dist, "batch_isend_irecv", batch):
+        out = fn(x)
+    returned = out.detach().cpu() if isinstance(out, torch.Tensor) else None
+    return x.detach().cpu(), returned, sum(not r.waited for r in reqs)
+
+
+def _ring_compare(got, want):
+    for r, (g, w) in enumerate(zip(got, want)):
+        d = difference(g[0], w[0])
+        if d:
+            return f"{d.replace('returned', 'left', 1)} in the tensor on rank {r}"
+    return None
+
+
+def _blocking_sends(o):
+    return (o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source
+
+
+def _unwaited(o):
+    if o.got:
+        return any(g[2] for g in o.got)
+    return (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source
+
+
+RING_ALL_REDUCE = Exercise(
+    name="ring_all_reduce",
+    cases=_ring_cases,
+    oracle=v._ring_oracle,
+    run=_ring_run,
+    compare=_ring_compare,
+    hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last "
+    "received, and cut the tensor with tensor_split(N) so sizes that do not divide by N work too",
+    mistakes=[
+        Mistake(
+            "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank has posted yet",
+            "post each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), "
+            "then wait on every request it returns",
+            variant=v._ring_blocking,
+            when=_blocking_sends,
+            replay=False,
+        ),
+        Mistake(
+            "the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before "
+            "it has arrived (and a rank may wait forever)",
+            "call wait() on every request the batch returns before you read the received buffer",
+            variant=v._ring_no_wait,
+            when=_unwaited,
+            replay=False,
+            mechanism=True,
+        ),
+        Mistake(
+            "the returned tensor is right but the tensor passed in was not changed",
+            "work in place, like dist.all_reduce: cut the tensor into views and add into them, then return it",
+            variant=v._ring_out_of_place,
+            when=lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want)),
+        ),
+        Mistake(
+            "every rank still holds its own tensor: your chunks are copies or were rebound, not views of `tensor` "
+            "changed in place",
+            "cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy in place into them",
+            variant=v._ring_copies,
+        ),
+        Mistake(
+            "reduce-scatter is right but the all-gather is wrong: each rank ends with the full sum of only some chunks",
+            "in the all-gather a rank first sends the chunk it finished, then passes on the chunk it just received",
+            variant=v._ring_gather_like_reduce,
+        ),
+        Mistake(
+            "reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it",
+            "in reduce-scatter add what you receive into the same-numbered chunk; only the all-gather copies",
+            variant=v._ring_reduce_copies,
+        ),
+        Mistake(
+            "each rank has exactly one fully summed chunk: the reduce-scatter works but the all-gather is missing",
+            "after N-1 reduce-scatter steps, run N-1 more steps that pass the finished chunks on and copy them",
+            variant=v._ring_no_gather,
+        ),
+        Mistake(
+            "some values were added twice: the all-gather adds what it receives",
+            "in the all-gather copy the received chunk into place (copy_); only reduce-scatter adds",
+            variant=v._ring_gather_adds,
+        ),
+    ],
+    refuse=_LIBRARY + tuple(f"torch.distributed.{c}" for c in ("all_reduce", "all_gather", "reduce_scatter", "reduce")),
+    refuse_hint="build it from point-to-point sends and receives (dist.P2POp, dist.batch_isend_irecv)",
+    ranks=3,
+    timeout_s=90,
+    passed="3 processes, 3 tensor sizes, equal to all_reduce",
+)
 
 # ---------------------------------------------------------------------------- gradient averaging
 
 
-def _grad_model():
+def _grad_cases(ctx):
+    cases, r, n = [], ctx.rank, ctx.world_size
+    for seed, width in ((1, 5), (2, 7)):
+        g = torch.Generator().manual_seed(seed)
+        x, y = torch.randn(4 * n, width, generator=g), torch.randint(0, 3, (4 * n,), generator=g)
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(width, 4), nn.Tanh(), nn.Linear(4, 3)).to(ctx.device)
+        nn.functional.cross_entropy(model(x[r::n].to(ctx.device)), y[r::n].to(ctx.device)).backward()
+        cases.append(Case((model,), label=f"a model with {width} inputs on {n} ranks"))
+    return cases
+
+
+def _grads_run(fn, case):
+    fn(*case.args)
+    return [None if p.grad is None else p.grad.detach().cpu() for p in case.args[0].parameters()]
+
+
+_WORLD_SIZES = (2, 3)
+
+
+def _at_world_sizes(ex: Exercise, doc: str):
+    """The check runs ``ex`` on each of _WORLD_SIZES processes; only the last run's tick is shown."""
+
+    def check_fn(answer):
+        try:
+            for n in _WORLD_SIZES:
+                ex.ranks = n
+                with contextlib.redirect_stdout(io.StringIO()) if n != _WORLD_SIZES[-1] else contextlib.nullcontext():
+                    check(ex, answer)
+        finally:
+            ex.ranks = _WORLD_SIZES[-1]
+
+    check_fn.__name__ = check_fn.__qualname__ = f"check_{ex.name}"
+    check_fn.__doc__, check_fn.__module__ = doc, "utils.checks"
+    return check_fn
+
+
+AVERAGE_GRADIENTS = Exercise(
+    name="average_gradients",
+    cases=_grad_cases,
+    oracle=v._average_oracle,
+    run=_grads_run,
+    atol=1e-6,
+    hint="sum every parameter's gradient over the ranks with an all-reduce, then divide it in place by the world size",
+    mistakes=[
+        Mistake(
+            "a gradient is None after your function",
+            "average p.grad in place; do not set it to None",
+            variant=v._average_none,
+            when=lambda o: any(g is None for r in o.got for g in r),
+        ),
+        Mistake(
+            "the gradients were summed, not averaged",
+            "divide each one by the world size after the all-reduce",
+            variant=v._average_sums,
+        ),
+        Mistake(
+            "each rank still has its own local gradient: nothing was exchanged",
+            "all-reduce every parameter's gradient, on every rank",
+            variant=v._average_nothing,
+        ),
+        Mistake(
+            "each gradient was divided by the world size but not all-reduced",
+            "all-reduce first, then divide",
+            variant=v._average_unreduced,
+        ),
+        Mistake(
+            "the gradients were divided by 2, not by the number of processes",
+            "divide by dist.get_world_size(): the check runs on 2 and on 3 processes",
+            variant=v._average_by_two,
+        ),
+    ],
+    refuse=_LIBRARY,
+    refuse_hint="write the loop over the parameters yourself with dist.all_reduce",
+    ranks=_WORLD_SIZES[-1],
+    timeout_s=90,
+    passed="2 and 3 processes, equal to the mean over ranks",
+)
+
+check_ring_all_reduce = RING_ALL_REDUCE.checker(
+    "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 "
+    "all-gather steps of one batched send and receive each; run on 3 processes for tensors of 12, 7 and 2 elements."
+)
+check_average_gradients = _at_world_sizes(
+    AVERAGE_GRADIENTS,
+    "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; "
+    "run on 2, then 3 processes.",
+)
+
+# ---------------------------------------------------------------------------- overlapped DDP by hand
+
+OVERLAP_CAPS = (0, 80, 10**9)  # one bucket per parameter, a few buckets, one bucket
+OVERLAP_STEPS = 3
+TRACE_CAPS = (0, 70_000)
+
+
+def _mlp(widths, device):
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(5, 4), nn.Tanh(), nn.Linear(4, 3))
+    layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())]
+    return nn.Sequential(*layers[:-1]).to(device)
 
 
-def _grad_data(world):
-    g = torch.Generator().manual_seed(1)
-    return torch.randn(4 * world, 5, generator=g), torch.randint(0, 3, (4 * world,), generator=g)
+def _overlap_cases(ctx):
+    r, n, batches = ctx.rank, ctx.world_size, []
+    for step in range(OVERLAP_STEPS):
+        g = torch.Generator().manual_seed(10 + step)
+        x, y = torch.randn(4 * n, 6, generator=g), torch.randint(0, 3, (4 * n,), generator=g)
+        batches.append((x[r::n].to(ctx.device), y[r::n].to(ctx.device)))
+    return [
+        Case((_mlp((6, 8, 8, 3), ctx.device), cap), {"batches": batches}, label=f"bucket_numel={cap}")
+        for cap in OVERLAP_CAPS
+    ]
 
 
-def _local_grads(x, y):
-    model = _grad_model()
-    nn.functional.cross_entropy(model(x), y).backward()
-    return [p.grad.clone() for p in model.parameters()]
+def _trace_cases(ctx):
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(ctx.device)
+    return [
+        Case((_mlp((256,) * 5 + (10,), ctx.device), cap), {"x": x}, label=f"bucket_numel={cap}") for cap in TRACE_CAPS
+    ]
 
 
-def _avg_worker(source, fn_name):
-    from utils import parallel
+@contextlib.contextmanager
+def _watching(params, state):
+    """Note every dist.all_reduce: its step, async or not, launched in backward or not, how many
+    gradients were ready, its size, and whether its handle was waited for before backward ended."""
+    calls, real = [], dist.all_reduce
 
-    parallel.exact_fp32()  # compared with one CPU process to 1e-6: no TF32 on the GPU
-    ctx = parallel.setup(timeout=20)
-    fn = _define(source, fn_name)
-    x, y = _grad_data(ctx.world_size)
-    x, y = x.to(ctx.device), y.to(ctx.device)  # NCCL all-reduces GPU tensors only
-    model = _grad_model().to(ctx.device)
-    nn.functional.cross_entropy(model(x[ctx.rank :: ctx.world_size]), y[ctx.rank :: ctx.world_size]).backward()
-    fn(model)
-    return [p.grad.clone() if p.grad is not None else None for p in model.parameters()]
+    def spy(tensor, *a, **k):
+        c = {"step": state["step"], "async": bool(k.get("async_op", a[2] if len(a) > 2 else False))}
+        c.update(bw=state["bw"], ready=sum(p.grad is not None for p in params), numel=tensor.numel(), early=False)
+        calls.append(c)
+        work = real(tensor, *a, **k)
+        return _Watched(work, lambda h: c.update(early=c["early"] or state["bw"])) if c["async"] else work
+
+    with mock.patch.object(dist, "all_reduce", spy):
+        yield calls
 
 
-def check_average_gradients(average_gradients: Callable[..., Any], world_size: int = 2) -> None:
-    """``average_gradients(model)``: after ``backward()``, replace every parameter's gradient by
-    its mean over all ranks (all-reduce, then divide by the world size). Run on 2 processes,
-    compared with one process on the whole batch."""
-    name = "average_gradients"
-    src = _source(name, average_gradients)
-    res = _launch(name, _avg_worker, world_size, src, average_gradients.__name__, source=src)
-    x, y = _grad_data(world_size)
-    want = _local_grads(x, y)  # the mean over the whole batch
-    local = [_local_grads(x[r::world_size], y[r::world_size]) for r in range(world_size)]
-    for r, grads in enumerate(res):
-        if any(g is None for g in grads):
-            _fail(name, f"a gradient is None on rank {r}", "average p.grad in place; do not set it to None")
-        if all(torch.allclose(g, w, atol=1e-6) for g, w in zip(grads, want)):
-            continue
-        if all(torch.allclose(g, world_size * w, atol=1e-6) for g, w in zip(grads, want)):
-            _fail(
-                name,
-                f"the gradients are {world_size}x too large: they were summed, not averaged",
-                "the all-reduce sums the gradients: divide each one by the world size after it, in place",
-            )
-        if all(torch.allclose(g, l, atol=1e-6) for g, l in zip(grads, local[r])):
-            _fail(
-                name,
-                f"rank {r} still has its own local gradient: nothing was exchanged",
-                "all-reduce every parameter's gradient, on every rank",
-            )
-        if all(torch.allclose(g, l / world_size, atol=1e-6) for g, l in zip(grads, local[r])):
-            _fail(
-                name,
-                "each gradient was divided by the world size but not all-reduced",
-                "all-reduce first, then divide",
-            )
-        _fail(
-            name,
-            f"the gradients on rank {r} do not match one process on the whole batch",
-            "sum every parameter's gradient over the ranks with an all-reduce, then divide it by the world size, in place, on every rank",
-        )
-    _passed(name, f"{world_size} processes match one process on the concatenated batch")
+def _summary(calls, params, cap, finish) -> dict:
+    bw = [c for c in calls if c["bw"]]
+    return {
+        "cap": cap,
+        "finish": callable(finish),
+        "calls": len(calls),
+        "in_bw": len(bw),
+        "blocking": any(not c["async"] for c in calls),
+        "overlapped": any(c["async"] and not c["early"] for c in bw),
+        "late": cap == 0 and bool(bw) and all(c["ready"] == len(params) for c in bw),
+    }
+
+
+def _overlap_run(fn, case):
+    model, cap = case.args
+    params, state, grads0 = list(model.parameters()), {"step": 0, "bw": False}, []
+    opt = torch.optim.SGD(params, lr=0.1)
+    with _watching(params, state) as calls:
+        finish = fn(model, cap)
+        for step, (x, y) in enumerate(case.kwargs["batches"]):
+            state["step"] = step
+            opt.zero_grad(set_to_none=True)
+            loss = nn.functional.cross_entropy(model(x), y)
+            state["bw"] = True
+            loss.backward()
+            state["bw"] = False
+            _ = finish() if callable(finish) else None
+            if step == 0:
+                grads0 = [None if p.grad is None else p.grad.detach().cpu() for p in params]
+            opt.step()
+    return {
+        "grads0": grads0,
+        "weights": [p.detach().cpu() for p in params],
+        "launches": [sum(c["step"] == s for c in calls) for s in range(OVERLAP_STEPS)],
+        "numels": sorted(c["numel"] for c in calls if c["step"] == 0),
+        **_summary(calls, params, cap, finish),
+    }
+
+
+def _overlap_compare(got, want):
+    for r, (g, w) in enumerate(zip(got, want)):
+        if any(x is None for x in g["grads0"]):
+            return f"left a gradient None after finish() on rank {r}"
+        if difference(g["grads0"], w["grads0"], 1e-5, 1e-6):
+            return f"left gradients after finish() on rank {r} that differ from the mean over the ranks"
+        if g["launches"] != w["launches"]:
+            return f"made {g['launches']} all-reduces per step where buckets of at most {w['cap']} elements make {w['launches']}"
+        if g["numels"] != w["numels"]:
+            return f"all-reduced buckets of {g['numels']} elements where the order of the hooks gives {w['numels']}"
+        if difference(g["weights"], w["weights"], 1e-5, 1e-6):
+            return f"matched the first step but after {OVERLAP_STEPS} steps the weights differ"
+    return None
+
+
+def _trace_run(fn, case):
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    model, cap = case.args
+    params, state = list(model.parameters()), {"step": 0, "bw": False}
+    with _watching(params, state) as calls:
+        finish = fn(model, cap)
+        for step in range(2):  # a warm-up step, then the traced one
+            state["step"] = step
+            model.zero_grad(set_to_none=True)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                loss = model(case.kwargs["x"]).pow(2).mean()
+                with record_function("backward"):
+                    state["bw"] = True
+                    loss.backward()
+                    state["bw"] = False
+                with record_function("finish"):
+                    _ = finish() if callable(finish) else None
+    names = ("backward", "finish")
+    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()]
+    events = sorted(
+        (e for e in events if e[0] in names or "allreduce" in e[0].lower().replace("_", "")), key=lambda e: e[1]
+    )
+    last = [c for c in calls if c["step"] == 1]
+    return {
+        "launches": len(last),
+        "numels": sorted(c["numel"] for c in last),
+        "events": events if dist.get_rank() == 0 else None,
+        **_summary(last, params, cap, finish),
+    }
+
+
+_TRACED: dict = {}  # bucket_numel -> rank 0's events of the student's traced step
+
+
+def _trace_compare(got, want):
+    g, w = got[0], want[0]
+    _TRACED[w["cap"]] = g["events"]
+    if g["launches"] != w["launches"]:
+        return f"launched {g['launches']} all-reduces where buckets of at most {w['cap']} elements make {w['launches']}"
+    if g["numels"] != w["numels"]:
+        return f"all-reduced buckets of {g['numels']} elements where the order of the hooks gives {w['numels']}"
+    return None
+
+
+def _got(key, pred=bool):
+    """A predicate on the outcome: ``pred`` holds for ``key`` of some rank's result."""
+    return lambda o: bool(o.got) and any(pred(g[key]) for g in o.got)
+
+
+_NO_FINISH = Mistake(
+    "overlap_ddp did not return a function",
+    "return the inner function that waits for the all-reduces and averages; the training loop calls it after backward",
+    variant=v._overlap_no_finish,
+    when=_got("finish", lambda f: not f),
+    mechanism=True,
+)
+_NO_CALLS = Mistake(
+    "no dist.all_reduce was called",
+    "in each parameter's hook, launch dist.all_reduce on its gradient (or its bucket's), with async_op=True",
+    variant=v._overlap_silent,
+    when=_got("calls", lambda n: n == 0),
+    mechanism=True,
+)
+_AFTER_BACKWARD = Mistake(
+    "every all-reduce started after backward returned: none overlaps with backward, so there is no overlap",
+    "launch the all-reduces from gradient hooks, which fire during backward (look up "
+    "Tensor.register_post_accumulate_grad_hook), with async_op=True; finish() only waits",
+    variant=v._overlap_after_backward,
+    when=lambda o: bool(o.got) and any(g["calls"] and not g["in_bw"] for g in o.got),
+    mechanism=True,
+)
+_BLOCKING = Mistake(
+    "an all-reduce was blocking (async_op not set): backward stops at every hook until it is done, so nothing overlaps",
+    "pass async_op=True, keep the work handle it returns, and wait() on it in finish()",
+    variant=v._overlap_blocking,
+    when=_got("blocking"),
+    mechanism=True,
+)
+_WAITS_IN_HOOK = Mistake(
+    "each all-reduce is waited for before backward goes on: backward never runs while a reduction is "
+    "outstanding, so nothing overlaps",
+    "keep the work handles in the hooks and wait() on them only in finish(), after backward",
+    variant=v._overlap_waits_in_hook,
+    when=lambda o: bool(o.got) and any(g["in_bw"] and not g["overlapped"] for g in o.got),
+    mechanism=True,
+)
+_FORWARD = Mistake(
+    "your buckets follow the forward order of model.parameters(), but gradients become ready last layer first, "
+    "so a bucket with the first layer's parameters fills only at the end of backward",
+    "build the buckets walking reversed(list(model.parameters())), the order in which the hooks fire",
+    variant=v._overlap_forward,
+)
+OVERLAP_DDP = Exercise(
+    name="overlap_ddp",
+    cases=_overlap_cases,
+    oracle=v._overlap_oracle,
+    run=_overlap_run,
+    compare=_overlap_compare,
+    hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, "
+    "then in finish() wait, divide by the world size and copy each slice back to its gradient",
+    mistakes=[
+        _NO_FINISH,
+        _NO_CALLS,
+        _AFTER_BACKWARD,
+        _BLOCKING,
+        _WAITS_IN_HOOK,
+        Mistake(
+            "the all-reduces start only once every gradient is ready, so none overlaps with the rest of backward",
+            "launch a bucket's all-reduce from the hook of its last parameter, as soon as that gradient is accumulated",
+            variant=v._overlap_holds,
+            when=_got("late"),
+            mechanism=True,
+        ),
+        _FORWARD,
+        Mistake(
+            "the gradients were summed, not averaged",
+            "in finish(), after waiting, divide by the world size",
+            variant=v._overlap_sums,
+        ),
+        Mistake(
+            "each rank still has its own local gradient after finish(): the reduced values never reach p.grad",
+            "after waiting, copy the reduced flat buffer back into each p.grad of its bucket",
+            variant=v._overlap_no_copy,
+        ),
+        Mistake(
+            "the first step matches but later steps do not: finish() keeps the last step's handles or counts",
+            "at the end of every finish(), forget the handles and reset the ready counts, so the next backward "
+            "starts clean",
+            variant=v._overlap_never_clears,
+        ),
+        Mistake(
+            "you make one all-reduce per parameter whatever bucket_numel is",
+            "group parameters in the order their gradients arrive into buckets of at most bucket_numel elements",
+            variant=v._overlap_one_per_param,
+        ),
+        Mistake(
+            "a gradient is None after finish()",
+            "leave the averaged gradient in p.grad",
+            variant=v._overlap_none,
+            when=_got("grads0", lambda gs: any(x is None for x in gs)),
+        ),
+    ],
+    refuse=_LIBRARY,
+    refuse_hint="write the hooks, the buckets and finish() yourself with dist.all_reduce",
+    ranks=_WORLD_SIZES[-1],
+    timeout_s=90,
+    passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while "
+    "all-reduces were outstanding",
+)
+OVERLAP_TRACE = Exercise(
+    name="overlap_trace",
+    answer=("overlap_ddp",),
+    cases=_trace_cases,
+    oracle=v._overlap_oracle,
+    run=_trace_run,
+    compare=_trace_compare,
+    hint="all-reduce a bucket from the hook of its last parameter, in the order the hooks fire",
+    mistakes=[
+        _NO_CALLS,
+        dataclasses.replace(
+            _AFTER_BACKWARD, problem="every all-reduce in the trace starts after backward ended: no overlap"
+        ),
+        _BLOCKING,
+        _WAITS_IN_HOOK,
+        _FORWARD,
+    ],
+    refuse=_LIBRARY,
+    ranks=2,
+    timeout_s=90,
+    passed="2 processes, a traced step with backward running while all-reduces were outstanding",
+)
+check_overlap_ddp = _at_world_sizes(
+    OVERLAP_DDP,
+    "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and "
+    "``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.",
+)
+
+
+def check_overlap_trace(overlap_ddp, bucket_numel: int = 0) -> list:
+    """Trace one step of ``overlap_ddp`` with torch.profiler on 2 processes (a 5-layer MLP) and print
+    rank 0's backward, finish and all-reduce events; returns them as (name, start_us, end_us), by start."""
+    if bucket_numel not in TRACE_CAPS:
+        raise CheckFailed(f"overlap_trace: the check traces bucket_numel in {TRACE_CAPS}. Try: pass one of those.")
+    check(OVERLAP_TRACE, overlap_ddp)
+    events = _TRACED.pop(bucket_numel, None) or []
+    t0 = min((e[1] for e in events), default=0)
+    for n, s, e in events:
+        if n in ("backward", "finish") or e > s:
+            print(f"  {n[:40]:40s} {s - t0:9.0f} us -> {e - t0:9.0f} us")
+    return events
 
 
 # ---------------------------------------------------------------------------- sharding
 
 
-def _as_lists(batches):
-    return [[int(i) for i in (b.tolist() if isinstance(b, torch.Tensor) else b)] for b in batches]
+def _shard_cases():
+    return [
+        Case((20, 4, 2, 0, 0), label="20 examples, batches of 4, 2 ranks, epoch 0"),
+        Case((20, 4, 2, 1, 0), label="20 examples, batches of 4, 2 ranks, epoch 1"),
+        Case((11, 3, 3, 2, 5), label="11 examples, batches of 3, 3 ranks, epoch 2, seed 5"),
+    ]
 
 
-def check_shard_batches(shard_batches: Callable[..., Any]) -> None:
-    """``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the list of batches (lists
-    of example indices) that ``rank`` trains on in ``epoch``, as a ``DistributedSampler`` with
-    ``set_epoch(epoch)`` gives them."""
-    name = "shard_batches"
-    n, bs, world = 20, 4, 2
-    per = {(r, e): _as_lists(_call(name, shard_batches, n, bs, r, world, e, 0)) for r in range(world) for e in (0, 1)}
-    flat = {k: [i for b in v for i in b] for k, v in per.items()}
-    if any(len(b) > bs for v in per.values() for b in v):
-        _fail(
-            name, f"a batch has more than batch_size={bs} indices", "cut each rank's indices into batches of batch_size"
+def _shard_run(fn, case):
+    n, bs, world, epoch, seed = case.args
+    per = [[[int(i) for i in b] for b in fn(n, bs, r, world, epoch, seed)] for r in range(world)]
+    return per, per[0] == [[int(i) for i in b] for b in fn(n, bs, 0, world, epoch, seed)]
+
+
+SHARD_BATCHES = Exercise(
+    name="shard_batches",
+    cases=_shard_cases,
+    oracle=v._shard,
+    run=_shard_run,
+    compare=lambda got, want: (
+        None
+        if got == want
+        else (
+            "gave different batches on two calls with the same arguments"
+            if not got[1]
+            else f"gave rank 0 the batches {got[0][0]} where {want[0][0]} were expected"
         )
-    if len(flat[(0, 0)]) == n:
-        _fail(
-            name,
-            f"rank 0 got all {n} examples: the data is not sharded",
-            "pass num_replicas=world_size and rank=rank to DistributedSampler",
-        )
-    if flat[(0, 0)] == flat[(1, 0)]:
-        _fail(
-            name,
-            "ranks 0 and 1 got the same indices",
-            "pass rank=rank to DistributedSampler, so each rank takes its own share",
-        )
-    if set(flat[(0, 0)]) & set(flat[(1, 0)]):
-        _fail(
-            name,
-            "ranks 0 and 1 share examples in the same epoch",
-            "every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank",
-        )
-    if set(flat[(0, 0)]) | set(flat[(1, 0)]) != set(range(n)):
-        _fail(name, "together the ranks do not cover the dataset", "each rank takes every world_size-th index")
-    if flat[(0, 0)] == flat[(0, 1)]:
-        _fail(
-            name,
-            "epoch 0 and epoch 1 have the same order: the data is never reshuffled",
-            "call the sampler's set_epoch with the epoch number before iterating it",
-        )
-    again = _as_lists(_call(name, shard_batches, n, bs, 0, world, 1, 0))
-    if again != per[(0, 1)]:
-        _fail(
-            name,
+    ),
+    hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this "
+    "rank and the seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
+    mistakes=[
+        Mistake(
             "two calls with the same arguments gave different batches",
-            "use the seed argument (DistributedSampler(..., seed=seed)), not the global random state",
-        )
-    _passed(name)
-
+            "give the sampler the seed argument instead of drawing from the global random state",
+            variant=v._shard_global_rng,
+            when=lambda o: not o.got[1],
+        ),
+        Mistake(
+            "a batch has more than batch_size indices",
+            "cut each rank's indices into batches of batch_size",
+            variant=lambda *a: v._shard(*a, whole=True),
+        ),
+        Mistake(
+            "every rank got all the examples: the data is not sharded",
+            "tell DistributedSampler the world size and this rank (num_replicas, rank)",
+            variant=lambda *a: v._shard(*a, replicas=1) if a[2] == 0 else v._shard(a[0], a[1], 0, *a[3:], replicas=1),
+        ),
+        Mistake(
+            "every rank got the same indices",
+            "give DistributedSampler this rank's number, so each rank takes its own share",
+            variant=lambda n, b, r, w, e, s: v._shard(n, b, 0, w, e, s),
+        ),
+        Mistake(
+            "the ranks share examples in the same epoch",
+            "every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank",
+            variant=lambda n, b, r, w, e, s: v._shard(n, b, r, w, e, s + r),
+        ),
+        Mistake(
+            "together the ranks do not cover the dataset",
+            "keep the sampler's default drop_last=False, which pads the last share so every example is used",
+            variant=lambda *a: v._shard(*a, drop_last=True),
+        ),
+        Mistake(
+            "the epochs have the same order: the data is never reshuffled",
+            "call the sampler's set_epoch with the epoch number before iterating it",
+            variant=lambda *a: v._shard(*a, reshuffle=False),
+        ),
+    ],
+    passed="3 cases of sizes, ranks, epochs and seeds, equal to DistributedSampler",
+)
+check_shard_batches = SHARD_BATCHES.checker(
+    "``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that "
+    "``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them."
+)
 
 # ---------------------------------------------------------------------------- rank-0 checkpoint
 
 
-def check_save_on_rank0(save_on_rank0: Callable[..., Any]) -> None:
-    """``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save a dict with
-    ``model``, ``optimizer`` (their state dicts) and ``epoch`` to ``path``, atomically: write a
-    temporary file, then ``os.replace`` it onto ``path``."""
-    name = "save_on_rank0"
-    model = nn.Linear(3, 2)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.ones(1, 3)).sum().backward()
-    opt.step()
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "ckpt.pt")
-        _call(name, save_on_rank0, path, model, opt, 3, 1)
-        if os.listdir(d):
-            _fail(name, f"rank 1 wrote {os.listdir(d)}", "only rank 0 saves: `if rank != 0: return` first")
-        real_replace = os.replace
-        calls = []
-
-        def spy(src, dst, *a, **k):
-            calls.append((os.fspath(src), os.fspath(dst)))
-            return real_replace(src, dst, *a, **k)
-
-        with mock.patch("os.replace", spy), mock.patch("os.rename", spy):
-            _call(name, save_on_rank0, path, model, opt, 3, 0)
-        if not os.path.exists(path):
-            _fail(
-                name,
-                "rank 0 did not write the checkpoint",
-                "torch.save(...) to a temporary file, then os.replace it to path",
-            )
-        if not any(dst == path for _, dst in calls):
-            _fail(
-                name,
-                "the file was written in place, not atomically: a crash mid-write would leave a corrupt checkpoint",
-                "save to a temporary file in the same folder, then rename it over the target with os.replace (one step, atomic)",
-            )
-        left = [f for f in os.listdir(d) if f != "ckpt.pt"]
-        if left:
-            _fail(name, f"temporary files were left behind: {left}", "os.replace moves the temporary file onto path")
-        try:
-            ck = torch.load(path, weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            _fail(name, f"the checkpoint cannot be loaded ({e})", "save a dict of state dicts and numbers")
-    for key in ("model", "optimizer", "epoch"):
-        if key not in ck:
-            _fail(
-                name,
-                f"the checkpoint has no {key!r} (keys: {sorted(ck)})",
-                "save {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'epoch': epoch}",
-            )
-    if not all(torch.equal(ck["model"][k], v) for k, v in model.state_dict().items()):
-        _fail(name, "the saved weights differ from the model's", "save model.state_dict()")
-    if not ck["optimizer"].get("state"):
-        _fail(name, "the optimizer state (momentum) is missing", "save optimizer.state_dict(), not its param_groups")
-    if ck["epoch"] != 3:
-        _fail(name, f"epoch saved as {ck['epoch']!r}, expected 3", "store the epoch argument as given")
-    _passed(name)
-
-
-# ---------------------------------------------------------------------------- overlapped DDP by hand
-
-
-def _overlap_model():
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 3))
-
-
-def _overlap_batch(step, world, rank):
-    g = torch.Generator().manual_seed(10 + step)
-    x, y = torch.randn(4 * world, 6, generator=g), torch.randint(0, 3, (4 * world,), generator=g)
-    return x[rank::world], y[rank::world]
-
-
-OVERLAP_CAPS = (0, 80, 10**9)  # one bucket per parameter, a few buckets, one bucket
-OVERLAP_STEPS = 3
-
-
-def _overlap_worker(source, fn_name):
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-
-    from utils import parallel
-
-    ctx = parallel.setup(timeout=20)
-    fn = _define(source, fn_name)
-    out = {}
-    for cap in OVERLAP_CAPS:
-        model, ref = _overlap_model(), DistributedDataParallel(_overlap_model())
-        opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
-        params = list(model.parameters())
-        state = {"in_backward": False, "step": 0}
-        calls, grads0 = [], None
-        real = dist.all_reduce
-
-        def spy(tensor, *a, _calls=calls, _state=state, _params=params, _real=real, **k):
-            async_op = k.get("async_op", a[2] if len(a) > 2 else False)
-            _calls.append(
-                {
-                    "step": _state["step"],
-                    "async": bool(async_op),
-                    "in_backward": _state["in_backward"],
-                    "ready": sum(p.grad is not None for p in _params),
-                    "numel": tensor.numel(),
-                }
-            )
-            return _real(tensor, *a, **k)
-
-        with mock.patch.object(dist, "all_reduce", spy):
-            finish = fn(model, cap)
-            for step in range(OVERLAP_STEPS):
-                state["step"] = step
-                x, y = _overlap_batch(step, ctx.world_size, ctx.rank)
-                opt.zero_grad(set_to_none=True)
-                loss = nn.functional.cross_entropy(model(x), y)
-                state["in_backward"] = True
-                loss.backward()
-                state["in_backward"] = False
-                if callable(finish):
-                    finish()
-                if step == 0:
-                    grads0 = [p.grad.clone() if p.grad is not None else None for p in params]
-                opt.step()
-        local0 = _overlap_model()
-        x, y = _overlap_batch(0, ctx.world_size, ctx.rank)
-        nn.functional.cross_entropy(local0(x), y).backward()
-        ref_grads0 = None
-        for step in range(OVERLAP_STEPS):
-            x, y = _overlap_batch(step, ctx.world_size, ctx.rank)
-            ref_opt.zero_grad(set_to_none=True)
-            nn.functional.cross_entropy(ref(x), y).backward()
-            if step == 0:
-                ref_grads0 = [p.grad.clone() for p in ref.parameters()]
-            ref_opt.step()
-        out[cap] = {
-            "finish": callable(finish),
-            "calls": calls,
-            "nparams": len(params),
-            "sizes": [p.numel() for p in params],
-            "weights": [p.detach().clone() for p in params],
-            "ref": [p.detach().clone() for p in ref.module.parameters()],
-            "grads0": grads0,
-            "ref_grads0": ref_grads0,
-            "local0": [p.grad.clone() for p in local0.parameters()],
-        }
+def _save_cases():
+    out = []
+    for width, epoch in ((3, 3), (5, 7)):
+        torch.manual_seed(width)
+        model = nn.Linear(width, 2)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.ones(1, width)).sum().backward()
+        opt.step()
+        out.append(Case((model, opt, epoch), label=f"a Linear({width}, 2) at epoch {epoch}"))
     return out
 
 
-def _bucket_numels(sizes, cap) -> list:
-    """Elements per bucket when ``sizes`` are grouped greedily in that order, at most ``cap`` each."""
-    out, current = [], 0
-    for k in sizes:
-        if current and current + k > cap:
-            out.append(current)
-            current = 0
-        current += k
-    return out + [current]
+def _save_run(fn, case):
+    model, opt, epoch = case.args
+    replaced, real = [], os.replace
+
+    def spy(src, dst, *a, **k):
+        replaced.append(os.fspath(dst))
+        return real(src, dst, *a, **k)
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ckpt.pt")
+        fn(path, model, opt, epoch, 1)
+        out = {"rank 1 wrote": sorted(os.listdir(d))}
+        with mock.patch("os.replace", spy), mock.patch("os.rename", spy):
+            fn(path, model, opt, epoch, 0)
+        out.update(written=os.path.exists(path), atomic=path in replaced, left=sorted(set(os.listdir(d)) - {"ckpt.pt"}))
+        try:
+            ck = torch.load(path, weights_only=True)
+        except Exception:  # noqa: BLE001
+            ck = None
+    ck = ck if isinstance(ck, dict) else {}
+    state = ck.get("model") if isinstance(ck.get("model"), dict) else {}
+    out.update(loads=bool(ck), keys=sorted(ck), epoch=ck.get("epoch"))
+    out["weights"] = all(k in state and torch.equal(state[k], v) for k, v in model.state_dict().items())
+    out["momentum"] = bool(isinstance(ck.get("optimizer"), dict) and ck["optimizer"].get("state"))
+    return out
 
 
-def _forward_buckets(launched, sizes, cap) -> bool:
-    """Were the all-reduced buckets (their element counts) built in forward order, not in the order
-    backward produces gradients (reversed)?"""
-    fwd, bwd = sorted(_bucket_numels(sizes, cap)), sorted(_bucket_numels(sizes[::-1], cap))
-    return fwd != bwd and sorted(launched) == fwd
-
-
-_FORWARD_ORDER = (
-    "your buckets follow the forward order of model.parameters(); but gradients become ready last "
-    "layer first, so a bucket that holds the first layer's parameters fills only at the very end of "
-    "backward, and its all-reduce waits for the whole backward instead of overlapping with it",
-    "build the buckets walking reversed(list(model.parameters())), the order in which the hooks fire",
-)
-
-
-def check_overlap_ddp(overlap_ddp: Callable[..., Any], world_size: int = 2) -> None:
-    """``overlap_ddp(model, bucket_numel)``: register a hook on every parameter that launches an
-    asynchronous all-reduce of its gradient (grouped in buckets of at most ``bucket_numel``
-    elements; 0: one per parameter) as soon as the gradients of its bucket are ready, and return
-    ``finish()``, which waits for them and leaves the averaged gradients in ``p.grad``. Run on 2
-    processes for 3 SGD steps, against torch's DistributedDataParallel on the same inputs."""
-    name = "overlap_ddp"
-    src = _source(name, overlap_ddp)
-    res = _launch(name, _overlap_worker, world_size, src, overlap_ddp.__name__, source=src)
-    for cap in OVERLAP_CAPS:
-        for r, out in enumerate(res):
-            out = out[cap]
-            calls, n = out["calls"], out["nparams"]
-            if not out["finish"]:
-                _fail(
-                    name,
-                    "overlap_ddp did not return a function",
-                    "return the inner function that waits for "
-                    "the all-reduces and averages; the training loop calls it after backward()",
-                )
-            if not calls:
-                _fail(
-                    name,
-                    "no dist.all_reduce was called",
-                    "in each parameter's hook, launch dist.all_reduce "
-                    "on its gradient (or its bucket's), with async_op=True",
-                )
-            if not any(c["in_backward"] for c in calls):
-                _fail(
-                    name,
-                    "every all-reduce started after backward() returned: none started during backward, so "
-                    "communication cannot overlap with it",
-                    "launch the all-reduces from gradient hooks, which fire during backward (look up "
-                    "Tensor.register_post_accumulate_grad_hook), with async_op=True; finish() only waits",
-                )
-            if not all(c["async"] for c in calls):
-                _fail(
-                    name,
-                    "an all-reduce was blocking (async_op not set): backward stops at every hook until "
-                    "that all-reduce is done, so nothing overlaps",
-                    "pass async_op=True, keep the work handle it returns, and wait() on it in finish()",
-                )
-            if cap == 0 and all(c["ready"] == n for c in calls if c["in_backward"]):
-                _fail(
-                    name,
-                    "the all-reduces start only once every gradient is ready, so none overlaps with the "
-                    "rest of backward",
-                    "launch a parameter's all-reduce from ITS OWN hook, as soon as its gradient is accumulated",
-                )
-            g, want, local = out["grads0"], out["ref_grads0"], out["local0"]
-            ok = all(a is not None and torch.allclose(a, b, atol=1e-6) for a, b in zip(g, want))
-            if not ok:
-                if any(a is None for a in g):
-                    _fail(
-                        name, f"after finish() a gradient is None on rank {r}", "leave the averaged gradient in p.grad"
-                    )
-                if all(torch.allclose(a, world_size * b, atol=1e-6) for a, b in zip(g, want)):
-                    _fail(
-                        name,
-                        f"the gradients are {world_size}x DDP's: they were summed, not averaged",
-                        "in finish(), after waiting, divide by the world size",
-                    )
-                if all(torch.allclose(a, b, atol=1e-6) for a, b in zip(g, local)):
-                    _fail(
-                        name,
-                        f"rank {r} still has its own local gradient after finish()",
-                        "wait() on every work handle in finish(); with buckets, copy the reduced flat buffer "
-                        "back into each p.grad after waiting",
-                    )
-                _fail(
-                    name,
-                    f"with bucket_numel={cap}, the gradients after finish() on rank {r} differ from "
-                    "DistributedDataParallel's",
-                    "each gradient must be the mean over ranks: all-reduce "
-                    "(sum), wait, divide by the world size, and (buckets) copy each slice back to its p.grad",
-                )
-            if not all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out["weights"], out["ref"])):
-                _fail(
-                    name,
-                    f"step 0 matched DDP but after {OVERLAP_STEPS} steps the weights differ (bucket_numel={cap})",
-                    "reset what finish() keeps (handles, bucket counters) at the end "
-                    "of every finish(), so the next backward starts clean",
-                )
-            per_step = [sum(1 for c in calls if c["step"] == s) for s in range(OVERLAP_STEPS)]
-            launched = sorted(c["numel"] for c in calls if c["step"] == 0)
-            if 0 < cap < 10**9 and _forward_buckets(launched, out["sizes"], cap):
-                _fail(name, *_FORWARD_ORDER)
-            if cap == 0 and any(k != n for k in per_step):
-                _fail(
-                    name,
-                    f"with bucket_numel=0 you made {per_step[0]} all-reduces per step for {n} parameters",
-                    "bucket_numel=0 means one bucket (one all-reduce) per parameter",
-                )
-            if cap >= 10**9 and any(k != 1 for k in per_step):
-                _fail(
-                    name,
-                    f"with bucket_numel={cap} (more than the model) you made {per_step[0]} all-reduces per step",
-                    "fill a bucket until adding the next parameter would pass bucket_numel; "
-                    "the whole model fits in one, so one all-reduce per step",
-                )
-            if 0 < cap < 10**9 and not all(1 < k < n for k in per_step):
-                _fail(
-                    name,
-                    f"with bucket_numel={cap} you made {per_step[0]} all-reduces per step for {n} parameters",
-                    "group parameters in the order their gradients arrive (last layer first) "
-                    "into buckets of at most bucket_numel elements",
-                )
-    _passed(
-        name,
-        f"{world_size} processes, {len(OVERLAP_CAPS)} bucket sizes, equal to DistributedDataParallel, "
-        "all-reduces launched during backward",
-    )
-
-
-def _trace_worker(source, fn_name, bucket_numel):
-    import torch.distributed as dist
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    from utils import parallel
-
-    ctx = parallel.setup(timeout=20)
-    fn = _define(source, fn_name)
-    torch.manual_seed(0)
-    model = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(256, 256), nn.Tanh())], nn.Linear(256, 10))
-    numels = []
-    real = dist.all_reduce
-
-    def spy(tensor, *a, **k):
-        numels.append(tensor.numel())
-        return real(tensor, *a, **k)
-
-    with mock.patch.object(dist, "all_reduce", spy):
-        finish = fn(model, bucket_numel)
-        x = torch.randn(64, 256)
-        for _ in range(2):  # warm-up, then the traced step
-            numels.clear()
-            model.zero_grad(set_to_none=True)
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                loss = model(x).pow(2).mean()
-                with record_function("backward"):
-                    loss.backward()
-                with record_function("finish"):
-                    finish()
-    forward = 0 < bucket_numel < 10**9 and _forward_buckets(
-        numels, [p.numel() for p in model.parameters()], bucket_numel
-    )
-    events = [
-        (e.name, e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.name in ("backward", "finish") or "allreduce" in e.name.lower().replace("_", "")
-    ]
-    if ctx.rank == 0:
-        return sorted(events, key=lambda e: e[1]), forward
+def _save_compare(got, want):
+    for k, w in want.items():
+        if got[k] != w:
+            return f"gave {k}={got[k]!r} where {w!r} was expected"
     return None
 
 
-def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0, world_size: int = 2) -> list:
-    """Trace one step of ``overlap_ddp`` with torch.profiler on 2 processes (an MLP of 5 layers)
-    and check the order of its events: at least one all-reduce is launched before backward ends.
-    Returns rank 0's events, (name, start_us, end_us), sorted by start."""
-    name = "overlap trace"
-    src = _source(name, overlap_ddp)
-    events, forward = _launch(name, _trace_worker, world_size, src, overlap_ddp.__name__, bucket_numel, source=src)[0]
-    t0 = min(e[1] for e in events)
-    bw = [e for e in events if e[0] == "backward"]
-    ar = [e for e in events if e[0] not in ("backward", "finish")]
-    for n, s, e in events:
-        if n in ("backward", "finish") or e - s > 0:
-            print(f"  {n[:40]:40s} {s - t0:9.0f} us -> {e - t0:9.0f} us")
-    if forward:
-        _fail(name, *_FORWARD_ORDER)
-    if not bw or not ar:
-        _fail(
-            name,
-            "the trace has no all-reduce" if bw else "the trace has no backward",
-            "make sure overlap_ddp launches dist.all_reduce from its hooks",
-        )
-    # Judge the launches (your calls, c10d::allreduce_): when the backend's thread then moves the
-    # bytes is up to the scheduler, and on a busy CPU it may come only after backward.
-    comm = [e for e in ar if "gloo" not in e[0].lower() and "nccl" not in e[0].lower()] or ar
-    started_inside = [e for e in comm if e[1] < bw[0][2]]
-    if not started_inside:
-        _fail(
-            name,
-            "every all-reduce in the trace starts after backward ended: no overlap",
-            "launch the all-reduces from the gradient hooks, with async_op=True",
-        )
-    _passed(name, f"{len(started_inside)} of {len(comm)} all-reduces were launched before backward ended")
-    return events
-
-
-# ---------------------------------------------------------------------------- the torchrun script
-
-SERIAL_SCRIPT = '''\
-"""train_serial.py: one process trains a small classifier. Run: python train_serial.py --epochs 3"""
-import argparse
-import os
-
-import torch
-import torch.nn.functional as F
-from torch import nn
-
-
-def make_data(n=512, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, 8, generator=g)
-    y = (x[:, :3].sum(dim=1) > 0).long() + (x[:, 3] > 1).long()      # 3 classes
-    return torch.utils.data.TensorDataset(x, y)
-
-
-def make_model(seed=1):
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 3))
-
-
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--epochs", type=int, default=3)
-    ap.add_argument("--batch-size", type=int, default=32)      # examples per optimizer step
-    ap.add_argument("--lr", type=float, default=0.1)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ckpt", default="ckpt.pt")
-    args = ap.parse_args()
-
-    data = make_data()
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-    for epoch in range(args.epochs):
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(args.seed + epoch))
-        loader = torch.utils.data.DataLoader(data, batch_size=args.batch_size,
-                                             sampler=order.tolist())    # a new shuffle every epoch
-        for x, y in loader:
-            opt.zero_grad()
-            F.cross_entropy(model(x), y).backward()
-            opt.step()
-        torch.save({"model": model.state_dict(), "epoch": epoch}, args.ckpt)
-    x, y = data.tensors
-    acc = (model(x).argmax(1) == y).float().mean().item()
-    print(f"trained {args.epochs} epochs, batch {args.batch_size}: train accuracy {acc:.3f}")
-
-
-if __name__ == "__main__":
-    main()
-'''
-
-
-def _script_namespace():
-    ns = {"__name__": "lab3_serial"}
-    exec(compile(SERIAL_SCRIPT, "train_serial.py", "exec"), ns)
-    return ns
-
-
-def _simulate(epochs, batch, world=1, *, shard=True, reshuffle=True, average=True, per_rank_batch=None, lr=0.1, seed=0):
-    """The serial script's training, and the ways a distributed version of it goes wrong:
-    ``shard=False`` every rank trains on all the data; ``reshuffle=False`` epoch 0's order every
-    epoch; ``average=False`` rank 0 alone on its shard (no DDP); ``per_rank_batch`` the batch each
-    rank takes. Returns rank 0's final state dict (every rank's, when they agree)."""
-    ns = _script_namespace()
-    data, model = ns["make_data"](), ns["make_model"]()
-    x_all, y_all = data.tensors
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    b = per_rank_batch or batch // world
-    for epoch in range(epochs):
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + (epoch if reshuffle else 0)))
-        shards = [order[r::world] if shard else order for r in range(world)]
-        if not average:
-            shards = shards[:1]
-        for i in range(0, len(shards[0]), b):
-            opt.zero_grad()
-            grads = []
-            for s in shards:
-                idx = s[i : i + b]
-                model.zero_grad()
-                F_loss = nn.functional.cross_entropy(model(x_all[idx]), y_all[idx])
-                grads.append(torch.autograd.grad(F_loss, list(model.parameters())))
-            for p, *gs in zip(model.parameters(), *grads):
-                p.grad = sum(gs) / len(gs)
-            opt.step()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
-_PROBE_DOC = "python -m utils.checks.ddp --probe SCRIPT ARGS: run SCRIPT as __main__ and record what it calls"
-
-
-def _probe(argv):
-    """One rank under torchrun: run the student's script and note which ranks save, whether the
-    sampler's set_epoch, init/destroy_process_group and DistributedDataParallel were called."""
-    import json
-    import runpy
-    import sys
-
-    import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DistributedSampler as DS
-
-    script, rest = argv[0], argv[1:]
-    rec = {
-        "rank": int(os.environ.get("RANK", "0")),
-        "saves": 0,
-        "set_epoch": [],
-        "ddp": [],
-        "init": 0,
-        "destroy": 0,
-        "sampler": 0,
-        "loaders": [],
-    }
-    real_save, real_set_epoch = torch.save, DS.set_epoch
-    real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
-    real_ddp, real_ds = DistributedDataParallel.__init__, DS.__init__
-
-    def save(*a, **k):
-        rec["saves"] += 1
-        return real_save(*a, **k)
-
-    def set_epoch(self, epoch):
-        rec["set_epoch"].append(int(epoch))
-        return real_set_epoch(self, epoch)
-
-    def init(*a, **k):
-        rec["init"] += 1
-        return real_init(*a, **k)
-
-    def destroy(*a, **k):
-        rec["destroy"] += 1
-        return real_destroy(*a, **k)
-
-    def ddp_init(self, module, *a, **k):
-        rec["ddp"].append(repr(k.get("device_ids", a[0] if a else None)))
-        return real_ddp(self, module, *a, **k)
-
-    def ds_init(self, *a, **k):
-        rec["sampler"] += 1
-        return real_ds(self, *a, **k)
-
-    from torch.utils.data import DataLoader
-
-    real_iter = DataLoader.__iter__
-
-    def loader_iter(self):
-        rec["loaders"].append(isinstance(getattr(self.batch_sampler, "sampler", self.sampler), DS))
-        return real_iter(self)
-
-    DataLoader.__iter__ = loader_iter
-    torch.save, DS.set_epoch = save, set_epoch
-    dist.init_process_group, dist.destroy_process_group = init, destroy
-    DistributedDataParallel.__init__, DS.__init__ = ddp_init, ds_init
-    sys.argv = [script, *rest]
-    try:
-        runpy.run_path(script, run_name="__main__")
-    finally:
-        with open(os.path.join(os.environ["LAB3_PROBE_DIR"], f"rank{rec['rank']}.json"), "w") as f:
-            json.dump(rec, f)
-
-
-def run_script(
-    script: str | os.PathLike, nprocs: int = 2, *args: str, timeout: float = 240.0
-) -> tuple[subprocess.CompletedProcess, list]:
-    """Run ``script`` under torchrun with ``nprocs`` processes on the CPU (gloo) and return
-    ``(completed_process, records)``: torchrun's output, and what each rank called (the probe)."""
-    import json
-    import sys
-
-    from utils import parallel
-
-    with tempfile.TemporaryDirectory() as probe_dir:
-        env = dict(os.environ, LAB3_PROBE_DIR=probe_dir, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        del sys
-        proc = parallel.torchrun(
-            [
-                "--nproc-per-node",
-                nprocs,
-                "--max-restarts",
-                0,
-                "-m",
-                "utils.checks.ddp",
-                "--probe",
-                os.path.abspath(script),
-                *args,
-            ],
-            timeout=timeout,
-            env=env,
-        )
-        recs = []
-        for r in range(nprocs):
-            try:
-                with open(os.path.join(probe_dir, f"rank{r}.json")) as f:
-                    recs.append(json.load(f))
-            except (OSError, ValueError):
-                recs.append(None)
-    return proc, recs
-
-
-SCRIPT_EPOCHS, SCRIPT_BATCH = 2, 32
-SCRIPT_SEED = 3  # not the script's default (0): a script that ignores --seed trains on other batches
-SCRIPT_TIMEOUT = 240.0
-
-# Errors a rank raises because ANOTHER rank died: never the first failure.
-_PEER_ERRORS = (
-    "Connection closed by peer",
-    "remote worker crashing",
-    "Connection reset by peer",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-    "SIGTERM",
+SAVE_ON_RANK0 = Exercise(
+    name="save_on_rank0",
+    cases=_save_cases,
+    oracle=v._save,
+    run=_save_run,
+    compare=_save_compare,
+    hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then "
+    "os.replace it onto path",
+    mistakes=[
+        Mistake(
+            "rank 1 wrote a file too",
+            "only rank 0 saves: return first when rank is not 0",
+            variant=lambda *a: v._save(*a, every_rank=True),
+        ),
+        Mistake(
+            "rank 0 did not write the checkpoint",
+            "torch.save(...) to a temporary file, then os.replace it to path",
+            variant=lambda *a: None,
+        ),
+        Mistake(
+            "the file was written in place, not atomically: a crash mid-write would leave a corrupt checkpoint",
+            "save to a temporary file in the same folder, then rename it over the target with os.replace "
+            "(one step, atomic)",
+            variant=lambda *a: v._save(*a, in_place=True),
+        ),
+        Mistake(
+            "temporary files were left behind",
+            "os.replace moves the temporary file onto path",
+            variant=lambda *a: v._save(*a, leave_tmp=True),
+        ),
+        Mistake(
+            "the checkpoint cannot be loaded with weights_only=True",
+            "save state dicts and numbers, not objects",
+            variant=lambda p, m, o, e, r: v._save(
+                p, m, o, e, r, state={"model": m, "optimizer": o.state_dict(), "epoch": e}
+            ),
+        ),
+        Mistake(
+            "the checkpoint has no 'optimizer'",
+            "save {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'epoch': epoch}",
+            variant=lambda p, m, o, e, r: v._save(p, m, o, e, r, state={"model": m.state_dict(), "epoch": e}),
+        ),
+        Mistake(
+            "the saved weights differ from the model's",
+            "save model.state_dict()",
+            variant=lambda p, m, o, e, r: v._save(
+                p,
+                m,
+                o,
+                e,
+                r,
+                state={"model": {k: 0 * v for k, v in m.state_dict().items()}, "optimizer": o.state_dict(), "epoch": e},
+            ),
+        ),
+        Mistake(
+            "the optimizer state (momentum) is missing",
+            "save optimizer.state_dict(), not its param_groups",
+            variant=lambda p, m, o, e, r: v._save(
+                p,
+                m,
+                o,
+                e,
+                r,
+                state={
+                    "model": m.state_dict(),
+                    "optimizer": {"param_groups": o.state_dict()["param_groups"]},
+                    "epoch": e,
+                },
+            ),
+        ),
+        Mistake(
+            "the epoch saved is not the one given",
+            "store the epoch argument as given",
+            variant=lambda p, m, o, e, r: v._save(p, m, o, e + 1, r),
+        ),
+    ],
+    passed="2 models and epochs: rank 0 alone writes, atomically, everything a restart needs",
 )
-
-
-def _first_failure(out: str) -> tuple[int, str] | None:
-    """The rank that failed first and its Python traceback, from torchrun's output (each worker's
-    stderr line starts with ``[rankN]:``): the first rank whose error is its own, not a lost
-    connection to a rank that crashed."""
-    import re
-
-    lines: dict[int, list] = {}
-    for line in out.splitlines():
-        m = re.match(r"\[rank(\d+)\]:(.*)", line)
-        if m:
-            lines.setdefault(int(m.group(1)), []).append(m.group(2)[1:] if m.group(2).startswith(" ") else m.group(2))
-    tracebacks = {}
-    for r, ls in sorted(lines.items()):
-        starts = [i for i, ln in enumerate(ls) if ln.startswith("Traceback (most recent call last)")]
-        if starts:
-            tb = ls[starts[0] :]
-            # drop the probe's own frames (runpy, this module) above the script's first frame
-            first = next(
-                (
-                    i
-                    for i, ln in enumerate(tb)
-                    if ln.startswith('  File "') and "<frozen runpy>" not in ln and "utils/checks" not in ln
-                ),
-                1,
-            )
-            tracebacks[r] = "\n".join(tb[:1] + tb[first:])
-    if not tracebacks:
-        return None
-    own = {r: tb for r, tb in tracebacks.items() if not any(p in tb.strip().splitlines()[-1] for p in _PEER_ERRORS)}
-    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", out, re.S)
-    root = int(m.group(1)) if m else None
-    pick = own or tracebacks
-    r = root if root in pick else min(pick)
-    return r, pick[r]
-
-
-def _hard_coded_rendezvous(src: str) -> str:
-    """The literal address of an ``init_method="tcp://..."`` (or file://) in the script, or ''."""
-    import re
-
-    m = re.search(r"init_method\s*=\s*[fr]?([\"'])((?:tcp|file)://[^\"']*)\1", src)
-    return m.group(2) if m else ""
-
-
-def _script_failed(name, problem, hint, output="", heading="The last lines torchrun printed"):
-    err = CheckFailed(
-        f"{name}: {problem.rstrip('.')}. Try: {hint}" + (f"\n\n{heading}:\n{output[-3000:]}" if output else "")
-    )
-    err.output = output
-    raise err from None
-
-
-def check_ddp_script(path: str | os.PathLike) -> None:
-    """Run the script at ``path`` under torchrun on 2 processes (gloo, CPU) with
-    ``--epochs 2 --batch-size 32 --seed 3 --ckpt <tmp>``, ``--batch-size`` being the GLOBAL batch, and
-    compare the weights rank 0 saved with one process of the serial script on the same global
-    batches. Also reads the script, and records on each rank what it called."""
-    import re
-    import subprocess
-
-    name = "ddp script"
-    if not os.path.exists(path):
-        _fail(name, f"there is no file {path}", "run the %%writefile cell above first")
-    with open(path) as f:
-        src = f.read()
-    if "NotImplementedError" in src:
-        _call(name, _raise_not_implemented)
-    if re.search(r"^\s*(?:import|from)\s+utils\b|(?<![\w.])utils\s*\.", src, re.M):
-        _fail(
-            name,
-            "your script uses the course's `utils`",
-            "write it with torch.distributed and torch.nn.parallel only: it is the script you would take to a cluster",
-        )
-    fixed = _hard_coded_rendezvous(src)
-    if fixed:
-        _fail(
-            name,
-            f"your script joins the group at a fixed address (init_method={fixed!r}): under torchrun the "
-            "ranks then wait for a rendezvous at an address nobody serves, and hang",
-            "call init_process_group with the backend alone, no init_method, rank or world_size: torchrun's "
-            "environment variables give all three",
-        )
-    with tempfile.TemporaryDirectory() as d:
-        ckpt = os.path.join(d, "ckpt.pt")
-        try:
-            proc, recs = run_script(
-                path,
-                2,
-                "--epochs",
-                SCRIPT_EPOCHS,
-                "--batch-size",
-                SCRIPT_BATCH,
-                "--seed",
-                SCRIPT_SEED,
-                "--ckpt",
-                ckpt,
-                timeout=SCRIPT_TIMEOUT,
-            )
-        except subprocess.TimeoutExpired:
-            _fail(
-                name,
-                f"the script hung under torchrun (stopped after {SCRIPT_TIMEOUT:.0f} s). The likely causes: "
-                "(1) the ranks never met, because the group was not joined from the environment (an "
-                "init_method, MASTER_PORT, rank or world_size written in the script); (2) a collective "
-                "that only some ranks reach, e.g. a barrier or an all-reduce inside `if rank == 0:`",
-                "join with init_process_group given the backend alone; make every rank call every collective "
-                "(dist.barrier, DDP's backward) the same number of times",
-            )
-        out = proc.stdout or ""
-        finished = all(r is not None and r["destroy"] for r in recs)
-        if proc.returncode != 0 and finished and "terminate called without an active exception" in out:
-            pass  # every rank ran to its end and left the group; one then aborted at interpreter exit
-        elif proc.returncode != 0:
-            if "terminate called without an active exception" in out:
-                _script_failed(
-                    name,
-                    "a process aborted while leaving the group: one rank tore the group down "
-                    "while another was still working in it",
-                    "at the end, let every rank meet the others at a barrier, then leave the group",
-                    out,
-                )
-            if "device_ids" in out:
-                _script_failed(
-                    name,
-                    "DistributedDataParallel got device_ids on a CPU model",
-                    "pass device_ids=[local_rank] only when the model is on a GPU "
-                    "(torch.cuda.is_available()); on the CPU leave it out",
-                    out,
-                )
-            if "process group has not been initialized" in out or "init_process_group" in out:
-                _script_failed(
-                    name,
-                    "a rank used torch.distributed before joining the process group",
-                    "join the group first (init_process_group with the backend); torchrun's environment variables tell it the rest",
-                    out,
-                )
-            first = _first_failure(out)
-            if first:
-                r, tb = first
-                last = tb.strip().splitlines()[-1]
-                _script_failed(
-                    name,
-                    f"rank {r} failed first, with {last}",
-                    f"read rank {r}'s traceback below: the last line in your script is where it failed; "
-                    f"run the script yourself: !python -m torch.distributed.run --nproc-per-node 2 {path}",
-                    tb,
-                    heading=f"Traceback from rank {r}",
-                )
-            _script_failed(
-                name,
-                f"the script failed under torchrun (exit status {proc.returncode})",
-                "read the output below (each line starts with [rank]: ...); run the script "
-                f"yourself: !python -m torch.distributed.run --nproc-per-node 2 {path}",
-                out,
-            )
-        if any(r is None for r in recs):
-            _script_failed(name, "a rank did not finish the script", "read the output below", out)
-        if not all(r["init"] for r in recs):
-            _fail(
-                name,
-                "the script never calls dist.init_process_group: the two processes trained alone",
-                "join the group at the start: init_process_group with the backend, gloo on the CPU, nccl on GPUs",
-            )
-        if recs[1]["saves"]:
-            _fail(
-                name,
-                f"rank 1 saved a checkpoint too ({recs[1]['saves']} torch.save calls): every rank wrote "
-                "the same file at once",
-                "save on rank 0 only: if dist.get_rank() == 0: torch.save(...)",
-            )
-        if not all(r["ddp"] for r in recs):
-            _fail(
-                name,
-                "the model was never wrapped in DistributedDataParallel: the gradients are not "
-                "averaged, and the ranks drift apart",
-                "wrap it after moving it to its device: "
-                "model = DistributedDataParallel(model, device_ids=... on GPUs only)",
-            )
-        if not os.path.exists(ckpt):
-            _script_failed(
-                name,
-                "rank 0 wrote no checkpoint at --ckpt",
-                "torch.save the checkpoint to args.ckpt on rank 0, as the serial script does",
-                out,
-            )
-        ck = torch.load(ckpt, weights_only=True)
-    state = ck.get("model", ck) if isinstance(ck, dict) else {}
-    if any(k.startswith("module.") for k in state):
-        _fail(
-            name,
-            "the saved weights' names start with 'module.': you saved the DDP wrapper",
-            "save model.module.state_dict() (the model inside DDP), so the file loads in a serial model",
-        )
-    want = _simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, seed=SCRIPT_SEED)
-
-    def same(a):
-        return set(a) == set(state) and all(torch.allclose(state[k].float(), a[k], atol=1e-5) for k in a)
-
-    if not set(state) or set(state) != set(want):
-        _fail(
-            name,
-            f"the checkpoint's model has keys {sorted(state)[:4]}..., expected {sorted(want)}",
-            "save {'model': model.module.state_dict(), 'epoch': epoch}, as the serial script does",
-        )
-    if not same(want):
-        if (
-            same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, shard=False, seed=SCRIPT_SEED))
-            or not all(r["sampler"] for r in recs)
-            or not all(r["loaders"] and all(r["loaders"]) for r in recs)
-        ):
-            _fail(
-                name,
-                "each rank trained on ALL the data, not on its half: the DataLoader you iterate has no "
-                "DistributedSampler",
-                "give that DataLoader sampler=DistributedSampler(dataset, seed=args.seed), instead of its own shuffle",
-            )
-        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, reshuffle=False, seed=SCRIPT_SEED)) or not all(
-            r["set_epoch"] for r in recs
-        ):
-            _fail(
-                name,
-                "every epoch used the same order of examples: the sampler was never told the epoch",
-                "call the sampler's set_epoch with the epoch number at the start of every epoch, on every rank",
-            )
-        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2)):  # the default seed, 0
-            _fail(
-                name,
-                f"the check ran your script with --seed {SCRIPT_SEED}, but it shuffled as with seed 0: the "
-                "sampler ignores --seed (DistributedSampler's default seed is 0)",
-                "pass the script's seed to the sampler: DistributedSampler(..., seed=args.seed)",
-            )
-        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, per_rank_batch=SCRIPT_BATCH, seed=SCRIPT_SEED)):
-            _fail(
-                name,
-                f"each rank took --batch-size={SCRIPT_BATCH} examples per step, so the global batch was "
-                f"{2 * SCRIPT_BATCH}",
-                "--batch-size is the global batch: each rank takes batch_size // world_size",
-            )
-        _fail(
-            name,
-            "rank 0's final weights differ from one process on the same global batches",
-            "compare your script with the serial one line by line: same data, model, seed, optimizer; "
-            "DistributedSampler(dataset, seed=args.seed) with set_epoch; batch_size // world_size per rank",
-        )
-    if not re.search(r"\bset_device\s*\(", src):
-        _fail(
-            name,
-            "the weights match, but the script never calls torch.cuda.set_device: on a GPU server "
-            "every rank would use GPU 0",
-            "when torch.cuda.is_available(), call "
-            "pin the process to its GPU (set_device, with LOCAL_RANK from the environment) before init_process_group",
-        )
-    if not all(r["destroy"] for r in recs):
-        _fail(
-            name,
-            "the weights match, but the script never calls dist.destroy_process_group",
-            "call it at the end of main(), on every rank, so each process leaves the group cleanly",
-        )
-    _passed(name, "2 processes under torchrun match one process on the same global batches")
-
-
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) > 2 and sys.argv[1] == "--probe":
-        _probe(sys.argv[2:])
-    else:
-        print(_PROBE_DOC)
+check_save_on_rank0 = SAVE_ON_RANK0.checker(
+    "``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch "
+    "to ``path`` atomically (a temporary file, then os.replace)."
+)

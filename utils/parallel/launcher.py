@@ -329,7 +329,7 @@ def _supervise(procs, workdir, timeout, relay) -> list:
             while any(p.exitcode is None for p in procs) and time.monotonic() < grace:
                 mp.connection.wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.1)
             relay.pump()
-            raise _failure(procs, workdir, _failed(procs, workdir))
+            raise _failure(procs, workdir, _failed(procs, workdir), relay.enabled)
         if not pending:
             relay.pump()
             out = []
@@ -357,8 +357,9 @@ def _supervise(procs, workdir, timeout, relay) -> list:
         relay.pump()
 
 
-def _failure(procs, workdir, failed) -> LaunchError:
-    """The error to show: the rank that failed first, judged by what each rank reported."""
+def _failure(procs, workdir, failed, stream: bool = True) -> LaunchError:
+    """The error to show: the rank that failed first, judged by what each rank reported
+    (``stream``: the ranks' output was printed, so the message may point to it)."""
     reports = {}
     for r in range(len(procs)):  # a rank still exiting may have reported already
         res = _read_result(workdir, r)
@@ -376,9 +377,10 @@ def _failure(procs, workdir, failed) -> LaunchError:
         code = first.exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         then = f" Rank(s) {sorted(reports)} lost their connection to it." if reports else ""
+        above = "; its output is above" if stream else ""
         return LaunchError(
             f"rank {r} {how} without a Python exception (killed, out of memory, or a crash "
-            f"in native code; its output is above).{then} The other ranks were stopped.",
+            f"in native code{above}).{then} The other ranks were stopped.",
             rank=r,
         )
     _, name, msg, tb = reports[r]
