@@ -2,6 +2,7 @@
 
 from ._common import CheckFailed, check_prediction  # noqa: F401
 from .ddp import *  # noqa: F401,F403
+from .ddp_script import *  # noqa: F401,F403
 from .environment import *  # noqa: F401,F403
 from .gd_sgd import *  # noqa: F401,F403
 from .large_batch import *  # noqa: F401,F403
