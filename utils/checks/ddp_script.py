@@ -108,6 +108,7 @@ def _probe(argv):
     """One rank under torchrun: run the script ``argv[0]`` as __main__ and write what it did to
     ``$LAB3_PROBE_DIR/rank<r>.json``."""
     import runpy
+    import traceback
 
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -145,6 +146,14 @@ def _probe(argv):
     try:
         runpy.run_path(argv[0], run_name="__main__")
         rec["finished"], rec["left"] = True, not dist.is_initialized()
+    except BaseException as e:  # the script's frames on: not runpy's, nor this probe's
+        tb = traceback.extract_tb(e.__traceback__)
+        mine = [i for i, f in enumerate(tb) if f.filename == argv[0]]
+        rec["error"] = "".join(
+            ["Traceback (most recent call last):\n", *traceback.format_list(tb[mine[0] if mine else 0 :])]
+        )
+        rec["error"] += "".join(traceback.format_exception_only(type(e), e)).strip()
+        raise
     finally:
         with open(os.path.join(os.environ["LAB3_PROBE_DIR"], f"rank{rec['rank']}.json"), "w") as f:
             json.dump(rec, f)
@@ -175,27 +184,16 @@ def run_script(script, nprocs: int = 2, *args, timeout: float = SCRIPT_TIMEOUT):
 _PEER_ERRORS = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "Broken pipe")
 
 
-def _first_failure(out: str) -> tuple[int, str] | None:
-    """The rank that failed first and its traceback, from torchrun's output (each worker's lines
-    start with ``[rankN]:``): the root cause torchrun names, else the lowest rank whose error is its
-    own, not a lost peer."""
+def _first_failure(recs: list, out: str) -> tuple[int, str] | None:
+    """The rank that failed first and its traceback (from the probe's records): the root cause that
+    torchrun names, else the lowest rank whose error is its own, not a lost peer."""
     import re
 
-    lines: dict[int, list] = {}
-    for m in re.finditer(r"^\[rank(\d+)\]: ?(.*)$", out, re.M):
-        lines.setdefault(int(m.group(1)), []).append(m.group(2))
-    tracebacks = {}
-    for r, ls in sorted(lines.items()):
-        starts = [i for i, ln in enumerate(ls) if ln.startswith("Traceback (most recent call last)")]
-        if starts:  # from the script's first frame: not runpy's, nor this module's
-            tb = ls[starts[0] :]
-            mine = [i for i, ln in enumerate(tb) if ln.startswith('  File "/') and "/utils/checks/" not in ln]
-            tracebacks[r] = "\n".join(tb[:1] + tb[mine[0] if mine else 1 :])
-    own = {r: tb for r, tb in tracebacks.items() if not any(p in tb.splitlines()[-1] for p in _PEER_ERRORS)}
-    pick = own or tracebacks
+    errors = {r["rank"]: r["error"] for r in recs if r and r.get("error")}
+    own = {k: tb for k, tb in errors.items() if not any(p in tb.splitlines()[-1] for p in _PEER_ERRORS)} or errors
     root = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", out, re.S)
-    r = int(root.group(1)) if root and int(root.group(1)) in pick else min(pick, default=None)
-    return None if r is None else (r, pick[r])
+    r = int(root.group(1)) if root and int(root.group(1)) in own else min(own, default=None)
+    return None if r is None else (r, own[r])
 
 
 class Script:
@@ -218,11 +216,11 @@ class Script:
             try:
                 proc, recs = run_script(path, nproc, *argv, timeout=SCRIPT_TIMEOUT)
             except subprocess.TimeoutExpired:
-                return {"hung": True, "failed": False, "out": "", "recs": []}
+                return {"hung": True, "failed": False, "first": None, "out": "", "recs": []}
             out, done = proc.stdout or "", all(r and r["finished"] and r["left"] for r in recs)
             got = {"hung": False, "out": out, "recs": recs, "path": path, "weights": None}
             got["failed"] = proc.returncode != 0 and not (done and parallel.GLOO_EXIT_ABORT in out)
-            first = _first_failure(out) if got["failed"] else None
+            got["first"] = first = _first_failure(recs, out) if got["failed"] else None
             if first and first[1].splitlines()[-1].startswith("NotImplementedError"):
                 raise NotImplementedError
             try:
@@ -285,7 +283,7 @@ def _matches(**change):
 def _crashed(got: dict) -> None:
     """The failure of a run that crashed, with the traceback of the rank that failed first."""
     yours = f"!python -m torch.distributed.run --nproc-per-node 2 {got['path']}"
-    first = _first_failure(got["out"])
+    first = got["first"]
     if first is None:
         problem, hint, shown = "the script failed under torchrun without a Python traceback", "read", got["out"][-3000:]
         text = message(SCRIPT.name, problem, f"{hint} the output below and run the script yourself: {yours}")
