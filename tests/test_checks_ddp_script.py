@@ -15,7 +15,7 @@ import torch
 from utils import authoring
 from utils.checks import CheckFailed, check_ddp_script, ddp_script, engine
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]  # each check runs torchrun twice
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ddp_script.SCRIPT
 CASE = SCRIPT.cases()[0]

@@ -1,11 +1,8 @@
-"""The exercise of lab 3's torchrun script (solutions/lab3_ddp.ipynb): your script FILE runs under
-torchrun on the CPU (gloo), on 2 and on 3 processes with different command lines, and rank 0's
-saved weights are compared with one process on the same global batches (a simulation of the
-serial script). Each rank runs this module's probe as its entry point: it runs your script, without the course's
-``utils`` on the path, and records what the rank did (the world it joined, the models DDP
-wrapped, the examples its optimizer steps trained on, its checkpoint writes, whether it left the
-group). A CPU run cannot see the GPU branch (``set_device``, NCCL): that is not checked here.
-"""
+"""Lab 3's torchrun script exercise (solutions/lab3_ddp.ipynb). The answer is a script FILE, run under
+torchrun on the CPU (gloo) on 2 and on 3 processes with different command lines; rank 0's saved
+weights are compared with one process on the same global batches (the serial script, simulated).
+Each rank runs it from :func:`_probe`, which records what the rank did. A CPU run never takes the
+script's GPU branch (``set_device``, NCCL): that branch is not checked."""
 
 from __future__ import annotations
 
@@ -20,9 +17,10 @@ import torch
 from ._common import CheckFailed, message
 from .engine import Case, Exercise, Mistake, check, difference, fail
 
-__all__ = ["check_ddp_script", "SERIAL_SCRIPT", "run_script", "SCRIPT"]
+__all__ = ["check_ddp_script", "SERIAL_SCRIPT", "SCRIPT"]
 LAB = "lab3_ddp"
 SCRIPT_TIMEOUT = 240.0  # seconds one torchrun run may take before it counts as hung
+_PROBE = ["--no-python", sys.executable, "-c", "import sys, utils.checks.ddp_script as s; s._probe(*sys.argv[1:])"]
 _ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SERIAL_SCRIPT = '''\
@@ -76,37 +74,32 @@ def main():
 if __name__ == "__main__":
     main()
 '''
-N_EXAMPLES = 512  # make_data's default
 
 
-def _simulate(nproc=1, epochs=3, batch_size=32, lr=0.1, seed=0, *, reshuffle=True, per_rank_batch=None):
-    """The serial script's training as ``nproc`` DDP ranks do it (the script's arguments): one
+def _simulate(nproc=1, epochs=3, batch_size=32, lr=0.1, seed=0, *, reshuffle=True, divide=True):
+    """The serial script's training as ``nproc`` DDP ranks do it, from the script's arguments: one
     shuffle per epoch (seeded ``seed + epoch``; epoch 0's every epoch unless ``reshuffle``), padded
-    and dealt out as DistributedSampler does, ``per_rank_batch`` (default ``batch_size // nproc``)
-    examples per rank and step, gradients averaged over the ranks. Returns the final state dict."""
+    and dealt out as DistributedSampler does, ``batch_size // nproc`` examples per rank and step
+    (``batch_size`` unless ``divide``), gradients averaged over the ranks. Returns the state dict."""
     ns = {"__name__": "lab3_serial"}
     exec(compile(SERIAL_SCRIPT, "train_serial.py", "exec"), ns)
-    data, model = ns["make_data"](), ns["make_model"]()
-    x_all, y_all = data.tensors
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    world, b = nproc, per_rank_batch or batch_size // nproc
+    (x, y), model = ns["make_data"]().tensors, ns["make_model"]()
+    opt, b = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), batch_size // (nproc if divide else 1)
     for epoch in range(epochs):
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + (epoch if reshuffle else 0)))
-        order = torch.cat([order, order[: -len(order) % world]])
-        shards = [order[r::world] for r in range(world)]
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + (epoch if reshuffle else 0)))
+        shards = [torch.cat([order, order[: -len(x) % nproc]])[r::nproc] for r in range(nproc)]
         for i in range(0, len(shards[0]), b):
-            losses = [
-                torch.nn.functional.cross_entropy(model(x_all[s[i : i + b]]), y_all[s[i : i + b]]) for s in shards
-            ]
             opt.zero_grad()
-            (sum(losses) / world).backward()
+            sum(torch.nn.functional.cross_entropy(model(x[s[i : i + b]]), y[s[i : i + b]]) for s in shards).div(
+                nproc
+            ).backward()
             opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def _probe(argv):
-    """One rank under torchrun: run the script ``argv[0]`` as __main__ and write what it did to
-    ``$LAB3_PROBE_DIR/rank<r>.json``."""
+def _probe(script: str, *args: str) -> None:
+    """One rank under torchrun: run ``script`` as __main__ (its folder first on the path, the course's
+    package off it) and write what the rank did to ``$LAB3_PROBE_DIR/rank<r>.json``."""
     import runpy
     import traceback
 
@@ -114,92 +107,54 @@ def _probe(argv):
     from torch.nn.parallel import DistributedDataParallel as DDP
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    rec = {"rank": int(os.environ["RANK"]), "world": 0, "ddp": 0, "examples": 0, "saves": 0, "left": False}
-    rec["finished"], pending = False, [0]
-    init, save, wrap, forward = dist.init_process_group, torch.save, DDP.__init__, DDP.forward
+    rec = dict(rank=int(os.environ["RANK"]), init=0, ddp=0, saves=0, pending=0, examples=0, left=False, error="")
 
-    def init_(*a, **k):
-        init(*a, **k)
-        rec["world"] = dist.get_world_size()
+    def counted(fn, key, n=lambda *a, **k: 1):
+        def wrapper(*a, **k):
+            rec[key] += n(*a, **k)
+            return fn(*a, **k)
 
-    def save_(*a, **k):
-        rec["saves"] += 1
-        return save(*a, **k)
+        return wrapper
 
-    def wrap_(self, *a, **k):
-        rec["ddp"] += 1
-        wrap(self, *a, **k)
+    def batch(self, x=None, *a, **k):  # examples through DDP that an optimizer step then trains on
+        return len(x) if torch.is_grad_enabled() and hasattr(x, "shape") else 0
 
-    def forward_(self, *a, **k):  # examples count when an optimizer step follows (not evaluation)
-        pending[0] += len(a[0]) if torch.is_grad_enabled() and a and hasattr(a[0], "shape") else 0
-        return forward(self, *a, **k)
-
-    def stepped(*_):
-        rec["examples"], pending[0] = rec["examples"] + pending[0], 0
-
-    register_optimizer_step_pre_hook(stepped)
-    dist.init_process_group, torch.save, DDP.__init__, DDP.forward = init_, save_, wrap_, forward_
-    sys.argv = list(argv)  # the script runs as on a cluster: its own folder first, no course package
-    sys.path[:] = [os.path.dirname(argv[0])] + [p for p in sys.path[1:] if p not in ("", _ROOT)]
-    for name in [m for m in sys.modules if m == "utils" or m.startswith("utils.")]:
+    dist.init_process_group, torch.save = counted(dist.init_process_group, "init"), counted(torch.save, "saves")
+    DDP.__init__, DDP.forward = counted(DDP.__init__, "ddp"), counted(DDP.forward, "pending", batch)
+    register_optimizer_step_pre_hook(lambda *_: rec.update(examples=rec["examples"] + rec["pending"], pending=0))
+    sys.argv = [script, *args]
+    sys.path[:] = [os.path.dirname(script)] + [p for p in sys.path[1:] if os.path.abspath(p) != _ROOT]
+    for name in [m for m in sys.modules if m.split(".")[0] == "utils"]:
         del sys.modules[name]
     try:
-        runpy.run_path(argv[0], run_name="__main__")
-        rec["finished"], rec["left"] = True, not dist.is_initialized()
-    except BaseException as e:  # the script's frames on: not runpy's, nor this probe's
-        tb = traceback.extract_tb(e.__traceback__)
-        mine = [i for i, f in enumerate(tb) if f.filename == argv[0]]
-        rec["error"] = "".join(
-            ["Traceback (most recent call last):\n", *traceback.format_list(tb[mine[0] if mine else 0 :])]
-        )
-        rec["error"] += "".join(traceback.format_exception_only(type(e), e)).strip()
+        runpy.run_path(script, run_name="__main__")
+        rec["left"] = not dist.is_initialized()
+    except BaseException:
+        tb = traceback.format_exc()
+        mine = tb.find(f'  File "{script}"')  # from the script's first frame: not runpy's, nor this probe's
+        rec["error"] = tb if mine < 0 else "Traceback (most recent call last):\n" + tb[mine:].strip()
         raise
     finally:
         with open(os.path.join(os.environ["LAB3_PROBE_DIR"], f"rank{rec['rank']}.json"), "w") as f:
             json.dump(rec, f)
 
 
-def run_script(script, nprocs: int = 2, *args, timeout: float = SCRIPT_TIMEOUT):
-    """Run ``script`` under torchrun with ``nprocs`` processes on the CPU (gloo); return
-    ``(completed_process, records)``: torchrun's output, and what each rank did (None: no record)."""
-    from utils import parallel
-
-    with tempfile.TemporaryDirectory() as probe_dir:
-        env = dict(os.environ, LAB3_PROBE_DIR=probe_dir, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-        env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        probe = "import sys; from utils.checks.ddp_script import _probe; _probe(sys.argv[1:])"
-        cmd = ["--nproc-per-node", nprocs, "--max-restarts", 0, "--no-python", sys.executable, "-c", probe]
-        proc = parallel.torchrun([*cmd, os.path.abspath(script), *args], timeout=timeout, env=env)
-        recs = []
-        for r in range(nprocs):
-            try:
-                with open(os.path.join(probe_dir, f"rank{r}.json")) as f:
-                    recs.append(json.load(f))
-            except (OSError, ValueError):
-                recs.append(None)
-    return proc, recs
-
-
 # Errors a rank raises because ANOTHER rank died: never the first failure.
 _PEER_ERRORS = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "Broken pipe")
 
 
-def _first_failure(recs: list, out: str) -> tuple[int, str] | None:
-    """The rank that failed first and its traceback (from the probe's records): the root cause that
-    torchrun names, else the lowest rank whose error is its own, not a lost peer."""
-    import re
-
-    errors = {r["rank"]: r["error"] for r in recs if r and r.get("error")}
+def _first_failure(recs: list) -> tuple[int, str] | None:
+    """The rank that failed first and its traceback: the lowest rank whose error is its own, not a
+    lost connection to a rank that crashed."""
+    errors = {r["rank"]: r["error"] for r in recs if r and r["error"]}
     own = {k: tb for k, tb in errors.items() if not any(p in tb.splitlines()[-1] for p in _PEER_ERRORS)} or errors
-    root = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", out, re.S)
-    r = int(root.group(1)) if root and int(root.group(1)) in own else min(own, default=None)
-    return None if r is None else (r, own[r])
+    return (min(own), own[min(own)]) if own else None
 
 
 class Script:
-    """A script as the exercise's answer. The engine takes callables, so this one, called with a
-    case, runs the file (or ``text``, written to one) under torchrun and returns what rank 0 saved
-    and what each rank did. Its module is ``__main__``, as the student's own code."""
+    """A script as the exercise's answer. The engine takes callables: this one, called with a case,
+    runs the file (or ``text``, written to one) under torchrun and returns rank 0's checkpoint and
+    each rank's record. Its module is ``__main__``, as the student's own code."""
 
     def __init__(self, path: str | os.PathLike = "", text: str = ""):
         self.path, self.text, self.__module__ = str(path), text, "__main__"
@@ -208,51 +163,51 @@ class Script:
         from utils import parallel
 
         with tempfile.TemporaryDirectory() as d:
-            path, ckpt = self.path or os.path.join(d, "ddp_train.py"), os.path.join(d, "ckpt.pt")
+            path, ckpt = os.path.abspath(self.path or os.path.join(d, "ddp_train.py")), os.path.join(d, "ckpt.pt")
             if self.text:
                 with open(path, "w") as f:
                     f.write(self.text)
+            env = dict(os.environ, LAB3_PROBE_DIR=d, CUDA_VISIBLE_DEVICES="", PYTHONPATH=_ROOT)
             argv = [s for k, v in args.items() for s in (f"--{k.replace('_', '-')}", v)] + ["--ckpt", ckpt]
+            got = dict(run=f"!python -m torch.distributed.run --nproc-per-node 2 {path}", hung=False, failed=False)
             try:
-                proc, recs = run_script(path, nproc, *argv, timeout=SCRIPT_TIMEOUT)
+                proc = parallel.torchrun(
+                    ["--nproc-per-node", nproc, *_PROBE, path, *argv], timeout=SCRIPT_TIMEOUT, env=env
+                )
             except subprocess.TimeoutExpired:
-                return {"hung": True, "failed": False, "first": None, "out": "", "recs": []}
-            out, done = proc.stdout or "", all(r and r["finished"] and r["left"] for r in recs)
-            got = {"hung": False, "out": out, "recs": recs, "path": path, "weights": None}
-            got["failed"] = proc.returncode != 0 and not (done and parallel.GLOO_EXIT_ABORT in out)
-            got["first"] = first = _first_failure(recs, out) if got["failed"] else None
-            if first and first[1].splitlines()[-1].startswith("NotImplementedError"):
+                return got | {"hung": True}
+            got["out"], got["recs"] = proc.stdout or "", [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]
+            left = all(r and r["left"] for r in got["recs"])  # gloo may abort at exit after that: no failure
+            got["failed"] = proc.returncode != 0 and not (left and parallel.GLOO_EXIT_ABORT in got["out"])
+            got["first"] = _first_failure(got["recs"]) if got["failed"] else None
+            if got["first"] and got["first"][1].splitlines()[-1].startswith("NotImplementedError"):
                 raise NotImplementedError
-            try:
-                ck = torch.load(ckpt, weights_only=True)
-                got["weights"] = ck.get("model", ck) if isinstance(ck, dict) else None
-            except Exception:
-                pass
-        return got
+            ck = _read(ckpt, torch.load)
+        return got | {"weights": ck.get("model", ck) if isinstance(ck, dict) else None}
+
+
+def _read(path: str, load=json.load):
+    try:
+        with open(path, "rb") as f:
+            return load(f)
+    except Exception:  # no file, or a torn one
+        return None
 
 
 def _variant(**edit) -> Script:
     """The serial script made data parallel, right unless ``edit`` changes one of its pieces: the
     named mistakes' variants, which the tests submit."""
-    p = {
-        "init": 'dist.init_process_group("gloo")',
-        "wrap": "DDP",
-        "sampler": "DistributedSampler(data, world, rank, seed=args.seed)",
-        "feed": "sampler",
-        "batch": "args.batch_size // world",
-        "epoch": "sampler.set_epoch(epoch)",
-        "saver": "rank == 0",
-        "inner": "model.module",
-        "leave": "dist.barrier(); dist.destroy_process_group()",
-    } | edit
+    p = dict(init='dist.init_process_group("gloo")', wrap="DDP", feed="sampler", batch="args.batch_size // world")
+    p |= dict(sampler="DistributedSampler(data, world, rank, seed=args.seed)", epoch="sampler.set_epoch(epoch)")
+    p |= dict(saver="rank == 0", inner="model.module", leave="dist.barrier(); dist.destroy_process_group()") | edit
     text = SERIAL_SCRIPT
     for old, new in (
-        ("from torch import nn\n", "from torch import nn\nimport torch.distributed as dist\n"),
+        ("import argparse\n", "import argparse\nimport torch.distributed as dist\n"),
         ("import argparse\n", "import argparse\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"),
         ("import argparse\n", "import argparse\nfrom torch.utils.data import DistributedSampler\n"),
         (
             "    data = make_data()\n",
-            f"    {p['init']}\n    rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])\n",
+            f"    {p['init']}\n    rank, world = map(int, (os.environ['RANK'], os.environ['WORLD_SIZE']))\n",
         ),
         ("    model = make_model()\n", f"    data, model = make_data(), ({p['wrap']})(make_model())\n"),
         ("momentum=0.9)\n", f"momentum=0.9)\n    sampler = {p['sampler']}\n"),
@@ -267,8 +222,7 @@ def _variant(**edit) -> Script:
 
 def _ran(o) -> list:
     """Each rank's record, when every rank ran the script to its end; else []."""
-    g = o.got
-    return g["recs"] if not (g["hung"] or g["failed"]) and all(g["recs"]) else []
+    return o.got["recs"] if not (o.got["hung"] or o.got["failed"]) and all(o.got["recs"]) else []
 
 
 def _crashed_with(text: str):
@@ -277,30 +231,18 @@ def _crashed_with(text: str):
 
 def _matches(**change):
     """Rank 0's weights are those of the simulation with ``change``: a recognisable wrong run."""
-    return lambda o: difference(o.got["weights"], _simulate(**{**o.case.kwargs, **change}), 1e-4, 1e-5) is None
-
-
-def _crashed(got: dict) -> None:
-    """The failure of a run that crashed, with the traceback of the rank that failed first."""
-    yours = f"!python -m torch.distributed.run --nproc-per-node 2 {got['path']}"
-    first = got["first"]
-    if first is None:
-        problem, hint, shown = "the script failed under torchrun without a Python traceback", "read", got["out"][-3000:]
-        text = message(SCRIPT.name, problem, f"{hint} the output below and run the script yourself: {yours}")
-        raise CheckFailed(text + "\n\nThe last lines torchrun printed:\n" + shown)
-    r, tb = first
-    text = message(
-        SCRIPT.name,
-        f"rank {r} failed first, with {tb.splitlines()[-1]}",
-        f"read rank {r}'s traceback below, whose last line in your script is where it failed, and run the "
-        f"script yourself: {yours}",
-    )
-    raise CheckFailed(f"{text}\n\nTraceback from rank {r}:\n{tb}")
+    return lambda o: difference(o.got["weights"], _simulate(**o.case.kwargs | change), 1e-4, 1e-5) is None
 
 
 def _compare(got: dict, want: dict) -> str | None:
+    """How rank 0's weights differ from the oracle's; a run that crashed fails here, with the
+    traceback of the rank that failed first (no named mistake matched it)."""
     if got["failed"]:
-        _crashed(got)
+        r, tb = got["first"] or ("", got["out"][-3000:])
+        who, shown = (f"rank {r} failed first", f"Traceback from rank {r}") if r != "" else ("a rank failed", "Output")
+        hint = "read the traceback below (its last line in your script is where it failed), then run the script "
+        text = message(SCRIPT.name, f"{who}, with {tb.strip().splitlines()[-1]}", f"{hint}yourself: {got['run']}")
+        raise CheckFailed(f"{text}\n\n{shown}:\n{tb}")
     if set(got["weights"] or ()) != set(want["weights"]):
         return "saved a checkpoint whose weights are named differently from the serial model's"
     if difference(got["weights"], want["weights"], 1e-4, 1e-5):
@@ -308,137 +250,76 @@ def _compare(got: dict, want: dict) -> str | None:
     return None
 
 
-def _one_process(**case) -> dict:
-    return {"weights": _simulate(**case)}
-
-
 def _cases() -> list:
     """2 and 3 processes, each with its own command line: a script that ignores it fails one."""
-    cases = [
-        dict(nproc=2, epochs=2, batch_size=32, lr=0.1, seed=3),
-        dict(nproc=3, epochs=3, batch_size=48, lr=0.05, seed=5),
-    ]
-    return [
-        Case(
-            kwargs=k,
-            label=f"{k['nproc']} processes with "
-            + " ".join(f"--{a.replace('_', '-')} {v}" for a, v in list(k.items())[1:]),
-        )
-        for k in cases
-    ]
+    cases = [dict(epochs=2, batch_size=32, lr=0.1, seed=3), dict(epochs=3, batch_size=48, lr=0.05, seed=5)]
+    flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in c.items()) for c in cases]
+    return [Case(kwargs=dict(nproc=n, **c), label=f"{n} processes with {f}") for n, c, f in zip((2, 3), cases, flags)]
 
 
-def _m(problem: str, hint: str, variant: Script, when, mechanism: bool = True) -> Mistake:
-    return Mistake(problem, hint, variant=variant, when=when, replay=False, mechanism=mechanism)
+def _mistake(problem, hint, edit, when, mechanism=True) -> Mistake:
+    return Mistake(problem, hint, variant=_variant(**edit), when=when, replay=False, mechanism=mechanism)
 
 
-HARD_CODED = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=rank, world_size=world)'
+_HANG = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=int(os.environ["RANK"]), '
+_HANG += "world_size=int(os.environ['WORLD_SIZE']))"  # under torchrun nobody serves that address: the ranks wait
+# fmt: off
+_MISTAKES = [  # problem, hint, the variant's edit of the right script, how the run shows it
+    ("your script imports the course's utils package, which a job on a cluster does not have",
+     "write it with torch.distributed and torch.nn.parallel only", {"init": "import utils.ddp_train"},
+     _crashed_with("No module named 'utils'")),
+    ("DistributedDataParallel got device_ids for a model on the CPU",
+     "pass device_ids only when the model is on a GPU", {"wrap": "lambda m: DDP(m, device_ids=[rank])"},
+     _crashed_with("device_ids")),
+    ("a rank used torch.distributed before joining the process group", "join the group first, calling "
+     "init_process_group with the backend alone: torchrun's environment variables give the rest", {"init": "pass"},
+     _crashed_with("has not been initialized")),
+    ("the script hung under torchrun: either the ranks never met, because the group was not joined from the "
+     "environment (an address, port, rank or world size written in the script), or some ranks wait in a collective "
+     "that the others never reach", "join with init_process_group given the backend alone, and make every rank call "
+     "every collective (a barrier, the backward of DDP) the same number of times", {"init": _HANG},
+     lambda o: o.got["hung"]),
+    ("the script never joins the process group, so every process trained alone", "call init_process_group with the "
+     "backend (gloo on the CPU, nccl on GPUs) at the start of main",
+     {"init": "pass", "wrap": "lambda m: m", "inner": "model", "leave": "pass"},
+     lambda o: _ran(o) and not any(r["init"] for r in _ran(o))),
+    ("the model is never wrapped in DistributedDataParallel, so the gradients are not averaged and the ranks drift "
+     "apart", "wrap the model in DistributedDataParallel once it is on its device", {"wrap": "lambda m: m",
+     "inner": "model"}, lambda o: any(not r["ddp"] for r in _ran(o))),
+    ("every rank trained on the whole dataset every epoch: the loader it iterates deals out no shards, so the "
+     "processes repeat each other's work instead of sharing it", "give that DataLoader a DistributedSampler with "
+     "the script's seed in place of its own order, and batch_size // world_size examples per rank",
+     {"feed": "order.tolist()", "batch": "args.batch_size"},
+     lambda o: any(r["examples"] >= 512 * o.case.kwargs["epochs"] for r in _ran(o))),
+    ("a rank other than 0 saved a checkpoint too, so several processes wrote the same file at once",
+     "save on rank 0 only", {"saver": "True"}, lambda o: any(r["saves"] for r in _ran(o)[1:])),
+    ("rank 0 wrote no checkpoint at the path that --ckpt gives", "save the checkpoint to args.ckpt on rank 0, as "
+     "the serial script does", {"saver": "False"}, lambda o: _ran(o) and o.got["weights"] is None),
+    ("the saved weights' names start with 'module.', so you saved the DDP wrapper", "save the state dict of the "
+     "model inside DDP (its module attribute), so that the file loads into the serial model", {"inner": "model"},
+     lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"])),
+    ("the script never leaves the process group", "call destroy_process_group at the end of main, on every rank, "
+     "after a barrier", {"leave": "dist.barrier()"}, lambda o: any(r["init"] and not r["left"] for r in _ran(o))),
+    ("every epoch used the same order of examples, because the sampler was never told the epoch", "call the "
+     "sampler's set_epoch with the epoch number at the start of every epoch, on every rank", {"epoch": "pass"},
+     _matches(reshuffle=False), False),
+    ("the shuffle ignores --seed: it is that of seed 0, the default of DistributedSampler", "pass the script's seed "
+     "to the DistributedSampler", {"sampler": "DistributedSampler(data, world, rank)"}, _matches(seed=0), False),
+    ("each rank took --batch-size examples per step, so the global batch grew with the number of processes",
+     "--batch-size is the global batch: give each rank batch_size // world_size examples per step",
+     {"batch": "args.batch_size"}, _matches(divide=False), False),
+]
+# fmt: on
 SCRIPT = Exercise(
     name="ddp_script",
     cases=_cases,
-    oracle=_one_process,
+    oracle=lambda **case: {"weights": _simulate(**case)},
     compare=_compare,
     timeout_s=SCRIPT_TIMEOUT + 120,
     hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a "
     "DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
     passed="rank 0's weights match one process on the same global batches, on 2 and on 3 CPU processes",
-    mistakes=[
-        _m(
-            "your script imports the course's utils package, which a job on a cluster does not have",
-            "write it with torch.distributed and torch.nn.parallel only",
-            _variant(init='import utils.ddp_train; dist.init_process_group("gloo")'),
-            _crashed_with("No module named 'utils'"),
-        ),
-        _m(
-            "DistributedDataParallel got device_ids for a model on the CPU",
-            "pass device_ids only when the model is on a GPU, and leave it out on the CPU",
-            _variant(wrap="lambda m: DDP(m, device_ids=[rank])"),
-            _crashed_with("device_ids"),
-        ),
-        _m(
-            "a rank used torch.distributed before joining the process group",
-            "join the group first, calling init_process_group with the backend alone: torchrun's environment "
-            "variables tell it the rest",
-            _variant(init="pass"),
-            _crashed_with("has not been initialized"),
-        ),
-        _m(
-            "the script hung under torchrun: either the ranks never met, because the group was not joined from "
-            "the environment (an address, port, rank or world size written in the script), or some ranks wait in "
-            "a collective that the others never reach",
-            "join with init_process_group given the backend alone, and make every rank call every collective "
-            "(a barrier, the backward of DDP) the same number of times",
-            _variant(init=f"rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE']); {HARD_CODED}"),
-            lambda o: o.got["hung"],
-        ),
-        _m(
-            "the script never joins the process group, so every process trained alone",
-            "call init_process_group with the backend (gloo on the CPU, nccl on GPUs) at the start of main",
-            _variant(init="pass", wrap="lambda m: m", inner="model", leave="pass"),
-            lambda o: _ran(o) and all(r["world"] == 0 for r in _ran(o)),
-        ),
-        _m(
-            "the model is never wrapped in DistributedDataParallel, so the gradients are not averaged and the "
-            "ranks drift apart",
-            "wrap the model in DistributedDataParallel once it is on its device",
-            _variant(wrap="lambda m: m", inner="model"),
-            lambda o: any(r["ddp"] == 0 for r in _ran(o)),
-        ),
-        _m(
-            "every rank trained on the whole dataset every epoch: the loader it iterates deals out no shards, so "
-            "the processes repeat each other's work instead of sharing it",
-            "give that DataLoader a DistributedSampler with the script's seed in place of its own order, and "
-            "batch_size // world_size examples per rank",
-            _variant(feed="order.tolist()", batch="args.batch_size"),
-            lambda o: any(r["examples"] >= N_EXAMPLES * o.case.kwargs["epochs"] for r in _ran(o)),
-        ),
-        _m(
-            "a rank other than 0 saved a checkpoint too, so several processes wrote the same file at once",
-            "save on rank 0 only",
-            _variant(saver="True"),
-            lambda o: any(r["saves"] for r in _ran(o)[1:]),
-        ),
-        _m(
-            "rank 0 wrote no checkpoint at the path that --ckpt gives",
-            "save the checkpoint to args.ckpt on rank 0, as the serial script does",
-            _variant(saver="False"),
-            lambda o: _ran(o) and o.got["weights"] is None,
-        ),
-        _m(
-            "the saved weights' names start with 'module.', so you saved the DDP wrapper",
-            "save the state dict of the model inside DDP (its module attribute), so that the file loads into the "
-            "serial model",
-            _variant(inner="model"),
-            lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"]),
-        ),
-        _m(
-            "the script never leaves the process group",
-            "call destroy_process_group at the end of main, on every rank, after a barrier",
-            _variant(leave="dist.barrier()"),
-            lambda o: any(r["world"] and not r["left"] for r in _ran(o)),
-        ),
-        _m(
-            "every epoch used the same order of examples, because the sampler was never told the epoch",
-            "call the sampler's set_epoch with the epoch number at the start of every epoch, on every rank",
-            _variant(epoch="pass"),
-            _matches(reshuffle=False),
-            mechanism=False,
-        ),
-        _m(
-            "the shuffle ignores --seed: it is that of seed 0, the default of DistributedSampler",
-            "pass the script's seed to the DistributedSampler",
-            _variant(sampler="DistributedSampler(data, world, rank)"),
-            _matches(seed=0),
-            mechanism=False,
-        ),
-        _m(
-            "each rank took --batch-size examples per step, so the global batch grew with the number of processes",
-            "--batch-size is the global batch: give each rank batch_size // world_size examples per step",
-            _variant(batch="args.batch_size"),
-            lambda o: _matches(per_rank_batch=o.case.kwargs["batch_size"])(o),
-            mechanism=False,
-        ),
-    ],
+    mistakes=[_mistake(*m) for m in _MISTAKES],
 )
 
 
