@@ -6,6 +6,7 @@ script's GPU branch (``set_device``, NCCL): that branch is not checked."""
 
 from __future__ import annotations
 
+import importlib.abc
 import json
 import os
 import subprocess
@@ -97,9 +98,19 @@ def _simulate(nproc=1, epochs=3, batch_size=32, lr=0.1, seed=0, *, reshuffle=Tru
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+class _NoCourse(importlib.abc.MetaPathFinder):
+    """In a rank: the course's package cannot be imported (as on a cluster); a utils of the script's own can."""
+
+    def find_spec(self, name, path=None, target=None):
+        spec = next(filter(None, (f.find_spec(name, path, target) for f in sys.meta_path[1:])), None)
+        if name == "utils" and spec and spec.origin == os.path.join(_ROOT, "utils", "__init__.py"):
+            raise ModuleNotFoundError("No module named 'utils'", name=name)
+        return spec
+
+
 def _probe(script: str, *args: str) -> None:
     """One rank under torchrun: run ``script`` as __main__ (its folder first on the path, the course's
-    package off it) and write what the rank did to ``$LAB3_PROBE_DIR/rank<r>.json``."""
+    package not importable) and write what the rank did to ``$LAB3_PROBE_DIR/rank<r>.json``."""
     import runpy
     import traceback
 
@@ -122,8 +133,8 @@ def _probe(script: str, *args: str) -> None:
     dist.init_process_group, torch.save = counted(dist.init_process_group, "init"), counted(torch.save, "saves")
     DDP.__init__, DDP.forward = counted(DDP.__init__, "ddp"), counted(DDP.forward, "pending", batch)
     register_optimizer_step_pre_hook(lambda *_: rec.update(examples=rec["examples"] + rec["pending"], pending=0))
-    sys.argv = [script, *args]
-    sys.path[:] = [os.path.dirname(script)] + [p for p in sys.path[1:] if os.path.abspath(p) != _ROOT]
+    sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)
+    sys.meta_path.insert(0, _NoCourse())
     for name in [m for m in sys.modules if m.split(".")[0] == "utils"]:
         del sys.modules[name]
     try:
@@ -132,7 +143,7 @@ def _probe(script: str, *args: str) -> None:
     except BaseException:
         tb = traceback.format_exc()
         mine = tb.find(f'  File "{script}"')  # from the script's first frame: not runpy's, nor this probe's
-        rec["error"] = tb if mine < 0 else "Traceback (most recent call last):\n" + tb[mine:].strip()
+        rec["error"] = tb if mine < 0 else "Traceback (most recent call last):\n" + tb[mine:].rstrip()
         raise
     finally:
         with open(os.path.join(os.environ["LAB3_PROBE_DIR"], f"rank{rec['rank']}.json"), "w") as f:
