@@ -102,8 +102,10 @@ class _NoCourse(importlib.abc.MetaPathFinder):
     """In a rank: the course's package cannot be imported (as on a cluster); a utils of the script's own can."""
 
     def find_spec(self, name, path=None, target=None):
+        if name != "utils":
+            return None
         spec = next(filter(None, (f.find_spec(name, path, target) for f in sys.meta_path[1:])), None)
-        if name == "utils" and spec and spec.origin == os.path.join(_ROOT, "utils", "__init__.py"):
+        if spec and spec.origin == os.path.join(_ROOT, "utils", "__init__.py"):
             raise ModuleNotFoundError("No module named 'utils'", name=name)
         return spec
 
