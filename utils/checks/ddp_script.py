@@ -1,27 +1,28 @@
-"""Self-check of lab 3's torchrun script (solutions/lab3_ddp.ipynb).
-
-``check_ddp_script`` runs the student's script FILE under torchrun on 2 processes; this module is
-also the probe each of those processes runs (``python -m utils.checks.ddp_script --probe SCRIPT
-ARGS``). ``SERIAL_SCRIPT`` is the serial script the lab starts from.
-"""
+"""Lab 3's torchrun script exercise (solutions/lab3_ddp.ipynb). The answer is a script FILE, run under
+torchrun on the CPU (gloo) on 2 and on 3 processes with different command lines; rank 0's saved
+weights are compared with one process on the same global batches (the serial script, simulated).
+Each rank runs it from :func:`_probe`, which records what the rank did. A CPU run never takes the
+script's GPU branch (``set_device``, NCCL): that branch is not checked."""
 
 from __future__ import annotations
 
+import importlib.abc
+import json
 import os
 import subprocess
+import sys
 import tempfile
 
 import torch
-from torch import nn
 
-from ._common import CheckFailed, _call, _fail, _passed
+from ._common import CheckFailed, message
+from .engine import Case, Exercise, Mistake, check, difference, fail
 
-__all__ = ["check_ddp_script", "SERIAL_SCRIPT", "run_script"]
-
-
-def _raise_not_implemented():
-    raise NotImplementedError
-
+__all__ = ["check_ddp_script", "SERIAL_SCRIPT", "SCRIPT"]
+LAB = "lab3_ddp"
+SCRIPT_TIMEOUT = 240.0  # seconds one torchrun run may take before it counts as hung
+_PROBE = ["--no-python", sys.executable, "-c", "import sys, utils.checks.ddp_script as s; s._probe(*sys.argv[1:])"]
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SERIAL_SCRIPT = '''\
 """train_serial.py: one process trains a small classifier. Run: python train_serial.py --epochs 3"""
@@ -76,434 +77,269 @@ if __name__ == "__main__":
 '''
 
 
-def _script_namespace():
+def _simulate(nproc=1, epochs=3, batch_size=32, lr=0.1, seed=0, *, reshuffle=True, divide=True):
+    """The serial script's training as ``nproc`` DDP ranks do it, from the script's arguments: one
+    shuffle per epoch (seeded ``seed + epoch``; epoch 0's every epoch unless ``reshuffle``), padded
+    and dealt out as DistributedSampler does, ``batch_size // nproc`` examples per rank and step
+    (``batch_size`` unless ``divide``), gradients averaged over the ranks. Returns the state dict."""
     ns = {"__name__": "lab3_serial"}
     exec(compile(SERIAL_SCRIPT, "train_serial.py", "exec"), ns)
-    return ns
-
-
-def _simulate(epochs, batch, world=1, *, shard=True, reshuffle=True, average=True, per_rank_batch=None, lr=0.1, seed=0):
-    """The serial script's training, and the ways a distributed version of it goes wrong:
-    ``shard=False`` every rank trains on all the data; ``reshuffle=False`` epoch 0's order every
-    epoch; ``average=False`` rank 0 alone on its shard (no DDP); ``per_rank_batch`` the batch each
-    rank takes. Returns rank 0's final state dict (every rank's, when they agree)."""
-    ns = _script_namespace()
-    data, model = ns["make_data"](), ns["make_model"]()
-    x_all, y_all = data.tensors
-    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
-    b = per_rank_batch or batch // world
+    (x, y), model = ns["make_data"]().tensors, ns["make_model"]()
+    opt, b = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9), batch_size // (nproc if divide else 1)
     for epoch in range(epochs):
-        order = torch.randperm(len(data), generator=torch.Generator().manual_seed(seed + (epoch if reshuffle else 0)))
-        shards = [order[r::world] if shard else order for r in range(world)]
-        if not average:
-            shards = shards[:1]
+        order = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed + (epoch if reshuffle else 0)))
+        shards = [torch.cat([order, order[: -len(x) % nproc]])[r::nproc] for r in range(nproc)]
         for i in range(0, len(shards[0]), b):
             opt.zero_grad()
-            grads = []
-            for s in shards:
-                idx = s[i : i + b]
-                model.zero_grad()
-                F_loss = nn.functional.cross_entropy(model(x_all[idx]), y_all[idx])
-                grads.append(torch.autograd.grad(F_loss, list(model.parameters())))
-            for p, *gs in zip(model.parameters(), *grads):
-                p.grad = sum(gs) / len(gs)
+            sum(torch.nn.functional.cross_entropy(model(x[s[i : i + b]]), y[s[i : i + b]]) for s in shards).div(
+                nproc
+            ).backward()
             opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-_PROBE_DOC = "python -m utils.checks.ddp_script --probe SCRIPT ARGS: run SCRIPT as __main__ and record what it calls"
+class _NoCourse(importlib.abc.MetaPathFinder):
+    """In a rank: the course's package cannot be imported (as on a cluster); a utils of the script's own can."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "utils":
+            return None
+        spec = next(filter(None, (f.find_spec(name, path, target) for f in sys.meta_path[1:])), None)
+        if spec and spec.origin == os.path.join(_ROOT, "utils", "__init__.py"):
+            raise ModuleNotFoundError("No module named 'utils'", name=name)
+        return spec
 
 
-def _probe(argv):
-    """One rank under torchrun: run the student's script and note which ranks save, whether the
-    sampler's set_epoch, init/destroy_process_group and DistributedDataParallel were called."""
-    import json
+def _probe(script: str, *args: str) -> None:
+    """One rank under torchrun: run ``script`` as __main__ (its folder first on the path, the course's
+    package not importable) and write what the rank did to ``$LAB3_PROBE_DIR/rank<r>.json``."""
     import runpy
-    import sys
+    import traceback
 
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DistributedSampler as DS
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    script, rest = argv[0], argv[1:]
-    rec = {
-        "rank": int(os.environ.get("RANK", "0")),
-        "saves": 0,
-        "set_epoch": [],
-        "ddp": [],
-        "init": 0,
-        "destroy": 0,
-        "sampler": 0,
-        "loaders": [],
-    }
-    real_save, real_set_epoch = torch.save, DS.set_epoch
-    real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
-    real_ddp, real_ds = DistributedDataParallel.__init__, DS.__init__
+    rec = dict(rank=int(os.environ["RANK"]), init=0, ddp=0, saves=0, pending=0, examples=0, left=False, error="")
 
-    def save(*a, **k):
-        rec["saves"] += 1
-        return real_save(*a, **k)
+    def counted(fn, key, n=lambda *a, **k: 1):
+        def wrapper(*a, **k):
+            rec[key] += n(*a, **k)
+            return fn(*a, **k)
 
-    def set_epoch(self, epoch):
-        rec["set_epoch"].append(int(epoch))
-        return real_set_epoch(self, epoch)
+        return wrapper
 
-    def init(*a, **k):
-        rec["init"] += 1
-        return real_init(*a, **k)
+    def batch(self, x=None, *a, **k):  # examples through DDP that an optimizer step then trains on
+        return len(x) if torch.is_grad_enabled() and hasattr(x, "shape") else 0
 
-    def destroy(*a, **k):
-        rec["destroy"] += 1
-        return real_destroy(*a, **k)
-
-    def ddp_init(self, module, *a, **k):
-        rec["ddp"].append(repr(k.get("device_ids", a[0] if a else None)))
-        return real_ddp(self, module, *a, **k)
-
-    def ds_init(self, *a, **k):
-        rec["sampler"] += 1
-        return real_ds(self, *a, **k)
-
-    from torch.utils.data import DataLoader
-
-    real_iter = DataLoader.__iter__
-
-    def loader_iter(self):
-        rec["loaders"].append(isinstance(getattr(self.batch_sampler, "sampler", self.sampler), DS))
-        return real_iter(self)
-
-    DataLoader.__iter__ = loader_iter
-    torch.save, DS.set_epoch = save, set_epoch
-    dist.init_process_group, dist.destroy_process_group = init, destroy
-    DistributedDataParallel.__init__, DS.__init__ = ddp_init, ds_init
-    sys.argv = [script, *rest]
+    dist.init_process_group, torch.save = counted(dist.init_process_group, "init"), counted(torch.save, "saves")
+    DDP.__init__, DDP.forward = counted(DDP.__init__, "ddp"), counted(DDP.forward, "pending", batch)
+    register_optimizer_step_pre_hook(lambda *_: rec.update(examples=rec["examples"] + rec["pending"], pending=0))
+    sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)
+    sys.meta_path.insert(0, _NoCourse())
+    for name in [m for m in sys.modules if m.split(".")[0] == "utils"]:
+        del sys.modules[name]
     try:
         runpy.run_path(script, run_name="__main__")
+        rec["left"] = not dist.is_initialized()
+    except BaseException:
+        tb = traceback.format_exc()
+        mine = tb.find(f'  File "{script}"')  # from the script's first frame: not runpy's, nor this probe's
+        rec["error"] = tb if mine < 0 else "Traceback (most recent call last):\n" + tb[mine:].rstrip()
+        raise
     finally:
         with open(os.path.join(os.environ["LAB3_PROBE_DIR"], f"rank{rec['rank']}.json"), "w") as f:
             json.dump(rec, f)
 
 
-def run_script(
-    script: str | os.PathLike, nprocs: int = 2, *args: str, timeout: float = 240.0
-) -> tuple[subprocess.CompletedProcess, list]:
-    """Run ``script`` under torchrun with ``nprocs`` processes on the CPU (gloo) and return
-    ``(completed_process, records)``: torchrun's output, and what each rank called (the probe)."""
-    import json
-    import sys
-
-    from utils import parallel
-
-    with tempfile.TemporaryDirectory() as probe_dir:
-        env = dict(os.environ, LAB3_PROBE_DIR=probe_dir, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1")
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-        del sys
-        proc = parallel.torchrun(
-            [
-                "--nproc-per-node",
-                nprocs,
-                "--max-restarts",
-                0,
-                "-m",
-                "utils.checks.ddp_script",
-                "--probe",
-                os.path.abspath(script),
-                *args,
-            ],
-            timeout=timeout,
-            env=env,
-        )
-        recs = []
-        for r in range(nprocs):
-            try:
-                with open(os.path.join(probe_dir, f"rank{r}.json")) as f:
-                    recs.append(json.load(f))
-            except (OSError, ValueError):
-                recs.append(None)
-    return proc, recs
-
-
-SCRIPT_EPOCHS, SCRIPT_BATCH = 2, 32
-SCRIPT_SEED = 3  # not the script's default (0): a script that ignores --seed trains on other batches
-SCRIPT_TIMEOUT = 240.0
-
 # Errors a rank raises because ANOTHER rank died: never the first failure.
-_PEER_ERRORS = (
-    "Connection closed by peer",
-    "remote worker crashing",
-    "Connection reset by peer",
-    "Broken pipe",
-    "NCCL communicator was aborted",
-    "SIGTERM",
+_PEER_ERRORS = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "Broken pipe")
+
+
+def _first_failure(recs: list) -> tuple[int, str] | None:
+    """The rank that failed first and its traceback: the lowest rank whose error is its own, not a
+    lost connection to a rank that crashed."""
+    errors = {r["rank"]: r["error"] for r in recs if r and r["error"]}
+    own = {k: tb for k, tb in errors.items() if not any(p in tb.splitlines()[-1] for p in _PEER_ERRORS)} or errors
+    return (min(own), own[min(own)]) if own else None
+
+
+class Script:
+    """A script as the exercise's answer. The engine takes callables: this one, called with a case,
+    runs the file (or ``text``, written to one) under torchrun and returns rank 0's checkpoint and
+    each rank's record. Its module is ``__main__``, as the student's own code."""
+
+    def __init__(self, path: str | os.PathLike = "", text: str = ""):
+        self.path, self.text, self.__module__ = str(path), text, "__main__"
+
+    def __call__(self, nproc: int, **args) -> dict:
+        from utils import parallel
+
+        with tempfile.TemporaryDirectory() as d:
+            path, ckpt = os.path.abspath(self.path or os.path.join(d, "ddp_train.py")), os.path.join(d, "ckpt.pt")
+            if self.text:
+                with open(path, "w") as f:
+                    f.write(self.text)
+            env = dict(os.environ, LAB3_PROBE_DIR=d, CUDA_VISIBLE_DEVICES="", PYTHONPATH=_ROOT)
+            argv = [s for k, v in args.items() for s in (f"--{k.replace('_', '-')}", v)] + ["--ckpt", ckpt]
+            got = dict(run=f"!python -m torch.distributed.run --nproc-per-node 2 {path}", hung=False, failed=False)
+            try:
+                proc = parallel.torchrun(
+                    ["--nproc-per-node", nproc, *_PROBE, path, *argv], timeout=SCRIPT_TIMEOUT, env=env
+                )
+            except subprocess.TimeoutExpired:
+                return got | {"hung": True}
+            got["out"], got["recs"] = proc.stdout or "", [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]
+            left = all(r and r["left"] for r in got["recs"])  # gloo may abort at exit after that: no failure
+            got["failed"] = proc.returncode != 0 and not (left and parallel.GLOO_EXIT_ABORT in got["out"])
+            got["first"] = _first_failure(got["recs"]) if got["failed"] else None
+            if got["first"] and got["first"][1].splitlines()[-1].startswith("NotImplementedError"):
+                raise NotImplementedError
+            ck = _read(ckpt, torch.load)
+        return got | {"weights": ck.get("model", ck) if isinstance(ck, dict) else None}
+
+
+def _read(path: str, load=json.load):
+    try:
+        with open(path, "rb") as f:
+            return load(f)
+    except Exception:  # no file, or a torn one
+        return None
+
+
+def _variant(**edit) -> Script:
+    """The serial script made data parallel, right unless ``edit`` changes one of its pieces: the
+    named mistakes' variants, which the tests submit."""
+    p = dict(init='dist.init_process_group("gloo")', wrap="DDP", feed="sampler", batch="args.batch_size // world")
+    p |= dict(sampler="DistributedSampler(data, world, rank, seed=args.seed)", epoch="sampler.set_epoch(epoch)")
+    p |= dict(saver="rank == 0", inner="model.module", leave="dist.barrier(); dist.destroy_process_group()") | edit
+    text = SERIAL_SCRIPT
+    for old, new in (
+        ("import argparse\n", "import argparse\nimport torch.distributed as dist\n"),
+        ("import argparse\n", "import argparse\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"),
+        ("import argparse\n", "import argparse\nfrom torch.utils.data import DistributedSampler\n"),
+        (
+            "    data = make_data()\n",
+            f"    {p['init']}\n    rank, world = map(int, (os.environ['RANK'], os.environ['WORLD_SIZE']))\n",
+        ),
+        ("    model = make_model()\n", f"    data, model = make_data(), ({p['wrap']})(make_model())\n"),
+        ("momentum=0.9)\n", f"momentum=0.9)\n    sampler = {p['sampler']}\n"),
+        ("batch_size=args.batch_size,", f"batch_size={p['batch']},"),
+        ("sampler=order.tolist())", f"sampler={p['feed']})\n        {p['epoch']}"),
+        ('        torch.save({"model": model.', f'        if {p["saver"]}: torch.save({{"model": {p["inner"]}.'),
+        ('accuracy {acc:.3f}")\n', f'accuracy {{acc:.3f}}")\n    {p["leave"]}\n'),
+    ):
+        text = text.replace(old, new, 1)
+    return Script(text=text)
+
+
+def _ran(o) -> list:
+    """Each rank's record, when every rank ran the script to its end; else []."""
+    return o.got["recs"] if not (o.got["hung"] or o.got["failed"]) and all(o.got["recs"]) else []
+
+
+def _crashed_with(text: str):
+    return lambda o: o.got["failed"] and text in o.got["out"]
+
+
+def _matches(**change):
+    """Rank 0's weights are those of the simulation with ``change``: a recognisable wrong run."""
+    return lambda o: difference(o.got["weights"], _simulate(**o.case.kwargs | change), 1e-4, 1e-5) is None
+
+
+def _compare(got: dict, want: dict) -> str | None:
+    """How rank 0's weights differ from the oracle's; a run that crashed fails here, with the
+    traceback of the rank that failed first (no named mistake matched it)."""
+    if got["failed"]:
+        r, tb = got["first"] or ("", got["out"][-3000:])
+        who, shown = (f"rank {r} failed first", f"Traceback from rank {r}") if r != "" else ("a rank failed", "Output")
+        hint = "read the traceback below (its last line in your script is where it failed), then run the script "
+        text = message(SCRIPT.name, f"{who}, with {tb.strip().splitlines()[-1]}", f"{hint}yourself: {got['run']}")
+        raise CheckFailed(f"{text}\n\n{shown}:\n{tb}")
+    if set(got["weights"] or ()) != set(want["weights"]):
+        return "saved a checkpoint whose weights are named differently from the serial model's"
+    if difference(got["weights"], want["weights"], 1e-4, 1e-5):
+        return "saved weights on rank 0 that differ from one process's on the same global batches"
+    return None
+
+
+def _cases() -> list:
+    """2 and 3 processes, each with its own command line: a script that ignores it fails one."""
+    cases = [dict(epochs=2, batch_size=32, lr=0.1, seed=3), dict(epochs=3, batch_size=48, lr=0.05, seed=5)]
+    flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in c.items()) for c in cases]
+    return [Case(kwargs=dict(nproc=n, **c), label=f"{n} processes with {f}") for n, c, f in zip((2, 3), cases, flags)]
+
+
+def _mistake(problem, hint, edit, when, mechanism=True) -> Mistake:
+    return Mistake(problem, hint, variant=_variant(**edit), when=when, replay=False, mechanism=mechanism)
+
+
+_HANG = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=int(os.environ["RANK"]), '
+_HANG += "world_size=int(os.environ['WORLD_SIZE']))"  # under torchrun nobody serves that address: the ranks wait
+# fmt: off
+_MISTAKES = [  # problem, hint, the variant's edit of the right script, how the run shows it
+    ("your script imports the course's utils package, which a job on a cluster does not have",
+     "write it with torch.distributed and torch.nn.parallel only", {"init": "import utils.ddp_train"},
+     _crashed_with("No module named 'utils'")),
+    ("DistributedDataParallel got device_ids for a model on the CPU",
+     "pass device_ids only when the model is on a GPU", {"wrap": "lambda m: DDP(m, device_ids=[rank])"},
+     _crashed_with("device_ids")),
+    ("a rank used torch.distributed before joining the process group", "join the group first, calling "
+     "init_process_group with the backend alone: torchrun's environment variables give the rest", {"init": "pass"},
+     _crashed_with("has not been initialized")),
+    ("the script hung under torchrun: either the ranks never met, because the group was not joined from the "
+     "environment (an address, port, rank or world size written in the script), or some ranks wait in a collective "
+     "that the others never reach", "join with init_process_group given the backend alone, and make every rank call "
+     "every collective (a barrier, the backward of DDP) the same number of times", {"init": _HANG},
+     lambda o: o.got["hung"]),
+    ("the script never joins the process group, so every process trained alone", "call init_process_group with the "
+     "backend (gloo on the CPU, nccl on GPUs) at the start of main",
+     {"init": "pass", "wrap": "lambda m: m", "inner": "model", "leave": "pass"},
+     lambda o: _ran(o) and not any(r["init"] for r in _ran(o))),
+    ("the model is never wrapped in DistributedDataParallel, so the gradients are not averaged and the ranks drift "
+     "apart", "wrap the model in DistributedDataParallel once it is on its device", {"wrap": "lambda m: m",
+     "inner": "model"}, lambda o: any(not r["ddp"] for r in _ran(o))),
+    ("every rank trained on the whole dataset every epoch: the loader it iterates deals out no shards, so the "
+     "processes repeat each other's work instead of sharing it", "give that DataLoader a DistributedSampler with "
+     "the script's seed in place of its own order, and batch_size // world_size examples per rank",
+     {"feed": "order.tolist()", "batch": "args.batch_size"},
+     lambda o: any(r["examples"] >= 512 * o.case.kwargs["epochs"] for r in _ran(o))),
+    ("a rank other than 0 saved a checkpoint too, so several processes wrote the same file at once",
+     "save on rank 0 only", {"saver": "True"}, lambda o: any(r["saves"] for r in _ran(o)[1:])),
+    ("rank 0 wrote no checkpoint at the path that --ckpt gives", "save the checkpoint to args.ckpt on rank 0, as "
+     "the serial script does", {"saver": "False"}, lambda o: _ran(o) and o.got["weights"] is None),
+    ("the saved weights' names start with 'module.', so you saved the DDP wrapper", "save the state dict of the "
+     "model inside DDP (its module attribute), so that the file loads into the serial model", {"inner": "model"},
+     lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"])),
+    ("the script never leaves the process group", "call destroy_process_group at the end of main, on every rank, "
+     "after a barrier", {"leave": "dist.barrier()"}, lambda o: any(r["init"] and not r["left"] for r in _ran(o))),
+    ("every epoch used the same order of examples, because the sampler was never told the epoch", "call the "
+     "sampler's set_epoch with the epoch number at the start of every epoch, on every rank", {"epoch": "pass"},
+     _matches(reshuffle=False), False),
+    ("the shuffle ignores --seed: it is that of seed 0, the default of DistributedSampler", "pass the script's seed "
+     "to the DistributedSampler", {"sampler": "DistributedSampler(data, world, rank)"}, _matches(seed=0), False),
+    ("each rank took --batch-size examples per step, so the global batch grew with the number of processes",
+     "--batch-size is the global batch: give each rank batch_size // world_size examples per step",
+     {"batch": "args.batch_size"}, _matches(divide=False), False),
+]
+# fmt: on
+SCRIPT = Exercise(
+    name="ddp_script",
+    cases=_cases,
+    oracle=lambda **case: {"weights": _simulate(**case)},
+    compare=_compare,
+    timeout_s=SCRIPT_TIMEOUT + 120,
+    hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a "
+    "DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
+    passed="rank 0's weights match one process on the same global batches, on 2 and on 3 CPU processes",
+    mistakes=[_mistake(*m) for m in _MISTAKES],
 )
 
 
-def _first_failure(out: str) -> tuple[int, str] | None:
-    """The rank that failed first and its Python traceback, from torchrun's output (each worker's
-    stderr line starts with ``[rankN]:``): the first rank whose error is its own, not a lost
-    connection to a rank that crashed."""
-    import re
-
-    lines: dict[int, list] = {}
-    for line in out.splitlines():
-        m = re.match(r"\[rank(\d+)\]:(.*)", line)
-        if m:
-            lines.setdefault(int(m.group(1)), []).append(m.group(2)[1:] if m.group(2).startswith(" ") else m.group(2))
-    tracebacks = {}
-    for r, ls in sorted(lines.items()):
-        starts = [i for i, ln in enumerate(ls) if ln.startswith("Traceback (most recent call last)")]
-        if starts:
-            tb = ls[starts[0] :]
-            # drop the probe's own frames (runpy, this module) above the script's first frame
-            first = next(
-                (
-                    i
-                    for i, ln in enumerate(tb)
-                    if ln.startswith('  File "') and "<frozen runpy>" not in ln and "utils/checks" not in ln
-                ),
-                1,
-            )
-            tracebacks[r] = "\n".join(tb[:1] + tb[first:])
-    if not tracebacks:
-        return None
-    own = {r: tb for r, tb in tracebacks.items() if not any(p in tb.strip().splitlines()[-1] for p in _PEER_ERRORS)}
-    m = re.search(r"Root Cause.*?rank\s*:\s*(\d+)", out, re.S)
-    root = int(m.group(1)) if m else None
-    pick = own or tracebacks
-    r = root if root in pick else min(pick)
-    return r, pick[r]
-
-
-def _hard_coded_rendezvous(src: str) -> str:
-    """The literal address of an ``init_method="tcp://..."`` (or file://) in the script, or ''."""
-    import re
-
-    m = re.search(r"init_method\s*=\s*[fr]?([\"'])((?:tcp|file)://[^\"']*)\1", src)
-    return m.group(2) if m else ""
-
-
-def _script_failed(name, problem, hint, output="", heading="The last lines torchrun printed"):
-    err = CheckFailed(
-        f"{name}: {problem.rstrip('.')}. Try: {hint}" + (f"\n\n{heading}:\n{output[-3000:]}" if output else "")
-    )
-    err.output = output
-    raise err from None
-
-
 def check_ddp_script(path: str | os.PathLike) -> None:
-    """Run the script at ``path`` under torchrun on 2 processes (gloo, CPU) with
-    ``--epochs 2 --batch-size 32 --seed 3 --ckpt <tmp>``, ``--batch-size`` being the GLOBAL batch, and
-    compare the weights rank 0 saved with one process of the serial script on the same global
-    batches. Also reads the script, and records on each rank what it called."""
-    import re
-    import subprocess
-
-    name = "ddp script"
+    """Run the script at ``path`` under torchrun (gloo, CPU) on 2 and on 3 processes, each with its own
+    ``--epochs --batch-size --lr --seed --ckpt`` (``--batch-size`` being the GLOBAL batch), and
+    compare the weights rank 0 saved with one process on the same global batches."""
     if not os.path.exists(path):
-        _fail(name, f"there is no file {path}", "run the %%writefile cell above first")
-    with open(path) as f:
-        src = f.read()
-    if "NotImplementedError" in src:
-        _call(name, _raise_not_implemented)
-    if re.search(r"^\s*(?:import|from)\s+utils\b|(?<![\w.])utils\s*\.", src, re.M):
-        _fail(
-            name,
-            "your script uses the course's `utils`",
-            "write it with torch.distributed and torch.nn.parallel only: it is the script you would take to a cluster",
-        )
-    fixed = _hard_coded_rendezvous(src)
-    if fixed:
-        _fail(
-            name,
-            f"your script joins the group at a fixed address (init_method={fixed!r}): under torchrun the "
-            "ranks then wait for a rendezvous at an address nobody serves, and hang",
-            "call init_process_group with the backend alone, no init_method, rank or world_size: torchrun's "
-            "environment variables give all three",
-        )
-    with tempfile.TemporaryDirectory() as d:
-        ckpt = os.path.join(d, "ckpt.pt")
-        try:
-            proc, recs = run_script(
-                path,
-                2,
-                "--epochs",
-                SCRIPT_EPOCHS,
-                "--batch-size",
-                SCRIPT_BATCH,
-                "--seed",
-                SCRIPT_SEED,
-                "--ckpt",
-                ckpt,
-                timeout=SCRIPT_TIMEOUT,
-            )
-        except subprocess.TimeoutExpired:
-            _fail(
-                name,
-                f"the script hung under torchrun (stopped after {SCRIPT_TIMEOUT:.0f} s). The likely causes: "
-                "(1) the ranks never met, because the group was not joined from the environment (an "
-                "init_method, MASTER_PORT, rank or world_size written in the script); (2) a collective "
-                "that only some ranks reach, e.g. a barrier or an all-reduce inside `if rank == 0:`",
-                "join with init_process_group given the backend alone; make every rank call every collective "
-                "(dist.barrier, DDP's backward) the same number of times",
-            )
-        out = proc.stdout or ""
-        finished = all(r is not None and r["destroy"] for r in recs)
-        if proc.returncode != 0 and finished and "terminate called without an active exception" in out:
-            pass  # every rank ran to its end and left the group; one then aborted at interpreter exit
-        elif proc.returncode != 0:
-            if "terminate called without an active exception" in out:
-                _script_failed(
-                    name,
-                    "a process aborted while leaving the group: one rank tore the group down "
-                    "while another was still working in it",
-                    "at the end, let every rank meet the others at a barrier, then leave the group",
-                    out,
-                )
-            if "device_ids" in out:
-                _script_failed(
-                    name,
-                    "DistributedDataParallel got device_ids on a CPU model",
-                    "pass device_ids=[local_rank] only when the model is on a GPU "
-                    "(torch.cuda.is_available()); on the CPU leave it out",
-                    out,
-                )
-            if "process group has not been initialized" in out or "init_process_group" in out:
-                _script_failed(
-                    name,
-                    "a rank used torch.distributed before joining the process group",
-                    "join the group first (init_process_group with the backend); torchrun's environment variables tell it the rest",
-                    out,
-                )
-            first = _first_failure(out)
-            if first:
-                r, tb = first
-                last = tb.strip().splitlines()[-1]
-                _script_failed(
-                    name,
-                    f"rank {r} failed first, with {last}",
-                    f"read rank {r}'s traceback below: the last line in your script is where it failed; "
-                    f"run the script yourself: !python -m torch.distributed.run --nproc-per-node 2 {path}",
-                    tb,
-                    heading=f"Traceback from rank {r}",
-                )
-            _script_failed(
-                name,
-                f"the script failed under torchrun (exit status {proc.returncode})",
-                "read the output below (each line starts with [rank]: ...); run the script "
-                f"yourself: !python -m torch.distributed.run --nproc-per-node 2 {path}",
-                out,
-            )
-        if any(r is None for r in recs):
-            _script_failed(name, "a rank did not finish the script", "read the output below", out)
-        if not all(r["init"] for r in recs):
-            _fail(
-                name,
-                "the script never calls dist.init_process_group: the two processes trained alone",
-                "join the group at the start: init_process_group with the backend, gloo on the CPU, nccl on GPUs",
-            )
-        if recs[1]["saves"]:
-            _fail(
-                name,
-                f"rank 1 saved a checkpoint too ({recs[1]['saves']} torch.save calls): every rank wrote "
-                "the same file at once",
-                "save on rank 0 only: if dist.get_rank() == 0: torch.save(...)",
-            )
-        if not all(r["ddp"] for r in recs):
-            _fail(
-                name,
-                "the model was never wrapped in DistributedDataParallel: the gradients are not "
-                "averaged, and the ranks drift apart",
-                "wrap it after moving it to its device: "
-                "model = DistributedDataParallel(model, device_ids=... on GPUs only)",
-            )
-        if not os.path.exists(ckpt):
-            _script_failed(
-                name,
-                "rank 0 wrote no checkpoint at --ckpt",
-                "torch.save the checkpoint to args.ckpt on rank 0, as the serial script does",
-                out,
-            )
-        ck = torch.load(ckpt, weights_only=True)
-    state = ck.get("model", ck) if isinstance(ck, dict) else {}
-    if any(k.startswith("module.") for k in state):
-        _fail(
-            name,
-            "the saved weights' names start with 'module.': you saved the DDP wrapper",
-            "save model.module.state_dict() (the model inside DDP), so the file loads in a serial model",
-        )
-    want = _simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, seed=SCRIPT_SEED)
-
-    def same(a):
-        return set(a) == set(state) and all(torch.allclose(state[k].float(), a[k], atol=1e-5) for k in a)
-
-    if not set(state) or set(state) != set(want):
-        _fail(
-            name,
-            f"the checkpoint's model has keys {sorted(state)[:4]}..., expected {sorted(want)}",
-            "save {'model': model.module.state_dict(), 'epoch': epoch}, as the serial script does",
-        )
-    if not same(want):
-        if (
-            same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, shard=False, seed=SCRIPT_SEED))
-            or not all(r["sampler"] for r in recs)
-            or not all(r["loaders"] and all(r["loaders"]) for r in recs)
-        ):
-            _fail(
-                name,
-                "each rank trained on ALL the data, not on its half: the DataLoader you iterate has no "
-                "DistributedSampler",
-                "give that DataLoader sampler=DistributedSampler(dataset, seed=args.seed), instead of its own shuffle",
-            )
-        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, reshuffle=False, seed=SCRIPT_SEED)) or not all(
-            r["set_epoch"] for r in recs
-        ):
-            _fail(
-                name,
-                "every epoch used the same order of examples: the sampler was never told the epoch",
-                "call the sampler's set_epoch with the epoch number at the start of every epoch, on every rank",
-            )
-        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2)):  # the default seed, 0
-            _fail(
-                name,
-                f"the check ran your script with --seed {SCRIPT_SEED}, but it shuffled as with seed 0: the "
-                "sampler ignores --seed (DistributedSampler's default seed is 0)",
-                "pass the script's seed to the sampler: DistributedSampler(..., seed=args.seed)",
-            )
-        if same(_simulate(SCRIPT_EPOCHS, SCRIPT_BATCH, 2, per_rank_batch=SCRIPT_BATCH, seed=SCRIPT_SEED)):
-            _fail(
-                name,
-                f"each rank took --batch-size={SCRIPT_BATCH} examples per step, so the global batch was "
-                f"{2 * SCRIPT_BATCH}",
-                "--batch-size is the global batch: each rank takes batch_size // world_size",
-            )
-        _fail(
-            name,
-            "rank 0's final weights differ from one process on the same global batches",
-            "compare your script with the serial one line by line: same data, model, seed, optimizer; "
-            "DistributedSampler(dataset, seed=args.seed) with set_epoch; batch_size // world_size per rank",
-        )
-    if not re.search(r"\bset_device\s*\(", src):
-        _fail(
-            name,
-            "the weights match, but the script never calls torch.cuda.set_device: on a GPU server "
-            "every rank would use GPU 0",
-            "when torch.cuda.is_available(), call "
-            "pin the process to its GPU (set_device, with LOCAL_RANK from the environment) before init_process_group",
-        )
-    if not all(r["destroy"] for r in recs):
-        _fail(
-            name,
-            "the weights match, but the script never calls dist.destroy_process_group",
-            "call it at the end of main(), on every rank, so each process leaves the group cleanly",
-        )
-    _passed(name, "2 processes under torchrun match one process on the same global batches")
-
-
-if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) > 2 and sys.argv[1] == "--probe":
-        _probe(sys.argv[2:])
-    else:
-        print(_PROBE_DOC)
+        fail(SCRIPT.name, f"there is no file {path}", "run the %%writefile cell above first")
+    check(SCRIPT, Script(path))
