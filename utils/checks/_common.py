@@ -6,21 +6,15 @@ Usage in a lab, right after an exercise cell::
     utils.checks.check_accuracy(accuracy)
 
 Each ``check_*`` prints one line starting with a tick when everything passes and raises
-:class:`CheckFailed` (an AssertionError) with the diagnosis otherwise. Each topic keeps its
-checks in its own module here (environment.py, gd_sgd.py, throughput.py, ddp.py, large_batch.py,
-model_parallel.py, profiling.py); this package re-exports them all.
+:class:`CheckFailed` (an AssertionError) with the diagnosis otherwise. Each lab's module here
+declares its exercises as specs that the engine (engine.py) runs; this module holds what they
+share: the exception, the one message form, Jupyter's short tracebacks, check_prediction.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dis
 import math
-import traceback
 import types
-from collections.abc import Iterator
-
-import torch
 
 
 class CheckFailed(AssertionError):
@@ -59,44 +53,13 @@ def _install_ipython_handler() -> None:
 _install_ipython_handler()
 
 
-def _call(name: str, fn, *args, **kwargs):
-    """Run the student's ``fn``; turn the placeholder and crashes into readable failures."""
-    try:
-        return fn(*args, **kwargs)
-    except NotImplementedError:
-        raise CheckFailed(
-            f"{name}: not implemented yet. Try: replace the `raise NotImplementedError(...)` "
-            f"line in the exercise cell with your code, run that cell, then this one"
-        ) from None
-    except CheckFailed:
-        raise
-    except Exception as e:  # the student's code crashed: show where
-        tb = traceback.format_exception_only(type(e), e)[-1].strip()
-        raise CheckFailed(
-            f"{name}: your code raised {tb}. Try: read the traceback of your code above "
-            f"(the last line in your cell is where it failed), fix it, rerun both cells"
-        ) from e.with_traceback(student_frames_only(e.__traceback__))
-
-
 def message(name: str, problem: str, hint: str) -> str:
     """The one form of every check's diagnosis: "name: what is wrong. Try: what to do." """
     return f"{name}: {problem.strip().rstrip('.')}. Try: {hint.strip().rstrip('.')}."
 
 
 def _fail(name: str, problem: str, hint: str):
-    """Raise the diagnosis as ONE line: what is wrong, then what to try."""
     raise CheckFailed(message(name, problem, hint)) from None
-
-
-def _close(got, want, rtol=1e-4, atol=1e-6) -> bool:
-    if isinstance(want, torch.Tensor) or isinstance(got, torch.Tensor):
-        got_t, want_t = torch.as_tensor(got, dtype=torch.float64), torch.as_tensor(want, dtype=torch.float64)
-        return got_t.shape == want_t.shape and torch.allclose(got_t, want_t, rtol=rtol, atol=atol)
-    return math.isclose(float(got), float(want), rel_tol=rtol, abs_tol=atol)
-
-
-def _passed(name: str, detail: str = "") -> None:
-    print(f"\u2714 {name}: correct{' (' + detail + ')' if detail else ''}")
 
 
 def check_prediction(
@@ -130,34 +93,3 @@ def check_prediction(
             f"{ratio:.3g} x your number." + (f" Likely: {if_off}" if if_off else "")
         )
     return ratio
-
-
-def global_names(code: types.CodeType) -> set:
-    """The global names a code object (and those nested in it) reads: ``device`` in
-    ``x.device`` is an attribute, not the notebook's ``device``."""
-    names = {i.argval for i in dis.get_instructions(code) if i.opname in ("LOAD_GLOBAL", "LOAD_NAME")}
-    for c in code.co_consts:
-        if hasattr(c, "co_names"):
-            names |= global_names(c)
-    return names
-
-
-@contextlib.contextmanager
-def refusing(check: str, module: types.ModuleType, names: tuple[str, ...], try_: str) -> Iterator[None]:
-    """While the student's function runs, the library's own functions ``names`` of ``module`` raise
-    :class:`CheckFailed`: the exercise is to write them. ``try_`` says what to do instead."""
-    saved = {n: getattr(module, n) for n in names}
-
-    def refuse(*a, **k):
-        raise CheckFailed(
-            f"{check}: your code called {module.__name__}'s own {'/'.join(names)}; the exercise is to "
-            f"write it yourself. Try: {try_}"
-        )
-
-    try:
-        for n in names:
-            setattr(module, n, refuse)
-        yield
-    finally:
-        for n, f in saved.items():
-            setattr(module, n, f)

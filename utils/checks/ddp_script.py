@@ -276,53 +276,103 @@ def _mistake(problem, hint, edit, when, mechanism=True) -> Mistake:
 
 _HANG = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=int(os.environ["RANK"]), '
 _HANG += "world_size=int(os.environ['WORLD_SIZE']))"  # under torchrun nobody serves that address: the ranks wait
-# fmt: off
 _MISTAKES = [  # problem, hint, the variant's edit of the right script, how the run shows it
-    ("your script imports the course's utils package, which a job on a cluster does not have",
-     "write it with torch.distributed and torch.nn.parallel only", {"init": "import utils.ddp_train"},
-     _crashed_with("No module named 'utils'")),
-    ("DistributedDataParallel got device_ids for a model on the CPU",
-     "pass device_ids only when the model is on a GPU", {"wrap": "lambda m: DDP(m, device_ids=[rank])"},
-     _crashed_with("device_ids")),
-    ("a rank used torch.distributed before joining the process group", "join the group first, calling "
-     "init_process_group with the backend alone: torchrun's environment variables give the rest", {"init": "pass"},
-     _crashed_with("has not been initialized")),
-    ("the script hung under torchrun: either the ranks never met, because the group was not joined from the "
-     "environment (an address, port, rank or world size written in the script), or some ranks wait in a collective "
-     "that the others never reach", "join with init_process_group given the backend alone, and make every rank call "
-     "every collective (a barrier, the backward of DDP) the same number of times", {"init": _HANG},
-     lambda o: o.got["hung"]),
-    ("the script never joins the process group, so every process trained alone", "call init_process_group with the "
-     "backend (gloo on the CPU, nccl on GPUs) at the start of main",
-     {"init": "pass", "wrap": "lambda m: m", "inner": "model", "leave": "pass"},
-     lambda o: _ran(o) and not any(r["init"] for r in _ran(o))),
-    ("the model is never wrapped in DistributedDataParallel, so the gradients are not averaged and the ranks drift "
-     "apart", "wrap the model in DistributedDataParallel once it is on its device", {"wrap": "lambda m: m",
-     "inner": "model"}, lambda o: any(not r["ddp"] for r in _ran(o))),
-    ("every rank trained on the whole dataset every epoch: the loader it iterates deals out no shards, so the "
-     "processes repeat each other's work instead of sharing it", "give that DataLoader a DistributedSampler with "
-     "the script's seed in place of its own order, and batch_size // world_size examples per rank",
-     {"feed": "order.tolist()", "batch": "args.batch_size"},
-     lambda o: any(r["examples"] >= 512 * o.case.kwargs["epochs"] for r in _ran(o))),
-    ("a rank other than 0 saved a checkpoint too, so several processes wrote the same file at once",
-     "save on rank 0 only", {"saver": "True"}, lambda o: any(r["saves"] for r in _ran(o)[1:])),
-    ("rank 0 wrote no checkpoint at the path that --ckpt gives", "save the checkpoint to args.ckpt on rank 0, as "
-     "the serial script does", {"saver": "False"}, lambda o: _ran(o) and o.got["weights"] is None),
-    ("the saved weights' names start with 'module.', so you saved the DDP wrapper", "save the state dict of the "
-     "model inside DDP (its module attribute), so that the file loads into the serial model", {"inner": "model"},
-     lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"])),
-    ("the script never leaves the process group", "call destroy_process_group at the end of main, on every rank, "
-     "after a barrier", {"leave": "dist.barrier()"}, lambda o: any(r["init"] and not r["left"] for r in _ran(o))),
-    ("every epoch used the same order of examples, because the sampler was never told the epoch", "call the "
-     "sampler's set_epoch with the epoch number at the start of every epoch, on every rank", {"epoch": "pass"},
-     _matches(reshuffle=False), False),
-    ("the shuffle ignores --seed: it is that of seed 0, the default of DistributedSampler", "pass the script's seed "
-     "to the DistributedSampler", {"sampler": "DistributedSampler(data, world, rank)"}, _matches(seed=0), False),
-    ("each rank took --batch-size examples per step, so the global batch grew with the number of processes",
-     "--batch-size is the global batch: give each rank batch_size // world_size examples per step",
-     {"batch": "args.batch_size"}, _matches(divide=False), False),
+    (
+        "your script imports the course's utils package, which a job on a cluster does not have",
+        "write it with torch.distributed and torch.nn.parallel only",
+        {"init": "import utils.ddp_train"},
+        _crashed_with("No module named 'utils'"),
+    ),
+    (
+        "DistributedDataParallel got device_ids for a model on the CPU",
+        "pass device_ids only when the model is on a GPU",
+        {"wrap": "lambda m: DDP(m, device_ids=[rank])"},
+        _crashed_with("device_ids"),
+    ),
+    (
+        "a rank used torch.distributed before joining the process group",
+        "join the group first, calling "
+        "init_process_group with the backend alone: torchrun's environment variables give the rest",
+        {"init": "pass"},
+        _crashed_with("has not been initialized"),
+    ),
+    (
+        "the script hung under torchrun: either the ranks never met, because the group was not joined from the "
+        "environment (an address, port, rank or world size written in the script), or some ranks wait in a collective "
+        "that the others never reach",
+        "join with init_process_group given the backend alone, and make every rank call "
+        "every collective (a barrier, the backward of DDP) the same number of times",
+        {"init": _HANG},
+        lambda o: o.got["hung"],
+    ),
+    (
+        "the script never joins the process group, so every process trained alone",
+        "call init_process_group with the backend (gloo on the CPU, nccl on GPUs) at the start of main",
+        {"init": "pass", "wrap": "lambda m: m", "inner": "model", "leave": "pass"},
+        lambda o: _ran(o) and not any(r["init"] for r in _ran(o)),
+    ),
+    (
+        "the model is never wrapped in DistributedDataParallel, so the gradients are not averaged and the ranks drift "
+        "apart",
+        "wrap the model in DistributedDataParallel once it is on its device",
+        {"wrap": "lambda m: m", "inner": "model"},
+        lambda o: any(not r["ddp"] for r in _ran(o)),
+    ),
+    (
+        "every rank trained on the whole dataset every epoch: the loader it iterates deals out no shards, so the "
+        "processes repeat each other's work instead of sharing it",
+        "give that DataLoader a DistributedSampler with "
+        "the script's seed in place of its own order, and batch_size // world_size examples per rank",
+        {"feed": "order.tolist()", "batch": "args.batch_size"},
+        lambda o: any(r["examples"] >= 512 * o.case.kwargs["epochs"] for r in _ran(o)),
+    ),
+    (
+        "a rank other than 0 saved a checkpoint too, so several processes wrote the same file at once",
+        "save on rank 0 only",
+        {"saver": "True"},
+        lambda o: any(r["saves"] for r in _ran(o)[1:]),
+    ),
+    (
+        "rank 0 wrote no checkpoint at the path that --ckpt gives",
+        "save the checkpoint to args.ckpt on rank 0, as the serial script does",
+        {"saver": "False"},
+        lambda o: _ran(o) and o.got["weights"] is None,
+    ),
+    (
+        "the saved weights' names start with 'module.', so you saved the DDP wrapper",
+        "save the state dict of the "
+        "model inside DDP (its module attribute), so that the file loads into the serial model",
+        {"inner": "model"},
+        lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"]),
+    ),
+    (
+        "the script never leaves the process group",
+        "call destroy_process_group at the end of main, on every rank, after a barrier",
+        {"leave": "dist.barrier()"},
+        lambda o: any(r["init"] and not r["left"] for r in _ran(o)),
+    ),
+    (
+        "every epoch used the same order of examples, because the sampler was never told the epoch",
+        "call the sampler's set_epoch with the epoch number at the start of every epoch, on every rank",
+        {"epoch": "pass"},
+        _matches(reshuffle=False),
+        False,
+    ),
+    (
+        "the shuffle ignores --seed: it is that of seed 0, the default of DistributedSampler",
+        "pass the script's seed to the DistributedSampler",
+        {"sampler": "DistributedSampler(data, world, rank)"},
+        _matches(seed=0),
+        False,
+    ),
+    (
+        "each rank took --batch-size examples per step, so the global batch grew with the number of processes",
+        "--batch-size is the global batch: give each rank batch_size // world_size examples per step",
+        {"batch": "args.batch_size"},
+        _matches(divide=False),
+        False,
+    ),
 ]
-# fmt: on
 SCRIPT = Exercise(
     name="ddp_script",
     cases=_cases,
