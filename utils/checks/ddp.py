@@ -236,7 +236,7 @@ AVERAGE_GRADIENTS = Exercise(
         ),
         Mistake(
             "the gradients were divided by 2, not by the number of processes",
-            "divide by dist.get_world_size(): the check runs on 2 and on 3 processes",
+            "divide by the number of processes, the world size: the check runs on 2 and on 3 processes",
             variant=v._average_by_two,
         ),
     ],
@@ -450,7 +450,7 @@ _WAITS_IN_HOOK = Mistake(
 _FORWARD = Mistake(
     "your buckets follow the forward order of model.parameters(), but gradients become ready last layer first, "
     "so a bucket with the first layer's parameters fills only at the end of backward",
-    "build the buckets walking reversed(list(model.parameters())), the order in which the hooks fire",
+    "build the buckets walking the parameters in reverse order, the order in which backward's hooks fire",
     variant=v._overlap_forward,
 )
 OVERLAP_DDP = Exercise(
