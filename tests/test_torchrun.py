@@ -128,16 +128,25 @@ def test_max_restarts_recovers_a_killed_rank_exactly(two_nodes, tmp_path):
 # ---------------------------------------------------------------------------- gloo's abort at interpreter exit
 
 # Each rank runs MODE, then shuts down; a rank holding GlooAbortAtExit dies of SIGABRT while the
-# interpreter shuts down, with the line gloo's teardown prints (as torch 2.13's gloo does, now and then).
+# interpreter shuts down, with the line gloo's teardown prints (as torch 2.13's gloo does, now and then);
+# a rank holding SlowExit is still shutting down when that happens, so torchrun stops it (SIGTERM).
 EXIT_SCRIPT = """
-import os, sys
+import os, sys, time
 
 class GlooAbortAtExit:
     def __del__(self, write=os.write, abort=os.abort):
         write(2, b"terminate called without an active exception\\n")
         abort()
 
+class SlowExit:
+    def __del__(self, sleep=time.sleep):
+        sleep(60)  # torchrun stops this rank (SIGTERM) when rank 1 aborts
+
 mode, rank = sys.argv[1], int(os.environ["RANK"])
+if rank == 0 and mode == "slow_exit":
+    slow = SlowExit()
+if rank == 0 and mode == "slow_main":
+    time.sleep(60)  # still working when rank 1 aborts: stopped before its end
 if rank == 1:
     held = GlooAbortAtExit()
     if mode == "raise":
@@ -150,7 +159,10 @@ print(f"rank {rank} ran to its end", flush=True)
 """
 
 
-@pytest.mark.parametrize("mode, passes", [("finish", True), ("raise", False), ("exit", False), ("abort", False)])
+@pytest.mark.parametrize(
+    "mode, passes",
+    [("finish", True), ("slow_exit", True), ("raise", False), ("exit", False), ("abort", False), ("slow_main", False)],
+)
 def test_an_abort_at_exit_after_the_script_finished_passes_and_any_other_failure_fails(tmp_path, mode, passes):
     script = tmp_path / "script.py"
     script.write_text(EXIT_SCRIPT)

@@ -403,7 +403,7 @@ def torchrun(
     gloo's teardown in torch 2.13 sometimes aborts a rank at interpreter exit, after its work is
     done. Such a run counts as finished (exit status 0, and a line at the end of ``stdout`` says
     so) when every rank of the run ran its script to the end, and every rank torchrun reports as
-    failed died of that abort. The evidence that a script ran to its end is a marker each rank
+    failed died of that abort, or was stopped by torchrun (SIGTERM) after it. The evidence that a script ran to its end is a marker each rank
     writes from the ``sitecustomize`` this launcher puts on its PYTHONPATH (``_rank_done/``). Any
     other failure keeps torchrun's exit status."""
     env = dict(os.environ if env is None else env)
@@ -435,8 +435,9 @@ RANK_DONE_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank
 
 
 def _only_exit_aborts(out: str, done_dir: str) -> bool:
-    """Did every rank write its marker (its script ran to its end), and did every rank torchrun
-    reports as failed die of gloo's abort at interpreter exit?"""
+    """Did every rank write its marker (its script ran to its end), did at least one rank die of
+    gloo's abort at interpreter exit, and was every other rank torchrun reports as failed only
+    stopped by torchrun (SIGTERM) after that abort?"""
     _, failed = torchrun_summary(out)
     done = {}
     for name in os.listdir(done_dir):
@@ -445,7 +446,9 @@ def _only_exit_aborts(out: str, done_dir: str) -> bool:
     worlds = set(done.values())
     if not failed or len(worlds) != 1 or not (world := worlds.pop()).isdigit() or set(done) != set(range(int(world))):
         return False
-    return all(exit_abort_after_success(code, r in done, out) for r, code in failed.items())
+    aborted = {r for r, code in failed.items() if exit_abort_after_success(code, r in done, out)}
+    stopped = {r for r, code in failed.items() if code == -signal.SIGTERM}
+    return bool(aborted) and aborted | stopped == set(failed)
 
 
 def _run_torchrun(cmd, env, cwd, timeout) -> tuple[str, int]:
