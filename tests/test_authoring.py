@@ -287,4 +287,4 @@ def test_pending_entries_are_still_offenders():
         if line
         not in message_leaks(ROOT / "solutions" / f"{lab}.ipynb", _string_literals(ROOT / "utils" / "checks" / name))
     ]
-    assert not fixed, f"no longer leaked, remove from PENDING: {fixed}"
+    assert not fixed, f"not leaked: remove from PENDING: {fixed}"

@@ -1,6 +1,6 @@
-"""The CUDA/NCCL paths, on a CPU-only machine (issue 11).
+"""The CUDA/NCCL paths, on a CPU-only machine.
 
-Each test would have caught one defect found by reviewing the GPU paths. Where a GPU is needed,
+Each test holds one rule of the GPU paths that a CPU-only run would never exercise. Where a GPU is needed,
 ``fake_gpu.FakeCuda`` makes torch.cuda a machine with N GPUs whose ``set_device`` keeps torch's
 real semantics (an index is required); NCCL-only logic runs on gloo through the same code path.
 Workers are module-level functions: spawned ranks import them by name.
@@ -62,7 +62,7 @@ def one_gpu(monkeypatch):
 
 def test_the_fake_gpu_has_torchs_set_device_semantics(one_gpu):
     with pytest.raises(ValueError, match="specified index"):
-        torch.cuda.set_device(torch.device("cuda"))  # what setup() used to do
+        torch.cuda.set_device(torch.device("cuda"))  # a bare "cuda" has no index: setup() must pass one
     with pytest.raises(RuntimeError, match="invalid device ordinal"):
         torch.cuda.set_device(1)
     torch.cuda.set_device(torch.device("cuda", 0))
@@ -177,9 +177,9 @@ def test_the_repository_has_no_unbatched_point_to_point_ops():
     assert not offenders, "unbatched point-to-point ops (use batch_isend_irecv with P2POp):\n" + "\n".join(offenders)
 
 
-def test_the_scan_would_see_the_old_ring():
-    old = "dist." + "isend"  # split, so that this file passes its own scan
-    assert P2P_CALL.search(f"req = {old}(chunks[send_i].contiguous(), right, group=group)")
+def test_the_scan_sees_a_ring_of_separate_sends():
+    isend = "dist." + "isend"  # split, so that this file passes its own scan
+    assert P2P_CALL.search(f"req = {isend}(chunks[send_i].contiguous(), right, group=group)")
     assert P2P_CALL.search("        dist." + "recv(buf, left)")
     assert not P2P_CALL.search("ops = [dist.P2POp(dist.isend, chunk, right), dist.P2POp(dist.irecv, buf, left)]")
 
@@ -291,7 +291,7 @@ def test_throughput_leaves_the_warm_up_epoch_out():
     assert h.epochs[0]["time_s"] > 1.0, "epoch 0 holds the warm-up"
     assert h.images_per_s == pytest.approx(128 / later, rel=1e-9), "epochs 1 and 2 only"
     assert h.warmup_images_per_s == pytest.approx(64 / h.epochs[0]["time_s"])
-    assert h.images_per_s > h.images / h.train_time, "the warm-up no longer drags the figure down"
+    assert h.images_per_s > h.images / h.train_time, "the warm-up epoch does not drag the figure down"
     assert h.step_s == pytest.approx(later / 4, rel=1e-9)
     d = h.to_dict()
     assert d["images_per_s"] == h.images_per_s and d["warmup_images_per_s"] == h.warmup_images_per_s
@@ -577,9 +577,9 @@ def test_no_notebook_runs_the_torchrun_on_path():
     assert not found, "run torchrun as [sys.executable, '-m', 'torch.distributed.run', ...]:\n" + "\n".join(found)
 
 
-def test_the_torchrun_scan_would_see_the_old_nsight_cell():
-    old = """nsys = ["nsys", "profile", "-o", str(report), "torchrun", "--standalone", "-m", "utils.ddp_train"]"""
-    assert BARE_TORCHRUN.search(old) and BARE_TORCHRUN.search("!torchrun --standalone x.py")
+def test_the_torchrun_scan_sees_torchrun_under_nsight_and_a_shell_escape():
+    nsys = """nsys = ["nsys", "profile", "-o", str(report), "torchrun", "--standalone", "-m", "utils.ddp_train"]"""
+    assert BARE_TORCHRUN.search(nsys) and BARE_TORCHRUN.search("!torchrun --standalone x.py")
     assert BARE_TORCHRUN.search('subprocess.run("torchrun --nproc-per-node 2 x.py", shell=True)')
     assert not BARE_TORCHRUN.search('print("torchrun", " ".join(args))')  # a label, not a command
     assert not BARE_TORCHRUN.search("srun torchrun --nnodes 2 \\\\")  # a cluster's sbatch text

@@ -109,8 +109,8 @@ class _Parsed(Exception):
 @pytest.mark.parametrize("mode", ["quick", "full"])
 @pytest.mark.parametrize("name", sorted(gpucheck.BENCH_ARGS))
 def test_each_benchmark_accepts_the_arguments_gpucheck_passes(name, mode, monkeypatch):
-    """The benchmark's own argparse parses what `make gpu-check` gives it (a renamed option once
-    failed the check on every machine); parsing stops before anything is measured."""
+    """The benchmark's own argparse parses what `make gpu-check` gives it (an option renamed in one
+    and not the other fails the check on every machine); parsing stops before anything is measured."""
     import argparse
     import importlib
 
@@ -149,7 +149,7 @@ def test_an_interpreter_without_torch_gets_a_message_not_a_traceback():
     assert "Traceback" not in r.stderr
 
 
-# ---------------------------------------------------------------------------- the time budget (issue 20)
+# ---------------------------------------------------------------------------- the time budget
 
 
 def _slow_subprocess(ctx):

@@ -346,7 +346,7 @@ def load_heldout():
 
 
 # ----------------------------------------------------------------------------------------
-# Every bad input of the issue, graded in one `batch` command
+# Every bad input, graded in one `batch` command
 # ----------------------------------------------------------------------------------------
 
 COPY_PAYLOAD = """

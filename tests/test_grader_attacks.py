@@ -1,5 +1,5 @@
-"""The grader against a student who has read its source: one test per attack class of issue 12,
-each a real hostile submission. They are graded in ONE `batch` command (--jobs 3, in a
+"""The grader against a student who has read its source: one test per class of attack in the
+threat model (utils/grader/README.md, "What is guaranteed"), each a real hostile submission. They are graded in ONE `batch` command (--jobs 3, in a
 subprocess whose environment holds secrets), so every attack also runs next to the others.
 
 Oracles come from outside the grader: the files the attacks aim at (hashed before the batch),
@@ -87,7 +87,7 @@ ATTACKS = {
         steps = [[1.0 + k, 2.0 + k + rank, 200000, 1] for k in range(300)]
         s.send(json.dumps({{"kind": "exit", "rank": rank, "first_step": 0, "steps": steps, "total_steps": 300,
                            "grad_bytes": 129848, "ddp_models": 1, "fingerprints": []}}).encode())
-        for name in ("rank%d.json" % rank, "exit%d.json" % rank, "/tmp/probe.json"):   # the old probe's files
+        for name in ("rank%d.json" % rank, "exit%d.json" % rank, "/tmp/probe.json"):   # evidence a file-reading grader would trust
             open(name, "w").write(json.dumps({{"rank": rank, "world_size": 2, "all_reduce_sum": 2}}))
         """,
     # 5. ... the same, claiming gloo (no torch at all: no process group, no traffic).

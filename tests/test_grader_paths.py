@@ -3,8 +3,8 @@ the user site, PYTHONPATH), and the GPUs it was handed, by device minor and by t
 will enumerate inside.
 
 Oracles: a second virtual environment whose packages come only through a .pth file, in which the
-reference solution must grade `passed` (before this, every submission failed there with "No
-module named 'torch'"); a hand-written NVIDIA driver table (/proc/driver/nvidia/gpus) in which
+reference solution must grade `passed` (a sandbox that binds only site-packages fails every
+submission there with "No module named 'torch'"); a hand-written NVIDIA driver table (/proc/driver/nvidia/gpus) in which
 CUDA indices, PCI order and device minors all differ.
 """
 

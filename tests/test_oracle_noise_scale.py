@@ -82,3 +82,32 @@ def test_estimator_is_exact_on_the_expected_squared_norms():
         ns = gradient_noise.noise_scale([G2 + trS / bs], [G2 + trS / bb], bs, bb)
         assert math.isclose(ns.b_simple, trS / G2, rel_tol=1e-12)
         assert math.isclose(ns.G2, G2, rel_tol=1e-12) and math.isclose(ns.tr_sigma, trS, rel_tol=1e-12)
+
+
+def _pair_sq_norms(pairs, b_small, b_big, gen):
+    """Squared norms of (small, big) batch gradients drawn exactly: a batch mean of B examples
+    a_i ~ N(G, Sigma) is N(G, Sigma / B), and the small batch is the big one's first b_small."""
+    chol = torch.linalg.cholesky(SIGMA)
+    head = G_TRUE + torch.randn(pairs, D, generator=gen, dtype=torch.float64) @ chol.T / math.sqrt(b_small)
+    rest = G_TRUE + torch.randn(pairs, D, generator=gen, dtype=torch.float64) @ chol.T / math.sqrt(b_big - b_small)
+    big = (b_small * head + (b_big - b_small) * rest) / b_big
+    return (head**2).sum(1), (big**2).sum(1)
+
+
+def test_bootstrap_standard_error_matches_the_spread_of_independent_repeats():
+    """The oracle is the estimator run again: the standard deviation of log B_simple over 400
+    independent sets of 300 pairs, against the bootstrap's standard error from single sets."""
+    gen = torch.Generator().manual_seed(11)
+    repeats = [gradient_noise.noise_scale(*_pair_sq_norms(300, 4, 64, gen), 4, 64).b_simple for _ in range(400)]
+    spread = float(torch.tensor(repeats).log().std())
+    boot = [gradient_noise.bootstrap_log_se(*_pair_sq_norms(300, 4, 64, gen), 4, 64, seed=s) for s in range(10)]
+    assert 0.8 < sum(boot) / len(boot) / spread < 1.2, (boot, spread)
+
+
+def test_bootstrap_standard_error_is_infinite_when_g2_can_vanish():
+    """Per-pair |G|^2 estimates of both signs: some resample averages to |G|^2 <= 0, where B_simple is
+    unbounded, and so is its error."""
+    sq_small, sq_big = [1.0, 1.0, 1.0], [0.8, 0.05, 0.05]  # |G|^2 per pair at b 2 and 4: +0.6, -0.9, -0.9
+    G2, _ = gradient_noise.two_batch_estimates(sq_small, sq_big, 2, 4)
+    assert G2.min() < 0 < G2.max()
+    assert gradient_noise.bootstrap_log_se(sq_small, sq_big, 2, 4) == math.inf

@@ -1,4 +1,4 @@
-"""Every public function and method of the library has type hints (issue 21).
+"""Every public function and method of the library has type hints.
 
 Walks each ``.py`` under ``utils/`` with ``ast`` (nothing is imported) and lists, as
 ``file:line name``, each public module-level function and each public method of a public

@@ -5,8 +5,8 @@
   dataset (the population's is :meth:`utils.linear_regression.LinearProblem.noise_scale`);
 * McCandlish et al.'s two-batch estimator of the gradient noise scale
   B_simple = tr(Sigma) / |G|^2, from squared gradient norms of a small and a big batch: on the
-  linear problem, and on any model and dataset (:func:`measure_noise_scale`); a running
-  estimate during training (:class:`NoiseScaleEMA`).
+  linear problem, and on any model and dataset (:func:`measure_noise_scale`); its standard error by
+  the bootstrap (:func:`bootstrap_log_se`); a running estimate during training (:class:`NoiseScaleEMA`).
 """
 
 from __future__ import annotations
@@ -119,6 +119,27 @@ def noise_scale(
     G2, trS = two_batch_estimates(sq_small, sq_big, b_small, b_big)
     G2, trS = float(G2.mean()), float(trS.mean())
     return NoiseScale(trS / G2 if G2 > 0 else math.inf, G2, trS)
+
+
+def bootstrap_log_se(
+    sq_small: torch.Tensor | Sequence[float],
+    sq_big: torch.Tensor | Sequence[float],
+    b_small: int,
+    b_big: int,
+    resamples: int = 2000,
+    seed: int = 0,
+) -> float:
+    """The standard error of log B_simple (:func:`noise_scale`) from the pairs behind it, by the
+    bootstrap: the pairs drawn again with replacement, ``resamples`` times, B_simple of each resample,
+    and the standard deviation of their logs (B_simple is a ratio, so its errors are closer to
+    symmetric on a log scale). ``inf`` when a resample's mean |G|^2 or tr(Sigma) is not positive:
+    B_simple then has no finite bound."""
+    G2, trS = two_batch_estimates(sq_small, sq_big, b_small, b_big)
+    idx = torch.randint(len(G2), (resamples, len(G2)), generator=torch.Generator().manual_seed(seed))
+    G2_boot, trS_boot = G2[idx].mean(1), trS[idx].mean(1)
+    if not bool((G2_boot > 0).all() and (trS_boot > 0).all()):
+        return math.inf
+    return float((trS_boot / G2_boot).log().std())
 
 
 class NoiseScaleEMA:

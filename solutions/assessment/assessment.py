@@ -35,7 +35,7 @@ import utils.train
 # Hyperparameters, per dataset. Units in the comments.
 HYP = {
     "digits": {
-        "epochs": 10,  # passes over the training split (was 2: N ranks make each pass N x faster)
+        "epochs": 10,  # passes over the training split (the serial script's 2, raised: N ranks make each pass N x faster)
         "batch_size": 32,  # images per optimizer step PER RANK (global: 32 x world size)
         "lr": 0.02,  # SGD rate at batch 32; multiplied by the world size (linear rule)
         "warmup_epochs": 1,  # linear ramp from the base rate to the scaled one
