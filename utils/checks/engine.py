@@ -645,7 +645,7 @@ def check(ex: Exercise, *answer) -> Any:
     except (OSError, TypeError):
         source = ""
     if ex.ranks:
-        per_case = _on_ranks(ex, answer, source)
+        per_case = _consistent(ex, _on_ranks(ex, answer, source))
         for got, want, reps, label in per_case:
             _judge(ex, Outcome(None, got, want, source=source), reps, label)
     else:
@@ -657,6 +657,18 @@ def check(ex: Exercise, *answer) -> Any:
             _judge(ex, Outcome(case, got, want, source=source), None, label, i)
     print(f"\u2714 {ex.name}: correct" + (f" ({ex.passed})" if ex.passed else ""))
     return None
+
+
+def _consistent(ex: Exercise, per_case: list) -> list:
+    """Keep a replayed mistake only where the answer matches it on every case, when one does: two
+    variants can agree with each other on one small case, but not on all of them."""
+    n = len(per_case[0][2]) if per_case else 0
+    same = [all(c[2][j] is not None and _differs(ex, c[0], c[2][j]) is None for c in per_case) for j in range(n)]
+    if not any(same):
+        return per_case
+    return [
+        (got, want, [r if same[j] else None for j, r in enumerate(reps)], label) for got, want, reps, label in per_case
+    ]
 
 
 def _student_run(ex: Exercise, answer, i: int, source: str):
