@@ -2,6 +2,9 @@
 is not implemented. The rank-run exercises spawn processes (slow); their variants that hang or
 deadlock wait for the exercise's timeout (extended)."""
 
+import json
+import re
+
 import exercise_harness as harness
 import pytest
 
@@ -43,3 +46,19 @@ def test_the_trace_returns_the_lab_answer_keys_count_of_all_reduces(capsys):
     events = checks.check_overlap_trace(overlap_ddp, bucket_numel=70_000)
     assert sum(e[0] == "c10d::allreduce_" for e in events) == 4  # buckets by hand: see the lab's answer key
     assert "backward" in capsys.readouterr().out
+
+
+def test_no_hint_of_lab3_contains_a_line_of_its_answer():
+    from utils import authoring
+
+    cells = json.loads((harness.ROOT / "solutions" / f"{LAB}.ipynb").read_text())["cells"]
+    for cell in ("".join(c["source"]) for c in cells if c["cell_type"] == "code"):
+        blocks = re.findall(r"### BEGIN SOLUTION\n(.*?)### END SOLUTION", cell, re.S)
+        for block in blocks:
+            lines = [ln.strip() for ln in block.splitlines() if ln.strip()]
+            hints = [ln for ln in lines if authoring.hint_tier(ln) is not None]
+            answer = [ln for ln in lines if not ln.startswith("#")]
+            for a in answer:
+                for h in hints:
+                    assert a not in h, f"a hint gives away the answer line {a!r}"
+            assert {authoring.hint_tier(h) for h in hints} == {1, 2, 3}, f"hints not in three tiers: {hints}"

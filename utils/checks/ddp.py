@@ -138,9 +138,9 @@ RING_ALL_REDUCE = Exercise(
             variant=v._ring_copies,
         ),
         Mistake(
-            "reduce-scatter is right but the all-gather is wrong: each rank ends with the full sum of only some chunks",
+            "reduce-scatter is right but the all-gather is wrong: it does not pass on the chunk each rank finished",
             "in the all-gather a rank first sends the chunk it finished, then passes on the chunk it just received",
-            variant=v._ring_gather_like_reduce,
+            variant=v._ring_gather_shifted,
         ),
         Mistake(
             "reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it",

@@ -16,7 +16,7 @@ def _ring_oracle(tensor):
     return tensor
 
 
-def _ring(tensor, *, copies=False, reduce_add=True, gather=True, gather_add=False, gather_like_reduce=False):
+def _ring(tensor, *, copies=False, reduce_add=True, gather=True, gather_add=False, gather_shift=0):
     world, rank = dist.get_world_size(), dist.get_rank()
     chunks = tensor.view(-1).tensor_split(world)
     chunks = [c.clone() for c in chunks] if copies else list(chunks)
@@ -34,7 +34,7 @@ def _ring(tensor, *, copies=False, reduce_add=True, gather=True, gather_add=Fals
     for s in range(world - 1):
         step((rank - s) % world, (rank - s - 1) % world, reduce_add)
     for s in range(world - 1 if gather else 0):
-        at = (rank - s, rank - s - 1) if gather_like_reduce else (rank + 1 - s, rank - s)
+        at = (rank + 1 + gather_shift - s, rank + gather_shift - s)
         step(at[0] % world, at[1] % world, gather_add)
     return tensor
 
@@ -69,8 +69,8 @@ def _ring_copies(tensor):
     return _ring(tensor, copies=True)
 
 
-def _ring_gather_like_reduce(tensor):
-    return _ring(tensor, gather_like_reduce=True)
+def _ring_gather_shifted(tensor):
+    return _ring(tensor, gather_shift=1)
 
 
 def _ring_reduce_copies(tensor):
