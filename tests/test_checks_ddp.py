@@ -16,14 +16,17 @@ LAB = "lab3_ddp"
 IN_NOTEBOOK = [ddp.SHARD_BATCHES, ddp.SAVE_ON_RANK0]
 ON_RANKS = [ddp.RING_ALL_REDUCE, ddp.AVERAGE_GRADIENTS, ddp.OVERLAP_DDP, ddp.OVERLAP_TRACE]
 test_solution, test_mistake, test_placeholder = harness.tests_for(LAB, IN_NOTEBOOK)
-test_ranked_solution, _, test_ranked_placeholder = (pytest.mark.slow(t) for t in harness.tests_for(LAB, ON_RANKS))
+# On ranks every check spawns processes: the solutions run in make test, the placeholders and the
+# mistakes (each a launch of 2 or 3 ranks) in make test-extended.
+_ranked = harness.tests_for(LAB, ON_RANKS)
+test_ranked_solution = pytest.mark.slow(_ranked[0])
+test_ranked_placeholder = pytest.mark.extended(pytest.mark.slow(_ranked[2]))
 
 
 def _ranked_mistakes():
     for ex in ON_RANKS:
         for i, m in enumerate(ex.mistakes):
-            marks = [pytest.mark.extended] if not m.replay else []  # a variant that hangs or deadlocks
-            yield pytest.param(ex, m, marks=marks, id=f"{ex.name}-{i}-{m.variant.__name__}")
+            yield pytest.param(ex, m, marks=[pytest.mark.extended], id=f"{ex.name}-{i}-{m.variant.__name__}")
 
 
 @pytest.mark.slow
