@@ -90,7 +90,7 @@ def _ring_compare(got, want):
 
 
 def _blocking_sends(o):
-    return (o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source
+    return (o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source  # the mistake under test
 
 
 def _unwaited(o):

@@ -44,8 +44,8 @@ def _ring_blocking(tensor):
     chunks = tensor.view(-1).tensor_split(world)
     for s in range(2 * (world - 1)):
         buf = torch.empty_like(chunks[(rank - s - 1) % world])
-        dist.send(chunks[(rank - s) % world], (rank + 1) % world)
-        dist.recv(buf, (rank - 1) % world)
+        dist.send(chunks[(rank - s) % world], (rank + 1) % world)  # the mistake under test
+        dist.recv(buf, (rank - 1) % world)  # the mistake under test
         chunks[(rank - s - 1) % world].add_(buf)
     return tensor
 
