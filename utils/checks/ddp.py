@@ -90,7 +90,8 @@ def _ring_compare(got, want):
 
 
 def _blocking_sends(o):
-    return (o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source  # the mistake under test
+    blocking = "dist.send(" in o.source.replace(" ", "")  # the mistake under test
+    return bool(o.hung or o.error) and blocking and "batch_isend_irecv" not in o.source
 
 
 def _unwaited(o):
