@@ -372,18 +372,6 @@ def _lars_step(w, g, buf, lr, momentum, weight_decay, trust_coefficient, eps):
     return w - lr * buf, buf
 
 
-def test_check_trust_ratio():
-    from utils.checks import CheckFailed, check_trust_ratio
-
-    check_trust_ratio(_trust_ratio)
-    with pytest.raises(CheckFailed, match="not implemented"):
-        check_trust_ratio(_placeholder)
-    with pytest.raises(CheckFailed, match="weight decay is missing"):
-        check_trust_ratio(lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + eps))
-    with pytest.raises(CheckFailed, match="return 1"):  # no zero-norm fallback
-        check_trust_ratio(lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps))
-
-
 def test_check_lars_step():
     from utils.checks import CheckFailed, check_lars_step
 

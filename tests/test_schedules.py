@@ -162,13 +162,3 @@ def test_check_warmup_lr():
         check_warmup_lr(lambda t, base, peak, W: base + (peak - base) * min(t + 1, W) / W)
     with pytest.raises(CheckFailed, match="not from 0"):
         check_warmup_lr(lambda t, base, peak, W: peak * min(t, W) / W)
-
-
-def test_check_lr_for_batch():
-    from utils.checks import CheckFailed, check_lr_for_batch
-
-    check_lr_for_batch(lambda lr, b0, b, rule: lr_for_batch(lr, b0, b, rule))
-    with pytest.raises(CheckFailed, match="not implemented"):
-        check_lr_for_batch(_placeholder)
-    with pytest.raises(CheckFailed, match="upside down"):
-        check_lr_for_batch(lambda lr, b0, b, rule: lr * b0 / b if rule == "linear" else lr * math.sqrt(b0 / b))

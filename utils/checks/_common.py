@@ -21,7 +21,7 @@ class CheckFailed(AssertionError):
     """A self-check found a mistake; the message says what to fix."""
 
 
-def student_frames_only(tb):
+def student_frames_only(tb: types.TracebackType | None) -> types.TracebackType | None:
     """The traceback without the frames of utils.checks: a student needs the line that called the
     check, and the check's one-line diagnosis, not the check's internals."""
     kept = []

@@ -14,6 +14,8 @@ import dataclasses
 import io
 import os
 import tempfile
+from collections.abc import Callable
+from typing import Any
 from unittest import mock
 
 import torch
@@ -540,7 +542,7 @@ check_overlap_ddp = _at_world_sizes(
 )
 
 
-def check_overlap_trace(overlap_ddp, bucket_numel: int = 0) -> list:
+def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) -> list:
     """Trace one step of ``overlap_ddp`` with torch.profiler on 2 processes (a 5-layer MLP) and print
     rank 0's backward, finish and all-reduce events; returns them as (name, start_us, end_us), by start."""
     if bucket_numel not in TRACE_CAPS:

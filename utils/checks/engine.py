@@ -177,7 +177,7 @@ def _category(x) -> str:
     return type(x).__name__ if x is None or isinstance(x, (bool, torch.Tensor, dict, str)) else "other"
 
 
-def difference(got, want, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
+def difference(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
     """None when ``got`` equals ``want`` within the tolerances, else what differs, in words."""
     want = _from_numpy(want)
     got = _plain(got, want)

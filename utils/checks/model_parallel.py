@@ -2,6 +2,9 @@
 parallelism, ZeRO memory, ZeRO-2 by hand on 2 processes, and GPipe's micro-batch loop. Each named mistake is one
 row: its problem and hint, the known-wrong variant that makes it, and how it is recognised."""
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -427,7 +430,7 @@ ZERO2 = Exercise(
 _SEEN: list = []  # what the answer measured, case by case (the compare sees it): check_zero2 hands back the last
 
 
-def check_zero2(zero2_optimizer, zero2_step) -> dict:
+def check_zero2(zero2_optimizer: Callable[..., Any], zero2_step: Callable[..., Any]) -> dict:
     """ZeRO-2 by hand (Rajbhandari et al. 2019, arXiv 1910.02054) on 2 processes against one process's torch.optim;
     returns what it measured on the 57-parameter MLP with Adam."""
     _SEEN.clear()
