@@ -226,7 +226,7 @@ def test_loader_pins_only_with_cuda_and_runs_without_warnings():
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # e.g. "4 workers on 2 cores", "pin_memory without CUDA"
         dl = data.make_loader(ds, 8, kind="dataloader", num_workers=64, pin_memory=True)
-        assert not dl.pin_memory
+        assert dl.pin_memory == torch.cuda.is_available()  # also true on a GPU machine
         seen = torch.cat([y for _, y in dl])
     assert len(seen) == 40 and dl.num_workers == data.usable_cores()
 
@@ -575,6 +575,19 @@ def test_no_notebook_runs_the_torchrun_on_path():
         for m in BARE_TORCHRUN.finditer(src)
     ]
     assert not found, "run torchrun as [sys.executable, '-m', 'torch.distributed.run', ...]:\n" + "\n".join(found)
+
+
+def test_every_notebook_loads_checkpoints_onto_the_cpu():
+    """A checkpoint keeps its tensors' devices: one written by a GPU run loads onto cuda:0, one
+    by gloo ranks onto the CPU, and comparing the two raises (seen in notebook 03 on an H100)."""
+    found = [
+        f"{p.relative_to(ROOT)} cell {i}"
+        for p in sorted(ROOT.glob("*/*.ipynb"))
+        for i, src in _code_cells(p)
+        for call in re.findall(r"torch\.load\((?:[^()]|\([^()]*\))*\)", src)
+        if "map_location" not in call
+    ]
+    assert not found, "torch.load(..., map_location='cpu', weights_only=True) in:\n" + "\n".join(found)
 
 
 def test_the_torchrun_scan_sees_torchrun_under_nsight_and_a_shell_escape():

@@ -87,6 +87,35 @@ def test_interval_helpers_by_hand():
     assert P.phase_of("gloo:all_reduce") == "communication" and P.phase_of("aten::item") == "sync"
 
 
+def test_a_cuda_traces_gpu_copies_of_the_ranges_are_not_counted_again(tmp_path):
+    """With CUDA traced, the profiler writes every record_function range twice: on the CPU thread
+    (cat user_annotation) and on the GPU's timeline (cat gpu_user_annotation, spanning its
+    kernels). Seen on an H100: counting both halved every per-step figure. Two steps by hand."""
+    import json
+
+    def ev(cat, name, ts, dur, tid=1):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid}
+
+    events = []
+    for k, t0 in enumerate((0, 100)):
+        events += [
+            ev("user_annotation", f"ProfilerStep#{k}", t0, 100),
+            ev("user_annotation", "phase:data", t0, 60),
+            ev("cpu_op", "aten::item", t0 + 70, 5),
+            ev("gpu_user_annotation", f"ProfilerStep#{k}", t0 + 62, 30, tid=7),
+            ev("gpu_user_annotation", "phase:data", t0 + 62, 1, tid=7),
+            ev("kernel", "gemm", t0 + 63, 20, tid=7),
+        ]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    loaded = P.load_trace(path)
+    assert len(P.profiler_steps(loaded)) == 2
+    assert P.count_per_step(loaded, "aten::item") == 1
+    times = P.phase_times(loaded)  # microseconds over the two steps
+    assert (times["data"], times["step"]) == (120, 200)
+    assert any(e["cat"] == "kernel" for e in loaded)  # the GPU's own work stays
+
+
 @pytest.mark.slow
 def test_ddp_bucket_cap_sets_allreduces_per_step(tmp_path):
     """Two gloo ranks: small buckets mean one all-reduce per bucket, launched during backward;

@@ -77,6 +77,7 @@ TABLE: dict[str, tuple] = {
     "bench_steps": (3, 10, 30),  # steps per timed repeat
     "bench_min_repeat_s": (0.02, 0.1, 0.2),  # seconds a timed repeat lasts at least
     "bench_compile": (False, False, True),  # try torch.compile (slow to compile on a CPU)
+    "bench_gpu_variant_batch": (1024, 1024, 1024),  # fp32/bf16/channels_last compared on a GPU: busy, not launch-bound
     "mem_batch_sizes": ((16, 64, 256), (16, 64, 256, 1024), (64, 256, 1024, 4096)),  # memory predicted
     "pipeline_workers": ((0, 2, 4), (0, 2, 4), (0, 2, 4)),  # DataLoader workers compared
     "pipeline_epochs": (1, 1, 2),  # epochs per input-pipeline run

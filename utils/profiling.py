@@ -282,12 +282,17 @@ def profile_fit(
 
 def load_trace(path: str | os.PathLike) -> list[dict]:
     """The complete events (``"ph": "X"``: name, ts and dur in microseconds, pid, tid) of a
-    Chrome trace file (``.json`` or ``.json.gz``), in time order."""
+    Chrome trace file (``.json`` or ``.json.gz``), in time order.
+
+    With CUDA traced, the profiler also writes each ``record_function`` range (``ProfilerStep#N``,
+    ``phase:data``, ...) a second time on the GPU's timeline, category ``gpu_user_annotation``,
+    spanning that range's kernels. Those copies are left out: they share the CPU range's name, so
+    keeping them would count every step twice."""
     path = os.fspath(path)
     with gzip.open(path, "rt") if path.endswith(".gz") else open(path) as f:
         trace = json.load(f)
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    out = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    out = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("cat") != "gpu_user_annotation"]
     if not out:
         raise ValueError(f"{path} holds no complete events: is it a torch.profiler trace?")
     return sorted(out, key=lambda e: e["ts"])
