@@ -15,6 +15,7 @@ import pytest
 
 STDERR_OK = "# stderr expected:"
 
+
 # The test tiers are markers (pyproject.toml). A test file sets its own (`pytestmark`, or a decorator
 # on one test; tests/test_tiers.py fails when a test that starts processes has none). A notebook has
 # no Python file to carry them, so every cell collected from one is marked here: notebook and slow.
