@@ -5,8 +5,9 @@ test that starts processes (ranks through `parallel.launch` or torchrun, a Pytho
 costs seconds each time, so it carries one of those marks, or it is named in FAST_TIER_PROCESSES with why
 the fast loop keeps it. The oracle for "starts processes" is the source itself, read without running it:
 a call to `subprocess`, to `multiprocessing`'s `Process` or `spawn`, or `os.fork`, made by the test, by a
-fixture or helper of its file, or by any function of `utils`, `benchmarks` or `cluster` it calls, followed
-through imports and re-exports to the function that makes it.
+fixture or helper of its file, or by any function of `utils`, `benchmarks` or `cluster` it calls or hands
+on, followed through imports and re-exports to the function that makes it. Processes started inside torch
+(DataLoader workers) are not seen, and a call that a test replaces with a fake is still counted.
 """
 
 from __future__ import annotations
