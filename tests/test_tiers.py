@@ -22,7 +22,7 @@ TIERS = {"slow", "sandbox", "slurm", "extended"}
 # each with what starts and why it stays. CPU seconds were measured with the children's time included.
 FAST_TIER_PROCESSES = {
     "test_oracle_ddp.py::test_ddp_step_equals_one_process_on_the_union": "2 ranks (4 is slow): the one "
-    "DDP-equals-one-process run `make check` keeps, about 17 s of CPU",
+    "DDP-equals-one-process run `make check` keeps, about 13 s of CPU",
     "test_packaging.py::test_labs_are_up_to_date_with_solutions": "one `python -m utils.authoring --check`: "
     "a stale labs/ fails here first",
     "test_readme.py::test_each_command_works_from_a_fresh_shell": "the README's untagged lines, each one "
@@ -37,22 +37,22 @@ FAST_TIER_PROCESSES = {
     "sleeps, stopped by an 8 s budget: the budget's own test",
     "test_gpucheck.py::test_the_grader_check_skips_without_cifar10_and_fails_unless_passed": "gpucheck._run is "
     "replaced by a fake: nothing starts",
-    # Lab 3's and lab 5's self-checks. The refusals stop before any rank starts. The runs below start ranks and
-    # cost 14 to 36 s of CPU each (measured on a busy 2-core box): with them `make check` takes more than its
-    # 3 minutes, so each is a candidate for `slow`, where the same checks also run in the notebooks.
+    # Lab 3's and lab 5's self-checks. The refusals stop before any rank starts. The runs below start ranks
+    # and cost 16 to 36 s of CPU each, 214 s together (measured on a busy 2-core box), more than half of
+    # `make check`: each is a candidate for `slow`, where the same checks also run in the notebooks.
     "test_checks_ddp.py::test_average_check_refuses_the_library": "refused before any rank starts",
     "test_checks_ddp.py::test_ring_check_refuses_the_collective_and_the_library": "refused before any rank starts",
     "test_checks_ddp.py::test_script_check_refuses_a_hard_coded_rendezvous_before_running": "refused before running",
     "test_checks_ddp.py::test_script_check_on_the_placeholder_and_the_library": "refused before running",
-    "test_checks_ddp.py::test_helpers_defined_in_the_notebook_travel_with_the_function": "2 ranks, 22 s of CPU",
+    "test_checks_ddp.py::test_helpers_defined_in_the_notebook_travel_with_the_function": "2 ranks, 20 s of CPU",
     "test_checks_ddp.py::test_ring_and_average_pass_on_the_answers": "2 ranks per check, 36 s of CPU",
     "test_checks_ddp.py::test_ring_check_hands_over_the_ranks_traceback": "2 ranks, 16 s of CPU",
-    "test_checks_ddp.py::test_overlap_check_and_trace_pass_on_the_answer": "2 ranks, 14 s of CPU",
-    "test_checks_ddp.py::test_overlap_trace_fails_without_overlap": "2 ranks, 15 s of CPU",
-    "test_checks_ddp.py::test_overlap_trace_refuses_forward_buckets": "2 ranks, 16 s of CPU",
-    "test_checks_ddp.py::test_script_check_passes_on_the_answer": "torchrun, 2 ranks, 23 s of CPU",
+    "test_checks_ddp.py::test_overlap_check_and_trace_pass_on_the_answer": "2 ranks, 36 s of CPU",
+    "test_checks_ddp.py::test_overlap_trace_fails_without_overlap": "2 ranks, 17 s of CPU",
+    "test_checks_ddp.py::test_overlap_trace_refuses_forward_buckets": "2 ranks, 19 s of CPU",
+    "test_checks_ddp.py::test_script_check_passes_on_the_answer": "torchrun, 2 ranks, 27 s of CPU",
     "test_checks_ddp.py::test_script_check_shows_the_first_failing_rank_not_its_peer": "torchrun, 21 s of CPU",
-    "test_checks_ddp.py::test_the_oracle_is_the_serial_script": "the serial script, 20 s of CPU",
+    "test_checks_ddp.py::test_the_oracle_is_the_serial_script": "the serial script, 23 s of CPU",
     "test_checks_model_parallel.py::test_library_functions_passed_directly_are_refused": "refused before any rank starts",
     "test_checks_model_parallel.py::test_placeholder_is_not_implemented_yet": "refused before any rank starts",
     "test_checks_model_parallel.py::test_the_library_and_all_reduce_are_refused_by_name": "refused before any rank "
