@@ -13,7 +13,7 @@ help:
 	@echo "            LAB_ARGS='--no-browser --port 8888 --ip 127.0.0.1' passes options to jupyter lab (see README: SSH tunnel)"
 	@echo "make test   unit tests and nbval over notebooks/ and solutions/ (LAB_PROFILE=smoke)"
 	@echo "make test-extended  the lab self-checks through each named mistake, hang and deadlock (minutes; CI runs it)"
-	@echo "make check  the fast loop: lint, then the tests not marked slow/sandbox/slurm/notebook (minutes)"
+	@echo "make check  the fast loop: lint, then the tests not marked slow/sandbox/slurm/notebook/extended (minutes)"
 	@echo "make lint   ruff check and ruff format --check over every .py and notebook;  make format  fixes"
 	@echo "make labs   regenerate labs/*.ipynb from solutions/*.ipynb"
 	@echo "make standins  write synthetic stand-ins for Fashion-MNIST and CIFAR-10 (used only with LAB_DATA=standin)"
@@ -61,7 +61,7 @@ test-extended: $(VENV)/.installed-test
 
 # The contributor's loop: lint and the unit/oracle tests, no notebooks, no sandbox, no SLURM.
 check: lint
-	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider tests -m "not slow and not sandbox and not slurm and not notebook"
+	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider tests -m "not slow and not sandbox and not slurm and not notebook and not extended"
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .

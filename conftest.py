@@ -15,29 +15,15 @@ import pytest
 
 STDERR_OK = "# stderr expected:"
 
-# The test tiers (markers declared in pyproject.toml). A whole file gets its marks here, so a test
-# added to one of these files lands in its tier without a decorator; a single slow test elsewhere
-# carries @pytest.mark.slow itself. `make check` deselects all four marks.
-MARKED_FILES = {
-    "test_parallel.py": ("slow",),  # every test starts ranks (make check keeps test_oracle_ddp's 2 ranks)
-    "test_stage5.py": ("slow",),
-    "test_torchrun.py": ("slow",),
-    "test_lab.py": ("slow",),  # starts JupyterLab
-    "test_grader.py": ("sandbox", "slow"),
-    "test_grader_attacks.py": ("sandbox", "slow"),
-    "test_slurm.py": ("slurm", "slow"),
-}
 
-
+# The test tiers are markers (pyproject.toml). A test file sets its own (`pytestmark`, or a decorator
+# on one test; tests/test_tiers.py fails when a test that starts processes has none). A notebook has
+# no Python file to carry them, so every cell collected from one is marked here: notebook and slow.
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        path = Path(str(item.fspath))
-        if path.suffix == ".ipynb":
+        if Path(str(item.fspath)).suffix == ".ipynb":
             item.add_marker(pytest.mark.notebook)
             item.add_marker(pytest.mark.slow)
-            continue
-        for mark in MARKED_FILES.get(path.name, ()):
-            item.add_marker(getattr(pytest.mark, mark))
 
 
 @pytest.hookimpl(wrapper=True)

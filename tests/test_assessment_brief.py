@@ -56,6 +56,8 @@ def test_brief_and_instructors_notes_agree_on_the_graded_weights():
     assert "fails (`not_ddp_weights`) by design" in flat
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the grader watches /proc")
 def test_serial_script_with_more_epochs_reaches_the_target_and_still_fails(tmp_path):
     from utils.grader.core import grade

@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from utils import batch_sweeps, data
 
 
@@ -12,6 +14,7 @@ def test_fit_critical_batch_recovers_model_curve():
     assert math.isclose(s_min, 100, rel_tol=1e-9) and math.isclose(b_crit, 20, rel_tol=1e-9)
 
 
+@pytest.mark.slow  # trains to a target at two batch sizes
 def test_steps_to_target_sweep_smoke():
     splits = data.load("digits", n_train=300, n_val=100)
     rows = batch_sweeps.sweep_steps_to_target(

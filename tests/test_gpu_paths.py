@@ -142,15 +142,18 @@ def shared_gpu_worker(device_arg):
     return backend_worker("the-only-gpu", device_arg)  # one GPU, both ranks see it
 
 
+@pytest.mark.slow  # 2 ranks
 def test_one_visible_gpu_per_rank_is_nccl_on_cuda0():
-    """SLURM --gpus-per-task=1: LOCAL_RANK 1 sees one GPU, its own, as cuda:0. Before, the
-    backend came from the GPU count (1 < 2 processes: gloo) and an explicit nccl raised."""
+    """SLURM --gpus-per-task=1: LOCAL_RANK 1 sees one GPU, its own, as cuda:0. The backend follows
+    each rank's own GPU, not the count of visible GPUs (1 < 2 processes would mean gloo), so NCCL
+    is chosen and an explicit nccl works."""
     res = parallel.launch(per_rank_gpu_worker, 2, None, timeout=120, stream=False)
     for r in res:
         assert r["backend"] == "nccl" and r["asked"] == ["nccl"], r
         assert r["device"] == "cuda:0" and r["pinned"] == [0], r
 
 
+@pytest.mark.slow  # 2 ranks
 def test_ranks_sharing_one_gpu_agree_on_gloo_and_share_cuda0():
     res = parallel.launch(shared_gpu_worker, 2, "cuda", timeout=120, stream=False)
     for r in res:
@@ -495,6 +498,7 @@ def fail_with_stuck_teardown_worker():
     time.sleep(600)  # rank 0: busy (or stuck in a collective)
 
 
+@pytest.mark.slow  # 2 ranks
 def test_failing_rank_is_reported_although_its_teardown_hangs():
     t0 = time.monotonic()
     with pytest.raises(parallel.LaunchError, match="rank 1 raised ValueError: rank 1 broke") as e:
@@ -515,6 +519,7 @@ def fsdp2_one_gpu_worker(kw):
     return shard_demo.worker(["fsdp2"], measure_peak=False, **kw)
 
 
+@pytest.mark.slow  # 2 ranks
 @pytest.mark.skipif(parallel.shard.fully_shard is None, reason="FSDP2 needs torch 2.4+")
 def test_fsdp2_under_gloo_with_fewer_gpus_than_ranks_uses_the_ranks_device_mesh():
     """Without a mesh, fully_shard made a CUDA mesh and set cuda:LOCAL_RANK: rank 1 died with
@@ -538,6 +543,7 @@ def shm_worker(free_mib):
     return ctx.backend
 
 
+@pytest.mark.slow  # 2 ranks
 def test_nccl_with_a_small_dev_shm_is_refused_before_the_group_exists():
     """Docker's default --shm-size (64 MB): NCCL would die with 'Error while creating shared memory
     segment'; setup() refuses first and says what to do. Enough shared memory: NCCL as before."""
@@ -628,6 +634,7 @@ def tf32_after_pp_worker(kw):
     return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
 
 
+@pytest.mark.slow  # 2 ranks
 def test_the_pipeline_worker_turns_tf32_off():
     """pp_worker needs two stages: two ranks, each starting with TF32 on."""
     kw = dict(width=8, depth=2, batch_size=4, micro_batches=(1,), repeats=1)

@@ -84,6 +84,7 @@ def test_every_required_check_is_listed():
         gpucheck.select(gpucheck.all_checks(), "no-such-check")
 
 
+@pytest.mark.slow  # the resume check trains on 2 ranks
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-mode behaviour")
 def test_real_checks_in_cpu_mode(tmp_path, capsys):
     """Real checks, through the command line: the resume is bit-identical on the CPU, the GPU-only

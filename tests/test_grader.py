@@ -30,7 +30,12 @@ from utils.grader.gradescope import build_zip
 from utils.grader.spec import REFERENCE_SOLUTION, ROOT, SERIAL_SCRIPT, SpecError, load_spec
 from utils.grader.static import check_source
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the grader watches /proc")
+# Every test grades in the sandbox or starts the grader: sandbox and slow (make check leaves them out).
+pytestmark = [
+    pytest.mark.sandbox,
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the grader watches /proc"),
+]
 
 CI_SPEC = ROOT / "labs" / "assessment" / "spec_ci.toml"
 

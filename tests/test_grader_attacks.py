@@ -25,7 +25,12 @@ import pytest
 from utils.grader import sandbox
 from utils.grader.spec import ROOT
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux")
+# Hostile submissions graded in the sandbox: sandbox and slow (make check leaves them out).
+pytestmark = [
+    pytest.mark.sandbox,
+    pytest.mark.slow,
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the sandbox needs Linux"),
+]
 
 CI_SPEC = ROOT / "labs" / "assessment" / "spec_ci.toml"
 SITE = Path(next(p for p in sys.path if p.endswith("site-packages")))

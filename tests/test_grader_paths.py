@@ -67,6 +67,8 @@ def test_import_path_binds_package_folders_and_nothing_that_holds_secrets(tmp_pa
     assert why and why[0].startswith("torch (from ") and "it holds" in why[0], why
 
 
+@pytest.mark.sandbox
+@pytest.mark.slow
 def test_reference_passes_in_a_venv_whose_packages_come_through_a_pth(tmp_path):
     """A venv with no packages of its own and a .pth naming this venv's site-packages: the grader
     runs from it, and so must the job (torch, numpy and the rest found through the .pth)."""

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # starts JupyterLab
+
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "scaling-labs-test-token"
 

@@ -12,6 +12,8 @@ from utils.demos import pp_demo, shard_demo, tp_demo
 from utils.memory import parameter_bytes
 from utils.parallel import pipeline, shard
 
+pytestmark = pytest.mark.slow  # ranks: DDP, ZeRO-1 and FSDP2 on 2, an FSDP2 resume on 4, TP and PP on 2
+
 # ---------------------------------------------------------------------------- memory (one process)
 
 

@@ -18,6 +18,8 @@ from torch import nn
 from utils import data, ddp_train, models, parallel
 from utils.train import fit
 
+pytestmark = pytest.mark.slow  # nearly every test starts ranks (make check keeps test_oracle_ddp's 2)
+
 W, B, STEPS = 2, 8, 4  # world size, per-rank batch, optimizer steps of the DDP comparison
 
 

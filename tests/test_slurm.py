@@ -10,6 +10,8 @@ import pytest
 
 from utils.parallel import env as denv
 
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]  # a local one-node SLURM, or skipped with the reason
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "cluster"))
 import slurm_check  # noqa: E402

@@ -13,6 +13,8 @@ import torch
 
 from utils.parallel import free_port, torchrun
 
+pytestmark = pytest.mark.slow  # torchrun agents and their ranks, a restart after a killed rank
+
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = [
     "-m",

@@ -72,6 +72,7 @@ def test_scheduler_is_stepped_per_iteration_and_lr_recorded():
     assert hist.step_lr == pytest.approx([1.0 / (i + 1) for i in range(8)])
 
 
+@pytest.mark.slow  # trains the lecture CNN to 80%: about 16 s of CPU
 def test_steps_limit_and_stop_at_accuracy():
     s = data.load("digits", n_train=400)
     torch.manual_seed(0)
