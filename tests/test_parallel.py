@@ -428,3 +428,30 @@ def test_a_rank_killed_by_a_signal_points_to_its_output_only_when_it_was_shown(t
     hidden = str(launcher._failure(procs, str(tmp_path), [1], False))
     assert "rank 1 was killed by signal 9" in shown and "its output is above" in shown
     assert "rank 1 was killed by signal 9" in hidden and "output" not in hidden
+
+
+def test_torchrun_meets_on_a_free_port_unless_told_where():
+    """Without a rendezvous of its own torchrun meets on port 29500: two students' runs on one server
+    collide. parallel.torchrun adds --standalone (a free port) unless the arguments name one."""
+    from utils.parallel.launcher import standalone_unless_told as s
+
+    assert s(["--nproc-per-node", 2, "x.py", "--epochs", "3"]) == [
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "x.py",
+        "--epochs",
+        "3",
+    ]
+    assert (
+        s(["--nproc-per-node=2", "-m", "utils.ddp_train", "--rdzv-endpoint", "h:1"])[0] == "--standalone"
+    )  # the script's own flag
+    assert s(["--no-python", "python3", "-c", "pass"])[0] == "--standalone"
+    for told in (
+        ["--standalone"],
+        ["--rdzv-endpoint", "127.0.0.1:29400"],
+        ["--rdzv_endpoint=h:1"],
+        ["--master-port", "1234"],
+    ):
+        args = [*told, "--nproc-per-node", "2", "x.py"]
+        assert s(args) == args

@@ -3,6 +3,7 @@ crashed rank recovered by ``--max-restarts`` from the checkpoint. CPU and gloo o
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -210,3 +211,52 @@ def test_the_rank_marker_is_written_only_when_the_script_ran_to_its_end(tmp_path
     marker.unlink()
     r = _python("import os; print(os.environ['LAB_RANK_DONE_DIR'])", agent, tmp_path)
     assert r.stdout.splitlines()[-1] == str(done) and not marker.exists(), "the agent passes it on, writes nothing"
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] == "Z"  # a zombie holds nothing
+    except FileNotFoundError:
+        return True
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_torchrun_and_its_ranks_stop_when_the_notebooks_kernel_is_killed(tmp_path):
+    """A kernel stopped by a restart (SIGKILL) runs no cleanup, and torchrun has a session of its own:
+    without the parent-death signal its ranks would keep running, and keep their GPUs."""
+    import signal
+    import time
+
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    worker = tmp_path / "worker.py"
+    worker.write_text(
+        f"import os, time\nopen(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\ntime.sleep(600)\n"
+    )
+    kernel = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from utils import parallel; parallel.torchrun(['--nproc-per-node', '2', {str(worker)!r}], timeout=600)",
+        ],
+        cwd=ROOT,
+        env=_env(),
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while len(os.listdir(pids)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ranks = [int(p) for p in os.listdir(pids)]
+        assert len(ranks) == 2, "both ranks started"
+        kernel.kill()
+        kernel.wait()
+        deadline = time.monotonic() + 60
+        while not all(map(_gone, ranks)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert all(map(_gone, ranks)), "the ranks outlived the kernel that started them"
+    finally:
+        kernel.kill()
+        for p in os.listdir(pids):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(p), signal.SIGKILL)

@@ -420,7 +420,7 @@ def torchrun(
         "LAB_DIST_TIMEOUT",
     ):
         env.pop(k, None)  # torchrun sets the first ones; launch()'s own must not leak into it
-    cmd = [sys.executable, "-m", "torch.distributed.run", *map(str, args)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *standalone_unless_told(args)]
     with tempfile.TemporaryDirectory(prefix="torchrun-") as done_dir:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (RANK_DONE_SITE, env.get("PYTHONPATH")) if p)
         env["LAB_RANK_DONE_DIR"] = done_dir
@@ -429,6 +429,49 @@ def torchrun(
             out += "parallel.torchrun: every rank finished; gloo's teardown then aborted one at exit: exit status 0\n"
             code = 0
     return subprocess.CompletedProcess(cmd, code, out, None)
+
+
+_RENDEZVOUS_FLAGS = ("--standalone", "--rdzv-endpoint", "--rdzv_endpoint", "--master-port", "--master_port", "--nnodes")
+
+
+def standalone_unless_told(args: Sequence[str]) -> list[str]:
+    """``args`` as strings, with ``--standalone`` in front when they name no rendezvous of their own.
+    Without it torchrun meets on port 29500, so two students' runs on one server collide;
+    ``--standalone`` meets on a free port of this machine."""
+    args = [str(a) for a in args]
+    script = next(
+        (i for i, a in enumerate(args) if not a.startswith("-") and (i == 0 or not _takes_value(args[i - 1]))),
+        len(args),
+    )
+    told = any(a.split("=")[0] in _RENDEZVOUS_FLAGS for a in args[:script])
+    return args if told else ["--standalone", *args]
+
+
+def _takes_value(flag: str) -> bool:
+    """Does torchrun option ``flag`` take the next argument as its value (``--nproc-per-node 2``)?"""
+    return (
+        flag.startswith("--")
+        and "=" not in flag
+        and flag not in ("--standalone", "-m", "--module", "--no-python", "--no_python", "--run-path", "--run_path")
+    )
+
+
+def _die_with_parent(parent: int) -> Callable[[], None]:
+    """What the child runs before torchrun: ask Linux for SIGTERM when the notebook's kernel (pid
+    ``parent``) dies, by a restart or a kill. torchrun has a session of its own, so nothing else
+    reaches it then and its ranks would keep their GPUs; on SIGTERM it stops them itself."""
+
+    def guard() -> None:
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # no prctl: the timeout and the interrupt handler still stop it
+            return
+        if os.getppid() != parent:  # the kernel died before the request was made
+            os._exit(1)
+
+    return guard
 
 
 RANK_DONE_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_done")
@@ -453,8 +496,16 @@ def _only_exit_aborts(out: str, done_dir: str) -> bool:
 
 def _run_torchrun(cmd, env, cwd, timeout) -> tuple[str, int]:
     """torchrun's output and exit status; on a timeout (or an interrupt) every process is stopped."""
+    parent = os.getpid()
     p = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd, start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,
+        preexec_fn=_die_with_parent(parent) if sys.platform == "linux" else None,
     )
     try:
         out, _ = p.communicate(timeout=timeout)
