@@ -464,6 +464,15 @@ def test_monitor_watches_a_mig_slice(monkeypatch):
     )
 
 
+def test_monitor_watches_a_mig_slice_when_cuda_visible_devices_is_unset(monkeypatch):
+    """A container handed one MIG slice often has no CUDA_VISIBLE_DEVICES: torch's UUID of cuda:0
+    (no prefix) is then the slice's, which is no whole GPU of NVML's."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    FakeCuda(1, uuids=["1234abcd-0000-1111-2222-333344445555"]).install(monkeypatch.setattr)
+    (dev,) = monitor.cuda_to_nvml(UUIDNVML())
+    assert dev["mig"] and dev["uuid"] == "MIG-1234abcd-0000-1111-2222-333344445555" and dev["nvml"] is None
+
+
 def test_monitor_uses_torchs_uuids_when_cuda_order_differs(monkeypatch):
     """CUDA_DEVICE_ORDER=FASTEST_FIRST (CUDA's default) can number GPUs unlike NVML's PCI order;
     once torch has initialised CUDA its UUIDs decide. cuda:1 here is NVML's GPU 0."""

@@ -16,6 +16,7 @@ synchronises the GPU: NVML reads the driver's counters from another thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -129,6 +130,31 @@ def _torch_uuid(cuda_index: int) -> str | None:
     return None
 
 
+def _torch_count() -> int:
+    """How many CUDA devices torch sees, only if it has initialised CUDA (0 otherwise)."""
+    try:
+        import torch
+
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return torch.cuda.device_count()
+    except Exception:  # noqa: BLE001 - fall back to NVML's count
+        pass
+    return 0
+
+
+def _prefixed(nvml: ModuleType, tu: str, entry: str, uuids: Callable[[], list[str]]) -> str:
+    """torch's UUID of a device as NVML spells it. torch drops the prefix: a whole GPU is ``GPU-``
+    and a MIG slice ``MIG-``, which CUDA_VISIBLE_DEVICES names when it is set. When it is unset
+    (a MIG slice handed to a container, say), a UUID that is no whole GPU of NVML's is a slice."""
+    if tu.startswith(("GPU-", "MIG-")):
+        return tu
+    if entry.startswith("MIG-") or not any(u == "GPU-" + tu for u in uuids()):
+        with contextlib.suppress(Exception):  # noqa: BLE001 - pynvml raises its own error types
+            nvml.nvmlDeviceGetHandleByUUID("MIG-" + tu)
+            return "MIG-" + tu
+    return "GPU-" + tu
+
+
 def cuda_to_nvml(nvml: ModuleType, cuda_indices: Iterable[int] | None = None) -> list[dict]:
     """Map CUDA device numbers (``cuda:i`` as torch numbers them) to NVML devices.
 
@@ -142,8 +168,8 @@ def cuda_to_nvml(nvml: ModuleType, cuda_indices: Iterable[int] | None = None) ->
     slice), ``uuid``, ``mig`` (bool), ``handle``."""
     count = nvml.nvmlDeviceGetCount()
     entries = visible_entries()
-    if entries is None:
-        entries = [str(i) for i in range(count)]
+    if entries is None:  # every device; torch counts MIG slices where NVML counts whole GPUs
+        entries = [str(i) for i in range(_torch_count() or count)]
     if cuda_indices is None:
         cuda_indices = range(len(entries))
     all_uuids = None
@@ -164,9 +190,7 @@ def cuda_to_nvml(nvml: ModuleType, cuda_indices: Iterable[int] | None = None) ->
         entry = entries[c]
         tu = _torch_uuid(c)
         if tu:
-            entry = (
-                tu if tu.startswith(("GPU-", "MIG-")) else ("MIG-" + tu if entry.startswith("MIG-") else "GPU-" + tu)
-            )
+            entry = _prefixed(nvml, tu, entry, uuids)
         if entry.startswith("MIG-"):
             h = nvml.nvmlDeviceGetHandleByUUID(entry)
             out.append({"cuda": c, "nvml": None, "uuid": entry, "mig": True, "handle": h})
