@@ -685,12 +685,13 @@ def test_multi_rank_demos_on_one_gpu_take_smoke_sizes_and_say_so(monkeypatch, ca
 RANK_SIZED = {
     "notebooks/05_memory_and_model_parallel.ipynb": r"\bcfg\.(?:shard|tp|pp)_\w+",
     "notebooks/03_ddp.ipynb": r"\bcfg\.(?:ddp_message_sizes|ddp_timing_repeats|ddp_mlp_width|ddp_bucket_caps_mb)",
+    "notebooks/06_clusters_and_profiling.ipynb": r"\bcfg\.(?:prof_ddp_\w+|prof_bucket_caps_mb)",
 }
 
 
 @pytest.mark.parametrize("path", sorted(RANK_SIZED))
 def test_notebooks_size_multi_rank_demos_by_the_ranks_device(path):
-    """The launched demos of notebooks 03 and 05 read their sizes from parallel.sizes_for_ranks
+    """The launched demos of notebooks 03, 05 and 06 read their sizes from parallel.sizes_for_ranks
     (rcfg), never from the notebook's profile directly."""
     found = [
         f"cell {i}: {m}"

@@ -116,6 +116,15 @@ def test_a_cuda_traces_gpu_copies_of_the_ranges_are_not_counted_again(tmp_path):
     assert any(e["cat"] == "kernel" for e in loaded)  # the GPU's own work stays
 
 
+def test_cuda_is_traced_only_for_work_on_a_cuda_device(monkeypatch, tmp_path):
+    """Ranks that fall back to gloo on the CPU of a GPU machine trace the CPU alone."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    cuda = torch.profiler.ProfilerActivity.CUDA
+    assert cuda not in P.make_profiler(tmp_path, device="cpu").activities
+    assert cuda in P.make_profiler(tmp_path, device="cuda:0").activities
+    assert cuda in P.make_profiler(tmp_path).activities  # no device named: the GPU is traced
+
+
 @pytest.mark.slow
 def test_ddp_bucket_cap_sets_allreduces_per_step(tmp_path):
     """Two gloo ranks: small buckets mean one all-reduce per bucket, launched during backward;

@@ -151,14 +151,18 @@ def make_profiler(
     active: int = 3,
     record_shapes: bool = False,
     with_stack: bool = False,
+    device: torch.device | str | None = None,
 ) -> torch.profiler.profile:
     """A ``torch.profiler.profile`` that skips ``wait`` steps, warms up ``warmup``, records ``active``
     and then writes ``trace_dir/<worker_name>.<time>.pt.trace.json`` (TensorBoard's layout),
-    replacing the worker's earlier traces in that folder."""
+    replacing the worker's earlier traces in that folder. GPU activity is traced when the work runs
+    on a CUDA ``device`` (default: whenever CUDA is available); a rank working on the CPU beside a
+    GPU traces only the CPU."""
     for old in glob.glob(os.path.join(os.fspath(trace_dir), f"{worker_name}.*.pt.trace.json*")):
         os.remove(old)  # a rerun replaces its trace (one per worker and folder)
     acts = [torch.profiler.ProfilerActivity.CPU]
-    if torch.cuda.is_available():
+    on_cuda = torch.device(device).type == "cuda" if device is not None else torch.cuda.is_available()
+    if on_cuda and torch.cuda.is_available():
         acts.append(torch.profiler.ProfilerActivity.CUDA)
     os.makedirs(trace_dir, exist_ok=True)
     return torch.profiler.profile(
@@ -261,7 +265,13 @@ def profile_fit(
         _quiet_kineto(),
         phase_labels(model),
         make_profiler(
-            trace_dir, worker_name=worker_name, wait=wait, warmup=warmup, active=active, record_shapes=record_shapes
+            trace_dir,
+            worker_name=worker_name,
+            wait=wait,
+            warmup=warmup,
+            active=active,
+            record_shapes=record_shapes,
+            device=fit_kwargs.get("device"),
         ) as prof,
     ):
         fit(
