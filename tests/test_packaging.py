@@ -51,6 +51,22 @@ def test_cpu_constraint_pins_torch():
     assert "torch==2.13.0" in lines
 
 
+def test_the_torch_range_claimed_is_the_range_tested():
+    """The README's range runs from the lowest torch a recorded GPU run used (docs/gpu-runs) to the
+    one CPU installs pin and CI tests; pyproject.toml and environment.yml ask for the same floor."""
+    low, high = re.search(r"tested on torch (\d+\.\d+) through (\d+\.\d+)", (ROOT / "README.md").read_text()).groups()
+    pinned = re.search(r"^torch==(\d+\.\d+)\.\d+", (ROOT / "constraints.txt").read_text(), re.M).group(1)
+    runs = " ".join(p.read_text() for p in (ROOT / "docs" / "gpu-runs").glob("*.md"))
+    ran_on_gpu = {m for m in re.findall(r"torch (\d+\.\d+)\.\d+", runs)}
+    assert high == pinned and low == min(ran_on_gpu, key=lambda v: tuple(map(int, v.split(".")))), (
+        low,
+        high,
+        ran_on_gpu,
+    )
+    assert f'"torch>={low}"' in (ROOT / "pyproject.toml").read_text()
+    assert f"pytorch>={low}" in (ROOT / "environment.yml").read_text()
+
+
 def test_ci_runs_the_readme_command():
     assert "make test" in (ROOT / ".ci" / "run").read_text()
     assert "make test" in (ROOT / "README.md").read_text()
