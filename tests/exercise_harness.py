@@ -104,3 +104,50 @@ def tests_for(lab: str, exercises: list):
             engine.check(ex, *([_placeholder] * len(ex.answer)))
 
     return test_solution_passes, test_mistake_is_named, test_placeholder_is_not_implemented
+
+
+_OUTCOMES: dict = {}
+
+
+def _outcomes(lab: str, ex: engine.Exercise) -> list:
+    """One launch of a rank-run exercise on its solution, shared by the tests below."""
+    if ex.name not in _OUTCOMES:
+        _OUTCOMES[ex.name] = engine.rank_outcomes(ex, *answer(lab, ex))
+    return _OUTCOMES[ex.name]
+
+
+def _source(variant) -> str:
+    """The code of an answer (one function or class, or several), as check reads it."""
+    import inspect
+    import textwrap
+
+    parts = variant if isinstance(variant, (tuple, list)) else (variant,)
+    return "\n".join(engine._strip(textwrap.dedent(inspect.getsource(a))) for a in parts)
+
+
+def replayed_tests_for(lab: str, exercises: list):
+    """For rank-run exercises, from one launch each on the solution: the solution passes, and each
+    replayed mistake is named when its own outputs (computed on the ranks in that launch, as every
+    check computes them) are judged as the answer's. A real submission of the variant would run the
+    same function on the same ranks; what these tests leave out (shipping and refusing) the solution
+    and placeholder tests cover. Mistakes seen by a predicate need a launch of their own."""
+    ids = [ex.name for ex in exercises]
+    pairs = [(ex, m) for ex in exercises for m in engine._replayed(ex)]
+    pair_ids = [f"{ex.name}-{re.sub(r'[^a-z]+', '_', m.problem.lower())[:40]}" for ex, m in pairs]
+
+    @pytest.mark.parametrize("ex", exercises, ids=ids)
+    def test_solution_passes(ex):
+        engine.judge_on_ranks(ex, _outcomes(lab, ex), _source(answer(lab, ex)))
+
+    @pytest.mark.parametrize("ex,mistake", pairs, ids=pair_ids)
+    def test_replayed_mistake_is_named(ex, mistake):
+        j = engine._replayed(ex).index(mistake)
+        per_case = _outcomes(lab, ex)
+        assert all(reps[j] is not None for _, _, reps, _ in per_case), "the variant ran on every rank"
+        as_answer = [(reps[j], want, reps, label) for _, want, reps, label in per_case]
+        with pytest.raises(CheckFailed) as e:
+            engine.judge_on_ranks(ex, as_answer, _source(mistake.variant))
+        text = str(e.value)
+        assert mistake.problem.rstrip(".") in text and mistake.hint.rstrip(".") in text, text
+
+    return test_solution_passes, test_replayed_mistake_is_named

@@ -1,6 +1,7 @@
 """Lab 3's exercises on the engine: each solution passes, each named mistake is named, each placeholder
-is not implemented. The rank-run exercises spawn processes (slow); their variants that hang or
-deadlock wait for the exercise's timeout (extended)."""
+is not implemented. The rank-run exercises spawn processes (slow): one launch per exercise on its solution
+also names its replayed mistakes; the mistakes a predicate sees (hangs, deadlocks, syncs) need a launch of
+their own each (extended)."""
 
 import json
 import re
@@ -19,14 +20,16 @@ test_solution, test_mistake, test_placeholder = harness.tests_for(LAB, IN_NOTEBO
 # On ranks every check spawns processes: the solutions run in make test, the placeholders and the
 # mistakes (each a launch of 2 or 3 ranks) in make test-extended.
 _ranked = harness.tests_for(LAB, ON_RANKS)
-test_ranked_solution = pytest.mark.slow(_ranked[0])
 test_ranked_placeholder = pytest.mark.extended(pytest.mark.slow(_ranked[2]))
+# One launch per exercise on its solution: the solution passes, the replayed mistakes are named.
+test_ranked_solution, test_replayed_mistake = map(pytest.mark.slow, harness.replayed_tests_for(LAB, ON_RANKS))
 
 
-def _ranked_mistakes():
+def _ranked_mistakes():  # the mistakes a predicate sees: each needs a launch of its variant
     for ex in ON_RANKS:
         for i, m in enumerate(ex.mistakes):
-            yield pytest.param(ex, m, marks=[pytest.mark.extended], id=f"{ex.name}-{i}-{m.variant.__name__}")
+            if m not in engine._replayed(ex):
+                yield pytest.param(ex, m, marks=[pytest.mark.extended], id=f"{ex.name}-{i}-{m.variant.__name__}")
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Lab 5's exercises on the engine: each solution in solutions/lab5_memory_and_model_parallel.ipynb passes,
 every named mistake's variant is named, the placeholder is not implemented. ZeRO-2 runs on 2 processes
-(slow; its mistakes, one launch each, extended); a few refusals and what check_zero2 measures are
+(slow: one launch on the solution names the replayed mistakes; the others, one launch each, extended); a few refusals and what check_zero2 measures are
 tested on their own."""
 
 import textwrap
@@ -10,15 +10,26 @@ import pytest
 import torch
 
 from utils import checks
-from utils.checks import CheckFailed
+from utils.checks import CheckFailed, engine
 from utils.checks import model_parallel as mp
 
 LAB = "lab5_memory_and_model_parallel"
 test_solution, test_mistake, test_placeholder = harness.tests_for(LAB, [mp.TENSOR_PARALLEL, mp.ZERO_MEMORY, mp.GPIPE])
 _zero2 = harness.tests_for(LAB, [mp.ZERO2])
-test_zero2_solution = pytest.mark.slow(_zero2[0])
-test_zero2_mistake = pytest.mark.extended(pytest.mark.slow(_zero2[1]))
 test_zero2_placeholder = pytest.mark.slow(_zero2[2])
+# One launch on the solution: it passes, and the replayed mistakes are named from that launch's outputs.
+test_zero2_solution, test_zero2_replayed_mistake = map(pytest.mark.slow, harness.replayed_tests_for(LAB, [mp.ZERO2]))
+
+
+@pytest.mark.extended
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "mistake", [m for m in mp.ZERO2.mistakes if m not in engine._replayed(mp.ZERO2)], ids=lambda m: m.problem[:40]
+)
+def test_zero2_mistake(mistake):  # the mistakes a predicate sees: each needs a launch of its variant
+    with pytest.raises(CheckFailed) as e:
+        engine.check(mp.ZERO2, *harness._as_answer(mp.ZERO2, mistake.variant))
+    assert mistake.problem.rstrip(".") in str(e.value), str(e.value)
 
 
 @pytest.mark.slow

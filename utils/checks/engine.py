@@ -645,9 +645,7 @@ def check(ex: Exercise, *answer) -> Any:
     except (OSError, TypeError):
         source = ""
     if ex.ranks:
-        per_case = _consistent(ex, _on_ranks(ex, answer, source))
-        for got, want, reps, label in per_case:
-            _judge(ex, Outcome(None, got, want, source=source), reps, label)
+        judge_on_ranks(ex, _on_ranks(ex, answer, source), source)
     else:
         cases = ex.cases()
         for i, case in enumerate(cases):
@@ -657,6 +655,21 @@ def check(ex: Exercise, *answer) -> Any:
             _judge(ex, Outcome(case, got, want, source=source), None, label, i)
     print(f"\u2714 {ex.name}: correct" + (f" ({ex.passed})" if ex.passed else ""))
     return None
+
+
+def rank_outcomes(ex: Exercise, *answer) -> list:
+    """One launch of a rank-run exercise on ``answer``, unjudged: per case, the answer's output on
+    each rank, the oracle's, each replayed mistake's (in ``_replayed`` order) and the case's label.
+    What :func:`check` judges; a test can also judge each replayed mistake's outputs as if it had
+    been submitted (:func:`judge_on_ranks`), from this one launch."""
+    _validate_answer(ex, answer)
+    return _on_ranks(ex, answer, "")
+
+
+def judge_on_ranks(ex: Exercise, per_case: list, source: str = "") -> None:
+    """Judge a rank-run exercise's outcomes (:func:`rank_outcomes`): raise CheckFailed as check does."""
+    for got, want, reps, label in _consistent(ex, per_case):
+        _judge(ex, Outcome(None, got, want, source=source), reps, label)
 
 
 def _consistent(ex: Exercise, per_case: list) -> list:
