@@ -6,7 +6,7 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS)
 NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --nbval-sanitize-with tests/sanitize.cfg
 
-.PHONY: lab test test-extended unit check lint format notebooks notebooks-cpu standins labs check-labs bench grade gradescope two-node clean help slurm-check tensorboard
+.PHONY: lab test test-extended unit check lint format notebooks notebooks-cpu standins labs check-labs release bench grade gradescope two-node clean help slurm-check tensorboard
 
 help:
 	@echo "make lab    create .venv if missing, install, start JupyterLab on the repository, open notebooks/00_environment.ipynb"
@@ -16,6 +16,7 @@ help:
 	@echo "make check  the fast loop: lint, then the tests not marked slow/sandbox/slurm/notebook/extended (minutes)"
 	@echo "make lint   ruff check and ruff format --check over every .py and notebook;  make format  fixes"
 	@echo "make labs   regenerate labs/*.ipynb from solutions/*.ipynb"
+	@echo "make release DEST=dir  what students get: labs, notebooks, library; no solutions/, no tests/"
 	@echo "make standins  write synthetic stand-ins for Fashion-MNIST and CIFAR-10 (used only with LAB_DATA=standin)"
 	@echo "make notebooks-cpu  every notebook and solution in the cpu profile on the stand-ins"
 	@echo "make bench  run benchmarks/ (prints figures; never pass/fail)"
@@ -89,6 +90,11 @@ notebooks-cpu: $(VENV)/.installed-test standins
 
 labs: $(VENV)/.installed-lab
 	$(PY) -m utils.authoring
+
+# What students get: no solutions/, no tests/ (utils/authoring.py, release).
+release: $(VENV)/.installed-lab
+	@test -n "$(DEST)" || { echo "usage: make release DEST=new-folder"; exit 2; }
+	$(PY) -m utils.authoring --release "$(DEST)"
 
 check-labs: $(VENV)/.installed-lab
 	$(PY) -m utils.authoring --check

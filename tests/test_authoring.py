@@ -288,3 +288,55 @@ def test_pending_entries_are_still_offenders():
         not in message_leaks(ROOT / "solutions" / f"{lab}.ipynb", _string_literals(ROOT / "utils" / "checks" / name))
     ]
     assert not fixed, f"not leaked: remove from PENDING: {fixed}"
+
+
+def _answer_lines() -> set:
+    """Lines of the answers (code lines of 20+ characters, comments left out): those of the solution
+    blocks and answer keys of solutions/*.ipynb that the lab does not also give outside them, and the
+    lines the assessment's reference solution adds to the starter students get."""
+    import re
+
+    def lines(text):
+        return {t for line in text.splitlines() if len(t := line.strip()) >= 20 and not t.startswith("#")}
+
+    root = authoring.ROOT
+    out = set()
+    for p in sorted((root / "solutions").glob("*.ipynb")):
+        srcs = ["".join(c["source"]) for c in json.loads(p.read_text())["cells"]]
+        blocks = [b for src in srcs for b in re.findall(r"### BEGIN (?:SOLUTION|ANSWER KEY)\n(.*?)### END", src, re.S)]
+        given = "\n".join(re.sub(r"### BEGIN (SOLUTION|ANSWER KEY)\n.*?### END[^\n]*", "", s, flags=re.S) for s in srcs)
+        out |= {t for b in blocks for t in lines(b)} - lines(given)
+    starter = lines("\n".join(p.read_text() for p in (root / "labs" / "assessment").glob("*.*")))  # and the brief
+    return out | (lines("\n".join(p.read_text() for p in (root / "solutions" / "assessment").glob("*.py"))) - starter)
+
+
+def _stripped_lines(text: str) -> set:
+    """Each line stripped; a notebook's lines are those of its cells' sources."""
+    try:
+        cells = json.loads(text)["cells"]
+    except (ValueError, KeyError, TypeError):
+        return {line.strip() for line in text.splitlines()}
+    return {line.strip() for c in cells for line in "".join(c["source"]).splitlines()}
+
+
+def test_a_release_holds_no_answer(tmp_path):
+    """What students get: labs without answers, the demos and the library, no solutions/ and no
+    tests/. The library implements what the labs ask for by hand (their checks refuse it), so an
+    answer line it also shows reveals nothing; every other answer line is nowhere in the release."""
+    dest = tmp_path / "release"
+    n = authoring.release(dest)
+    files = [p for p in dest.rglob("*") if p.is_file()]
+    assert n == len(files) and not (dest / "solutions").exists() and not (dest / "tests").exists()
+    assert (dest / "labs" / "lab3_ddp.ipynb").is_file() and (dest / "labs" / "assessment" / "README.md").is_file()
+    texts = {p: p.read_text(errors="ignore") for p in files}
+    shown = "\n".join(
+        t for p, t in texts.items() if p.relative_to(dest).parts[0] in ("utils", "notebooks", "benchmarks")
+    )
+    revealing = {line for line in _answer_lines() if line not in shown}
+    assert len(revealing) > 100, "the scan has answers to look for"
+    leaks = [f"{p.relative_to(dest)}: {line}" for p, t in texts.items() for line in revealing & _stripped_lines(t)]
+    assert not leaks, leaks[:10]
+    markers = {authoring.BEGIN, authoring.KEY_BEGIN}
+    assert not [p for p, t in texts.items() if p.suffix == ".ipynb" and markers & _stripped_lines(t)]
+    with pytest.raises(authoring.AuthoringError, match="exists"):
+        authoring.release(dest)

@@ -20,12 +20,21 @@ removed from labs/ with nothing in its place; a cell left empty is removed.
 Outputs and execution counts are cleared everywhere. ``python -m utils.authoring`` writes
 labs/; ``--check`` writes nothing and exits 1 when labs/ differs from what it would write.
 labs/assessment/ is hand-written and left alone.
+
+``--release DEST`` (``make release DEST=dir``) writes what students get: the repository's
+tracked files without ``solutions/`` (the answers and the assessment's reference), ``tests/``
+(which read the answers), CI and contributor files, with labs/ regenerated first so it matches
+solutions/. The library stays whole: the labs ask students to write by hand what it implements,
+and their checks refuse it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -142,11 +151,53 @@ def plan(root: Path = ROOT) -> dict[Path, str]:
     return out
 
 
+NOT_RELEASED = ("solutions/", "tests/", ".ci/", "CONTRIBUTING.md", "conftest.py")
+
+
+def release_files(root: Path = ROOT) -> list[str]:
+    """The tracked files (``git ls-files``) that go to students, as paths relative to ``root``."""
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise AuthoringError(f"a release is made from a git checkout ({root} is not one: {e})") from None
+    return [f for f in out.decode().split("\0") if f and not f.startswith(NOT_RELEASED)]
+
+
+def release(dest: Path, root: Path = ROOT) -> int:
+    """Write the students' copy to ``dest`` (which must not exist), all at once: into a folder beside
+    it, renamed into place when complete. Returns the number of files."""
+    dest = Path(dest).resolve()
+    if dest.exists():
+        raise AuthoringError(f"{dest} exists: name a new folder (a release never writes over one)")
+    stale = [p for p, text in plan(root).items() if not p.exists() or p.read_text() != text]
+    if stale:
+        raise AuthoringError(f"labs/ is out of date ({', '.join(p.name for p in stale)}): run `make labs` and commit")
+    files = release_files(root)
+    tmp = dest.with_name(f".{dest.name}.partial-{os.getpid()}")
+    try:
+        for f in files:
+            (tmp / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(root / f, tmp / f)
+        tmp.rename(dest)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return len(files)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m utils.authoring", description=__doc__.split("\n")[0])
     ap.add_argument("--check", action="store_true", help="exit 1 if labs/ is out of date; write nothing")
     ap.add_argument("--root", type=Path, default=ROOT, help="repository root (default: this checkout)")
+    ap.add_argument("--release", type=Path, metavar="DEST", help="write the students' copy (no solutions/) to DEST")
     args = ap.parse_args(argv)
+    if args.release:
+        try:
+            n = release(args.release, args.root)
+        except AuthoringError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {n} files to {args.release} (no solutions/, no tests/)")
+        return 0
     try:
         wanted = plan(args.root)
     except (AuthoringError, nbformat.ValidationError) as e:
