@@ -141,6 +141,8 @@ def test_a_sequence_longer_than_the_context_is_refused():
         gpt.GPT(TINY)(torch.zeros(1, 33, dtype=torch.long))
     with pytest.raises(ValueError, match="divide"):
         gpt.GPTConfig(width=30, heads=4)
+    with pytest.raises(ValueError, match="Try:"):
+        gpt.GPT(TINY).generate(torch.zeros(1, 1, dtype=torch.long), 1, temperature=-1)
 
 
 # ---------------------------------------------------------------- FLOPs
@@ -156,7 +158,7 @@ def _counted(model, idx, targets, train):
     return c.get_total_flops()
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
+@pytest.mark.parametrize("cfg", [*CONFIGS, gpt.config_for(config.profile("smoke"))], ids=str)
 def test_flops_per_token_equal_flop_counter_mode(cfg):
     model = gpt.GPT(cfg, seed=0)
     for batch, t in ((3, cfg.context), (2, cfg.context // 2 + 1)):
@@ -264,6 +266,9 @@ def test_standin_shakespeare_has_the_real_size_and_layout(tmp_path, monkeypatch,
     splits = data.load_tokens("shakespeare", root=tmp_path)
     assert data.standin_notice("shakespeare") in capsys.readouterr().out
     assert len(splits.train) + len(splits.val) == 1_115_394
+    assert data.load_text("shakespeare", 1_000, root=tmp_path) == raw[:1_000]
+    with pytest.raises(ValueError, match="Try:"):
+        data.load_text("shakespeare", 2_000_000, root=tmp_path)  # refused, never capped
 
 
 def test_without_the_switch_shakespeare_is_the_verified_download(tmp_path, monkeypatch):

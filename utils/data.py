@@ -408,11 +408,17 @@ def shakespeare_text(root: str | os.PathLike | None = None, download: bool = Tru
 
 def load_text(name: str, n_bytes: int | None = None, **kw: Any) -> bytes:
     """A corpus by name: ``stdlib`` (``n_bytes`` of it, None: all) or ``shakespeare`` (all of
-    it, or its first ``n_bytes``); ``kw`` go to :func:`shakespeare_text` (``root``, ``download``)."""
+    it, or its first ``n_bytes``); ``kw`` go to :func:`shakespeare_text` (``root``, ``download``).
+    More bytes than the corpus has are refused, never capped."""
     if name == "stdlib":
         return stdlib_text(n_bytes)
     if name == "shakespeare":
         text = shakespeare_text(**kw)
+        if n_bytes is not None and not 1 <= n_bytes <= len(text):
+            raise ValueError(
+                f"load_text: {n_bytes:,} bytes asked, but Tiny Shakespeare has {len(text):,}. "
+                "Try: None for all of it (the gpt_corpus_bytes row)."
+            )
         return text if n_bytes is None else text[:n_bytes]
     raise ValueError(f"load_text: unknown corpus {name!r}. Try: one of {', '.join(TEXT_CORPORA)}.")
 

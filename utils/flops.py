@@ -160,7 +160,8 @@ def gpt_flops_per_token(cfg: Any, seq_len: int | None = None, *, train: bool = T
     (torch 2.13 registers no formula for it).
 
     Not counted, as ``FlopCounterMode`` does not count them: biases, LayerNorm, GELU, softmax,
-    the loss, embedding lookups and the residual additions (a few percent at these sizes)."""
+    the loss, embedding lookups and the residual additions, whose work grows as d per token
+    where the matrix multiplies' grows as d^2."""
     t = cfg.context if seq_len is None else seq_len
     if not 1 <= t <= cfg.context:
         raise ValueError(f"seq_len must be in [1, context={cfg.context}], got {t}")

@@ -199,6 +199,10 @@ class GPT(nn.Module):
         """``idx`` (b, t) followed by ``new_tokens`` sampled one at a time, each from the softmax
         of the last position's logits / ``temperature`` (0: the most likely token). The model
         sees at most its last ``context`` tokens."""
+        if temperature < 0:
+            raise ValueError(
+                f"generate: temperature must be >= 0, got {temperature}. Try: 1.0, or 0 for the most likely token."
+            )
         for _ in range(new_tokens):
             logits, _ = self(idx[:, -self.cfg.context :])
             last = logits[:, -1]

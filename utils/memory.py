@@ -632,10 +632,11 @@ def gpt_activation_bytes(
       total weight (one float);
     * the token ids (N int64) and the positions (T int64), which the embeddings' backward reads.
 
-    CUDA's flash and memory-efficient kernels save like ``"flash"`` (a log-sum-exp, no T x T
-    matrix) plus a few bytes of random-number state; the memory-efficient kernel pads the
-    log-sum-exp's T to a multiple of 32. Under bf16 autocast the activations are 2 bytes and
-    half-precision copies of the weights are saved too: this closed form is for fp32.
+    CUDA's flash and memory-efficient kernels, like ``"flash"``, keep a log-sum-exp per row and
+    no T x T matrix; their exact bytes (random-number state, the memory-efficient kernel's padding
+    of the log-sum-exp) are not checked here, where no GPU runs. Under bf16 autocast the
+    activations are 2 bytes and half-precision copies of the weights are saved too: this closed
+    form is for fp32.
 
     The token ids and targets count as their own tensors; a view into a larger tensor would be
     counted as all of that tensor (the saved storage)."""
@@ -646,6 +647,8 @@ def gpt_activation_bytes(
     t = cfg.context if seq_len is None else seq_len
     if not 1 <= t <= cfg.context:
         raise ValueError(f"seq_len must be in [1, context={cfg.context}], got {t}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
     n, d = batch * t, cfg.width
     scores = batch * cfg.heads * (t * t if attention == "math" else t)
     floats = cfg.layers * (16 * n * d + 4 * n + scores) + 2 * n * d + 2 * n
