@@ -17,7 +17,7 @@ help:
 	@echo "make lint   ruff check and ruff format --check over every .py and notebook;  make format  fixes"
 	@echo "make labs   regenerate labs/*.ipynb from solutions/*.ipynb"
 	@echo "make release DEST=dir  what students get: labs, notebooks, library; no solutions/, no tests/"
-	@echo "make standins  write synthetic stand-ins for Fashion-MNIST and CIFAR-10 (used only with LAB_DATA=standin)"
+	@echo "make standins  write synthetic stand-ins for Fashion-MNIST, CIFAR-10 and Tiny Shakespeare (used only with LAB_DATA=standin)"
 	@echo "make notebooks-cpu  every notebook and solution in the cpu profile on the stand-ins"
 	@echo "make bench  run benchmarks/ (prints figures; never pass/fail)"
 	@echo "make slurm-check  start a local one-node SLURM (root), run every cluster/ job template, stop it"
@@ -78,7 +78,7 @@ unit: $(VENV)/.installed-test
 notebooks: $(VENV)/.installed-test
 	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider notebooks solutions $(NBVAL_FLAGS)
 
-# Synthetic look-alikes of Fashion-MNIST and CIFAR-10 (real sizes and file formats) for machines
+# Synthetic look-alikes of Fashion-MNIST, CIFAR-10 and Tiny Shakespeare (real sizes and file formats) for machines
 # without the internet, in DATA_DIR/standin/ (default ~/.cache/scaling-labs); only LAB_DATA=standin
 # makes anything read them.
 standins: $(VENV)/.installed-lab

@@ -18,6 +18,7 @@ ALLOWED = {
     "device": set(),
     "data": {"config", "device", "files"},
     "models": set(),
+    "gpt": set(),
     "train": {"device", "data"},
     "parallel": {"config", "data", "device", "files", "models", "rank_failures", "train"},
 }

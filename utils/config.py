@@ -165,6 +165,14 @@ TABLE: dict[str, tuple] = {
     # --- 02_cpu_vs_gpu: MFU and the first kernel ---
     "mfu_matmul_n": (512, 1024, 8192),  # side of the matmul timed as a measured peak (CPU, unknown GPU)
     "kernel_n": (1_000_003, 1_000_003, 50_000_003),  # vector-add elements (odd: a partial last block)
+    # --- the transformer track: utils.gpt on byte-level text (utils.data.load_tokens) ---
+    "gpt_corpus": ("stdlib", "shakespeare", "shakespeare"),  # text: the Python stdlib's sources, or Tiny Shakespeare
+    "gpt_corpus_bytes": (200_000, None, None),  # bytes of the corpus used (None = all of it)
+    "gpt_context": (64, 128, 1024),  # tokens (bytes) per sequence; the position table's rows
+    "gpt_width": (64, 256, 768),  # d_model
+    "gpt_layers": (2, 4, 12),  # transformer blocks
+    "gpt_heads": (4, 4, 12),  # attention heads (head width 16, 64, 64)
+    "gpt_batch": (8, 16, 32),  # sequences per optimizer step (x gpt_context tokens)
 }
 # fmt: on
 

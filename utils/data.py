@@ -9,10 +9,20 @@ normalised per channel with the training split's statistics, and int64 labels:
   MD5-verified, written atomically (a partial download never has the final name);
 * ``synthetic``: random tensors of any image shape, for throughput work.
 
+Text, for the language model, as bytes (one token per byte, a vocabulary of 256: no tokenizer):
+
+* ``stdlib``: the Python standard library's own source files, on every machine
+  (:func:`stdlib_text`: the top-level ``.py`` files in name order, cut at a byte count);
+* ``shakespeare``: Tiny Shakespeare (Karpathy's char-rnn, 1,115,394 bytes), downloaded and
+  MD5-verified like the image datasets (:func:`shakespeare_text`).
+
+:func:`load_tokens` splits a corpus into train and validation token tensors, and
+:class:`TokenBatches` samples random windows of them as (input, shifted target) batches.
+
 Stand-ins, for machines without the internet: ``python -m utils.data standins [--root DIR]``
-writes learnable synthetic look-alikes of Fashion-MNIST and CIFAR-10 (the real sizes, shapes,
-class counts and file formats) into ``DATA_DIR/standin/``. They are used ONLY when asked:
-``LAB_DATA=standin``; ``load`` then says so in one printed line. Without it nothing reads them.
+writes learnable synthetic look-alikes of Fashion-MNIST, CIFAR-10 and Tiny Shakespeare (the real
+sizes, shapes, class counts and file formats) into ``DATA_DIR/standin/``. They are used ONLY when asked:
+``LAB_DATA=standin``; the loaders then say so in one printed line. Without it nothing reads them.
 
 Loaders: :class:`DeviceLoader` keeps the whole dataset on the device and serves index slices
 (the airbench pattern); :func:`make_loader` builds it or the standard ``DataLoader``. Both
@@ -29,6 +39,7 @@ import math
 import os
 import pickle
 import shutil
+import sysconfig
 import tarfile
 import urllib.error
 import urllib.request
@@ -81,6 +92,14 @@ CIFAR10_FILES = (
         "c58f30108f718f92721af3b95e74349a",
     ),
 )
+
+
+SHAKESPEARE_FILE = RemoteFile(
+    "input.txt",
+    ("https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt",),
+    "6fb458f1232090904fb40fe944165e91",  # the blob of karpathy/char-rnn's only commit of the file
+)
+SHAKESPEARE_BYTES = 1_115_394
 
 
 class DatasetUnavailable(RuntimeError):
@@ -344,13 +363,154 @@ def load(name: str, n_train: int | None = None, n_val: int | None = None, seed: 
 
 
 # ----------------------------------------------------------------------------------------
+# Text: byte-level tokens for the language model
+# ----------------------------------------------------------------------------------------
+
+TEXT_CORPORA = ("stdlib", "shakespeare")
+VOCAB_SIZE = 256  # one token per byte
+
+
+def stdlib_text(n_bytes: int | None = None) -> bytes:
+    """The first ``n_bytes`` (None: all) of the Python standard library's top-level ``.py`` files
+    (``sysconfig.get_paths()["stdlib"]``), read whole in file-name order and concatenated, the
+    last one cut. No packages: neither ``site-packages`` nor the test suites. The same bytes every
+    call with one Python; another Python version has other sources."""
+    folder = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(folder.glob("*.py"), key=lambda p: p.name)
+    total = sum(p.stat().st_size for p in files)
+    if n_bytes is None:
+        n_bytes = total
+    if not 1 <= n_bytes <= total:
+        raise ValueError(
+            f"stdlib_text: {n_bytes:,} bytes asked, but the standard library's top-level sources in "
+            f"{folder} hold {total:,}. Try: a size between 1 and {total:,} (the gpt_corpus_bytes row)."
+        )
+    parts, have = [], 0
+    for p in files:
+        chunk = p.read_bytes()[: n_bytes - have]
+        parts.append(chunk)
+        have += len(chunk)
+        if have == n_bytes:
+            break
+    return b"".join(parts)
+
+
+def shakespeare_text(root: str | os.PathLike | None = None, download: bool = True) -> bytes:
+    """Tiny Shakespeare's 1,115,394 bytes, downloaded into ``DATA_DIR/shakespeare/`` and
+    MD5-verified (:func:`fetch`); with ``LAB_DATA=standin``, its stand-in instead."""
+    if use_standins():
+        (path,) = _standin_paths("shakespeare", root)
+        print(standin_notice("shakespeare"), flush=True)
+    else:
+        path = fetch(SHAKESPEARE_FILE, data_dir(root) / "shakespeare", download=download)
+    return path.read_bytes()
+
+
+def load_text(name: str, n_bytes: int | None = None, **kw: Any) -> bytes:
+    """A corpus by name: ``stdlib`` (``n_bytes`` of it, None: all) or ``shakespeare`` (all of
+    it, or its first ``n_bytes``); ``kw`` go to :func:`shakespeare_text` (``root``, ``download``).
+    More bytes than the corpus has are refused, never capped."""
+    if name == "stdlib":
+        return stdlib_text(n_bytes)
+    if name == "shakespeare":
+        text = shakespeare_text(**kw)
+        if n_bytes is not None and not 1 <= n_bytes <= len(text):
+            raise ValueError(
+                f"load_text: {n_bytes:,} bytes asked, but Tiny Shakespeare has {len(text):,}. "
+                "Try: None for all of it (the gpt_corpus_bytes row)."
+            )
+        return text if n_bytes is None else text[:n_bytes]
+    raise ValueError(f"load_text: unknown corpus {name!r}. Try: one of {', '.join(TEXT_CORPORA)}.")
+
+
+@dataclass
+class TextSplits:
+    """Byte tokens of a corpus (uint8: every byte is its own token id), split in two contiguous
+    parts: the first for training, the rest held out."""
+
+    train: torch.Tensor
+    val: torch.Tensor
+    name: str
+    vocab_size: int = VOCAB_SIZE
+
+    def __repr__(self):
+        return f"TextSplits({self.name}: train {len(self.train):,} tokens, val {len(self.val):,} tokens)"
+
+
+def encode(text: str | bytes) -> torch.Tensor:
+    """Bytes (a ``str`` as UTF-8) as a uint8 token tensor."""
+    raw = text.encode() if isinstance(text, str) else bytes(text)
+    return torch.tensor(np.frombuffer(raw, dtype=np.uint8))
+
+
+def decode(tokens: torch.Tensor) -> str:
+    """Token ids back to text (UTF-8; a sequence cut inside a character shows U+FFFD there)."""
+    return bytes(tokens.to(torch.uint8).tolist()).decode("utf-8", errors="replace")
+
+
+def load_tokens(name: str, n_bytes: int | None = None, val_fraction: float = 0.1, **kw: Any) -> TextSplits:
+    """:func:`load_text`, as tokens: the first ``1 - val_fraction`` for training, the rest held out."""
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"load_tokens: val_fraction must be in (0, 1), got {val_fraction}. Try: 0.1.")
+    tokens = encode(load_text(name, n_bytes, **kw))
+    cut = len(tokens) - max(1, int(len(tokens) * val_fraction))
+    return TextSplits(tokens[:cut], tokens[cut:], name)
+
+
+class TokenBatches:
+    """Random windows of a token tensor as language-model batches, forever: each ``next()`` draws
+    ``batch`` start positions uniformly and returns ``(x, y)``, both (batch, context) int64 on
+    ``device``, with ``y`` the ``context + 1``-token window shifted by one (``y[:, t]`` is the
+    token after ``x[:, t]``).
+
+    The tokens are copied to ``device`` once; the starts come from a generator on ``device``
+    seeded with ``seed`` (the same seed, the same batches; give each rank its own), and the
+    windows are gathered there: no host synchronisation per batch."""
+
+    def __init__(
+        self,
+        tokens: torch.Tensor,
+        batch: int,
+        context: int,
+        *,
+        device: str | torch.device | None = None,
+        seed: int = 0,
+    ):
+        if batch < 1 or context < 1:
+            raise ValueError(f"TokenBatches: batch and context must be >= 1, got {batch} and {context}")
+        if len(tokens) < context + 1:
+            raise ValueError(
+                f"TokenBatches: {len(tokens):,} tokens cannot give a window of context + 1 = {context + 1}. "
+                "Try: a shorter context or more text."
+            )
+        self.device = torch.device(device) if device is not None else tokens.device
+        self.tokens = tokens.to(self.device)
+        self.batch, self.context = batch, context
+        self.generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._offsets = torch.arange(context + 1, device=self.device)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        high = len(self.tokens) - self.context  # the last window ends on the last token
+        starts = torch.randint(0, high, (self.batch, 1), device=self.device, generator=self.generator)
+        window = self.tokens[starts + self._offsets]  # (batch, context + 1)
+        return window[:, :-1].long().contiguous(), window[:, 1:].long().contiguous()
+
+
+# ----------------------------------------------------------------------------------------
 # Stand-ins: learnable synthetic look-alikes, for machines without the internet
 # ----------------------------------------------------------------------------------------
 
 STANDIN_ENV = "LAB_DATA"  # LAB_DATA=standin switches them on; unset or "real": real data
 STANDIN_COMMAND = "python -m utils.data standins"
-STANDIN_NAMES = {"fashion_mnist": "Fashion-MNIST", "cifar10": "CIFAR-10"}
-STANDIN_FILES = {"fashion_mnist": tuple(f.name for f in FASHION_MNIST_FILES), "cifar10": (CIFAR10_FILES[0].name,)}
+STANDIN_NAMES = {"fashion_mnist": "Fashion-MNIST", "cifar10": "CIFAR-10", "shakespeare": "Tiny Shakespeare"}
+STANDIN_FILES = {
+    "fashion_mnist": tuple(f.name for f in FASHION_MNIST_FILES),
+    "cifar10": (CIFAR10_FILES[0].name,),
+    "shakespeare": (SHAKESPEARE_FILE.name,),
+}
 CIFAR10_LABEL_NAMES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 
 
@@ -373,7 +533,8 @@ def standin_dir(root: str | os.PathLike | None = None) -> Path:
 
 
 def standin_notice(name: str) -> str:
-    return f"{STANDIN_NAMES[name]}: STAND-IN data (synthetic, made by `{STANDIN_COMMAND}`), not the real images"
+    what = "text" if name == "shakespeare" else "images"
+    return f"{STANDIN_NAMES[name]}: STAND-IN data (synthetic, made by `{STANDIN_COMMAND}`), not the real {what}"
 
 
 def _standin_paths(name: str, root=None) -> list[Path]:
@@ -446,6 +607,49 @@ def standin_images(
     return x, y
 
 
+def _pseudo_words(rng, n: int) -> list[str]:
+    """``n`` distinct pronounceable made-up words of one to three syllables, two letters or more."""
+    onsets = ["", "b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "w", "br", "st", "th", "sh", "gr"]
+    vowels = ["a", "e", "i", "o", "u", "ea", "ou", "ai", "ee", "y"]
+    codas = ["", "", "n", "r", "s", "t", "d", "l", "ng", "st", "th", "ll"]
+    words: dict[str, None] = {}
+    while len(words) < n:
+        syllables = rng.integers(1, 4)
+        w = "".join(onsets[rng.integers(len(onsets))] + vowels[rng.integers(len(vowels))] for _ in range(syllables))
+        w += codas[rng.integers(len(codas))]
+        if len(w) > 1:
+            words[w] = None
+    return list(words)
+
+
+def standin_text(n_bytes: int = SHAKESPEARE_BYTES, seed: int = 5) -> bytes:
+    """``n_bytes`` of ASCII in Tiny Shakespeare's format: speeches of one to eight lines, each under
+    its speaker's name in capitals and a colon, separated by blank lines, the last byte a newline.
+    The words are made up (a few thousand, drawn with Zipf-like frequencies), the speakers too:
+    a model learns the spelling, the layout and which words are frequent, as on the real text."""
+    rng = np.random.default_rng(seed)
+    words = sorted(_pseudo_words(rng, 3000), key=len)  # the short words the most frequent
+    weights = 1.0 / np.arange(1, len(words) + 1)
+    names = [" ".join(w.upper() for w in _pseudo_words(rng, 1 + (k % 3 == 0))) for k in range(60)]
+    stops = [",", ",", ".", ".", ".", ";", "?", "!", ":"]
+    speeches, size, drawn = [], 0, iter(())
+    while size < n_bytes:
+        lines = [names[rng.integers(len(names))] + ":"]
+        for _ in range(rng.integers(1, 9)):
+            line = []
+            for _ in range(rng.integers(3, 11)):
+                i = next(drawn, None)
+                if i is None:  # draw word ids 100,000 at a time: one draw per word is slow
+                    drawn = iter(rng.choice(len(words), 100_000, p=weights / weights.sum()).tolist())
+                    i = next(drawn)
+                line.append(words[i])
+            line[0] = line[0].capitalize()
+            lines.append(" ".join(line) + stops[rng.integers(len(stops))])
+        speeches.append("\n".join(lines) + "\n")
+        size += len(speeches[-1]) + 1
+    return "\n".join(speeches).encode("ascii")[: n_bytes - 1] + b"\n"
+
+
 def _idx_bytes(a: np.ndarray) -> bytes:
     assert a.dtype == np.uint8
     return bytes([0, 0, 0x08, a.ndim]) + b"".join(int(d).to_bytes(4, "big") for d in a.shape) + a.tobytes()
@@ -462,12 +666,19 @@ def _gzip_to(f, payload: bytes) -> None:
 
 
 def write_standins(
-    root: str | os.PathLike | None = None, *, which: tuple[str, ...] = ("fashion_mnist", "cifar10")
+    root: str | os.PathLike | None = None, *, which: tuple[str, ...] = ("fashion_mnist", "cifar10", "shakespeare")
 ) -> list[Path]:
     """Write the stand-ins (deterministic: the same bytes every time) into ``standin_dir(root)``:
-    Fashion-MNIST's four IDX gz files (60,000 + 10,000 images, 1x28x28) and CIFAR-10's
-    ``cifar-10-python.tar.gz`` (data_batch_1..5 + test_batch pickles, 10,000 3x32x32 images each)."""
+    Fashion-MNIST's four IDX gz files (60,000 + 10,000 images, 1x28x28), CIFAR-10's
+    ``cifar-10-python.tar.gz`` (data_batch_1..5 + test_batch pickles, 10,000 3x32x32 images each)
+    and Tiny Shakespeare's ``input.txt`` (1,115,394 bytes of text, :func:`standin_text`)."""
     out = []
+    if "shakespeare" in which:
+        d = standin_dir(root) / "shakespeare"
+        d.mkdir(parents=True, exist_ok=True)
+        text = standin_text()
+        _write_atomic(d / SHAKESPEARE_FILE.name, lambda f: f.write(text))
+        out.append(d / SHAKESPEARE_FILE.name)
     if "fashion_mnist" in which:
         d = standin_dir(root) / "fashion_mnist"
         d.mkdir(parents=True, exist_ok=True)
@@ -521,9 +732,9 @@ def write_standins(
         out.append(d / CIFAR10_FILES[0].name)
     readme = standin_dir(root) / "README.txt"
     readme.write_text(
-        f"Synthetic STAND-INS for Fashion-MNIST and CIFAR-10, made by `{STANDIN_COMMAND}`:\n"
-        "class templates + blending + shifts + noise, NOT the real images. Used only with "
-        f"{STANDIN_ENV}=standin.\n"
+        f"Synthetic STAND-INS for Fashion-MNIST, CIFAR-10 and Tiny Shakespeare, made by `{STANDIN_COMMAND}`:\n"
+        "images from class templates + blending + shifts + noise, text of made-up words in the play's "
+        f"layout; NOT the real data. Used only with {STANDIN_ENV}=standin.\n"
     )
     return out
 

@@ -1,4 +1,4 @@
-"""Floating-point operations (FLOPs) of the lecture CNN, and model FLOPs utilisation (MFU).
+"""Floating-point operations (FLOPs) of the lecture CNN and of the GPT, and model FLOPs utilisation (MFU).
 
 A multiply-accumulate (MAC) is two FLOPs. Per image, a convolution with ``c_in`` input and
 ``c_out`` output channels, a ``kh x kw`` kernel and an ``h x w`` output does
@@ -11,13 +11,19 @@ of its input and the gradient of its weights, each as many FLOPs as the forward.
 layer's input gradient is never needed (the images do not require a gradient), so
 ``train = 3 * forward - forward(first layer)``.
 
+The GPT (``utils.gpt``) has its own closed form per token (:func:`gpt_flops_per_token`): the
+matrix multiplies of its weights plus the attention term, derived in that function's docstring.
+
 MFU (Chowdhery et al. 2022, arXiv 2204.02311) = achieved FLOP/s / the device's peak FLOP/s,
-where achieved FLOP/s = training FLOPs per image x images per second. The peaks of a few GPUs
+where achieved FLOP/s = training FLOPs per image (or per token) x images (tokens) per second. The peaks of a few GPUs
 are in :data:`PEAK_TFLOPS` (NVIDIA's datasheets, dense, no sparsity); elsewhere the peak is
 measured, as the FLOP/s of a large matrix multiply (:func:`utils.bench.matmul_flops_per_s`).
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +35,9 @@ __all__ = [
     "net_forward_flops",
     "net_train_flops",
     "counted_flops",
+    "gpt_matmul_params",
+    "gpt_flops_per_token",
+    "counted_gpt_flops",
     "PEAK_TFLOPS",
     "PEAK_SOURCES",
     "gpu_peak_flops",
@@ -90,16 +99,99 @@ def counted_flops(model: nn.Module, input_shape: tuple[int, ...], train: bool = 
 
     p = next(model.parameters())
     x = torch.randn(batch, *input_shape, device=p.device, dtype=p.dtype)
-    saved = [q.grad for q in model.parameters()]
-    with FlopCounterMode(display=False) as counter:
+    with _grads_kept(model), FlopCounterMode(display=False) as counter:
         if train:
             model(x).sum().backward()
         else:
             with torch.no_grad():
                 model(x)
-    for q, g in zip(model.parameters(), saved):
-        q.grad = g
     return counter.get_total_flops() // batch
+
+
+@contextlib.contextmanager
+def _grads_kept(model: nn.Module):
+    """Set the gradients aside (backward would add into them in place), give them back after."""
+    params = list(model.parameters())
+    saved = [q.grad for q in params]
+    for q in params:
+        q.grad = None
+    try:
+        yield
+    finally:
+        for q, g in zip(params, saved):
+            q.grad = g
+
+
+def gpt_matmul_params(cfg: Any) -> int:
+    """Weights of ``utils.gpt.GPT(cfg)`` that multiply every token's activations: per block the
+    query-key-value (3d^2), attention output (d^2) and MLP (4d^2 + 4d^2) matrices, 12 d^2, and
+    the output projection (vocab x d), which is tied to the token embedding but is a matrix
+    multiply all the same. ``12 * layers * d^2 + vocab * d``, with ``d = width``.
+
+    Kaplan et al.'s non-embedding N (arXiv 2001.08361) is ``12 * layers * d^2`` plus the biases
+    and norms; biases and norms cost no matrix-multiply FLOPs, and the output projection does,
+    so this is the N that FLOPs are counted from."""
+    return 12 * cfg.layers * cfg.width**2 + cfg.vocab_size * cfg.width
+
+
+def gpt_flops_per_token(cfg: Any, seq_len: int | None = None, *, train: bool = True, recompute: bool = False) -> int:
+    """FLOPs per token of ``utils.gpt.GPT(cfg)`` on sequences of ``seq_len`` tokens (default
+    ``cfg.context``), in closed form; N = :func:`gpt_matmul_params`, L layers, T = ``seq_len``,
+    d = width.
+
+    Weights: each weight multiplies each token once forward (2 FLOPs per weight, one
+    multiply-accumulate), and twice backward (the gradient of its input and of itself; every
+    input needs its gradient, since the first block's input is the trainable embeddings): 2N
+    forward, 6N for a training step.
+
+    Attention: per layer and head, scores = Q K^T ((T x h) times (h x T): 2 T^2 h FLOPs) and
+    out = scores V (2 T^2 h again), so per layer 4 T^2 d for a sequence, 4 T d per token forward.
+    Causal attention needs only half the scores, but the kernels compute the full T x T square
+    (the mask is applied after), and ``FlopCounterMode`` counts the full square: so does this.
+    Backward of the two products: 4 products of the same size, 8 T d per token per layer. A
+    training step: ``6N + 12 * L * T * d`` per token, which is PaLM's (Chowdhery et al. 2022,
+    appendix B) ``6N + 12 L H Q T`` with H Q = d. This is what MFU counts (``recompute=False``).
+
+    ``recompute=True``: flash-style backward kernels (CUDA's flash, memory-efficient and cuDNN
+    attention) keep no T x T matrix and compute Q K^T again during backward, 2 T d more per token
+    per layer (``14 * L * T * d``): the hardware FLOPs, and what ``FlopCounterMode`` counts for
+    those kernels. For PyTorch's math attention (``SDPBackend.MATH``) it counts
+    ``recompute=False``; for the CPU's default fused kernel it counts no attention FLOPs at all
+    (torch 2.13 registers no formula for it).
+
+    Not counted, as ``FlopCounterMode`` does not count them: biases, LayerNorm, GELU, softmax,
+    the loss, embedding lookups and the residual additions, whose work grows as d per token
+    where the matrix multiplies' grows as d^2."""
+    t = cfg.context if seq_len is None else seq_len
+    if not 1 <= t <= cfg.context:
+        raise ValueError(f"seq_len must be in [1, context={cfg.context}], got {t}")
+    n, ltd = gpt_matmul_params(cfg), cfg.layers * t * cfg.width
+    if not train:
+        return 2 * n + 4 * ltd
+    return 6 * n + (14 if recompute else 12) * ltd
+
+
+def counted_gpt_flops(model: nn.Module, batch: int = 1, seq_len: int | None = None, *, train: bool = True) -> int:
+    """FLOPs per token of a ``utils.gpt.GPT`` as ``FlopCounterMode`` counts them: one forward
+    (and, with ``train``, the loss against random targets and its backward) of ``batch`` random
+    sequences of ``seq_len`` tokens (default the context), divided by the tokens. The attention
+    kernel is whichever ``scaled_dot_product_attention`` picks (choose one with
+    ``torch.nn.attention.sdpa_kernel``); see :func:`gpt_flops_per_token` for what each counts.
+    The model's gradients are left as they were."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cfg = model.cfg
+    t = cfg.context if seq_len is None else seq_len
+    device = next(model.parameters()).device
+    idx, targets = torch.randint(0, cfg.vocab_size, (2, batch, t), device=device)
+    with _grads_kept(model), FlopCounterMode(display=False) as counter:
+        if train:
+            _, loss = model(idx, targets)
+            loss.backward()
+        else:
+            with torch.no_grad():
+                model(idx)
+    return counter.get_total_flops() // (batch * t)
 
 
 # Peak dense tensor-core throughput, TFLOP/s (1e12 FLOP/s): half the datasheets' "with sparsity"
@@ -146,7 +238,8 @@ def gpu_peak_flops(gpu_name: str, precision: str) -> tuple[float, str] | None:
 
 
 def mfu(images_per_s: float, flops_per_image: float, peak_flops_per_s: float) -> float:
-    """Model FLOPs utilisation: achieved FLOP/s (images/s x FLOPs per image) / peak FLOP/s."""
+    """Model FLOPs utilisation: achieved FLOP/s (images/s x FLOPs per image) / peak FLOP/s.
+    The same for a language model: tokens/s and FLOPs per token (:func:`gpt_flops_per_token`)."""
     if peak_flops_per_s <= 0:
         raise ValueError(f"the peak must be positive, got {peak_flops_per_s}")
     return images_per_s * flops_per_image / peak_flops_per_s

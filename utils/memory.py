@@ -22,6 +22,9 @@ so RSS hides most of what activation checkpointing saves.
 
 Activation checkpointing (:func:`activation_checkpointed_forward`) keeps only the inputs of each
 segment and recomputes the rest during backward: less memory for one more forward.
+
+The GPT (``utils.gpt``) has its budget in closed form, term by term (:func:`gpt_memory`,
+:func:`gpt_activation_bytes`), for both attention kernels a CPU runs.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch
 from torch import nn
 
 from .device import autocast, bf16_supported, resolve_amp_dtype
+from .gpt import GPTConfig, parameter_count
 from .models import mlp
 from .optim import make_optimizer
 
@@ -61,6 +65,8 @@ __all__ = [
     "measure_step",
     "activation_checkpointed_forward",
     "count_forwards",
+    "gpt_activation_bytes",
+    "gpt_memory",
     "OPTIMIZER_SETTINGS",
 ]
 
@@ -592,3 +598,83 @@ class count_forwards:
         for h in self._handles:
             h.remove()
         return False
+
+
+# ----------------------------------------------------------------------------------------
+# The GPT: its training step in closed form
+# ----------------------------------------------------------------------------------------
+
+GPT_ATTENTION = ("math", "flash")
+
+
+def gpt_activation_bytes(
+    cfg: GPTConfig, batch: int, seq_len: int | None = None, *, attention: str = "math", loss: bool = True
+) -> int:
+    """Bytes autograd saves for backward in one fp32 forward of ``utils.gpt.GPT(cfg)`` on ``batch``
+    sequences of ``seq_len`` tokens (default the context), each saved storage once, parameters
+    left out: exactly what :class:`SavedTensors` counts, with ``dropout = 0``.
+
+    With N = batch x seq_len tokens, d = width, H heads, T = seq_len, in floats (4 bytes):
+
+    * every block, 16 N d + 4 N: each LayerNorm its input (N d) and the mean and 1/std of every
+      token (2 N); the QKV Linear its input (N d); the attention output projection its input
+      (N d); the MLP's first Linear its input (N d), GELU its input (4 N d), the second Linear
+      its input (the GELU's output, 4 N d); and 3 N d of attention inputs, by kernel below;
+    * ``attention="math"`` (PyTorch's math path, ``SDPBackend.MATH``): copies of the scaled
+      queries and keys and of the values (3 N d) and the softmax's T x T probabilities for every
+      sequence and head (batch x H x T^2 per block): the term that grows with T^2;
+    * ``attention="flash"`` (the CPU's default fused kernel): the QKV output itself (3 N d, q, k
+      and v are views of it), the attention output (shared with the projection's input, so
+      counted once, there), and the log-sum-exp of each row, batch x H x T per block, in place
+      of the T x T matrix: backward recomputes the probabilities from it;
+    * after the blocks: the final LayerNorm (N d + 2 N), the output projection's input (N d);
+      with ``loss``: the log-probabilities (N x vocab), the targets (N int64) and the loss's
+      total weight (one float);
+    * the token ids (N int64) and the positions (T int64), which the embeddings' backward reads.
+
+    CUDA's flash and memory-efficient kernels, like ``"flash"``, keep a log-sum-exp per row and
+    no T x T matrix; their exact bytes (random-number state, the memory-efficient kernel's padding
+    of the log-sum-exp) are not checked here, where no GPU runs. Under bf16 autocast the
+    activations are 2 bytes and half-precision copies of the weights are saved too: this closed
+    form is for fp32.
+
+    The token ids and targets count as their own tensors; a view into a larger tensor would be
+    counted as all of that tensor (the saved storage)."""
+    if attention not in GPT_ATTENTION:
+        raise ValueError(f"attention must be one of {', '.join(GPT_ATTENTION)}, got {attention!r}")
+    if cfg.dropout:
+        raise ValueError(f"the closed form is for dropout 0 (dropout saves masks), got {cfg.dropout}")
+    t = cfg.context if seq_len is None else seq_len
+    if not 1 <= t <= cfg.context:
+        raise ValueError(f"seq_len must be in [1, context={cfg.context}], got {t}")
+    if batch < 1:
+        raise ValueError(f"batch must be >= 1, got {batch}")
+    n, d = batch * t, cfg.width
+    scores = batch * cfg.heads * (t * t if attention == "math" else t)
+    floats = cfg.layers * (16 * n * d + 4 * n + scores) + 2 * n * d + 2 * n
+    if loss:
+        floats += n * cfg.vocab_size + 1
+    int64s = n + t + (n if loss else 0)
+    return 4 * floats + 8 * int64s
+
+
+def gpt_memory(
+    cfg: GPTConfig, batch: int, seq_len: int | None = None, *, optimizer: str = "adam", attention: str = "math"
+) -> dict[str, int]:
+    """Predicted bytes of one fp32 training step of ``utils.gpt.GPT(cfg)``, by part:
+    ``params`` (4 bytes x :func:`utils.gpt.parameter_count`, the tied output projection once),
+    ``grads`` (the same), ``optimizer`` (``"sgd"`` 0x, ``"momentum"`` 1x, ``"adam"`` 2x the
+    parameters), ``activations`` (:func:`gpt_activation_bytes`), and ``peak``, their sum: during
+    backward the activations are still held while the gradients appear (an upper bound, as in
+    :func:`budget`; the temporaries of backward and the logits' gradient come on top)."""
+    name, momentum = _optimizer_setting(optimizer)
+    params = 4 * parameter_count(cfg)
+    mult = _state_multiplier(name, {"momentum": momentum})
+    out = {
+        "params": params,
+        "grads": params,
+        "optimizer": mult * params,
+        "activations": gpt_activation_bytes(cfg, batch, seq_len, attention=attention),
+    }
+    out["peak"] = sum(out.values())
+    return out
