@@ -12,10 +12,7 @@ A lab's test file is then::
 
 from __future__ import annotations
 
-import ast
-import json
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -23,48 +20,11 @@ import pytest
 from utils.checks import CheckFailed, engine
 
 ROOT = Path(__file__).resolve().parents[1]
-_NAMESPACES: dict = {}
-
-
-def solution_namespace(lab: str, extra: dict | None = None) -> dict:
-    """The imports, constants, functions and classes of ``solutions/<lab>.ipynb``, defined from a
-    file (so ``inspect.getsource`` works, as in a notebook) in a module named ``__main__``."""
-    if lab in _NAMESPACES:
-        return _NAMESPACES[lab]
-    cells = json.loads((ROOT / "solutions" / f"{lab}.ipynb").read_text())["cells"]
-    kept = []
-    for cell in cells:
-        src = "".join(cell["source"])
-        if cell["cell_type"] != "code" or src.startswith("%%"):
-            continue
-        src = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!")))
-        try:
-            tree = ast.parse(src)
-        except SyntaxError:
-            continue
-        lines = src.splitlines()
-        for node in tree.body:
-            keep = isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
-            if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
-                try:
-                    ast.literal_eval(node.value)
-                    keep = True
-                except ValueError:
-                    pass
-            if keep:
-                start = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
-                kept.append("\n".join(lines[start - 1 : node.end_lineno]))
-    path = Path(tempfile.mkdtemp(prefix=f"{lab}-")) / f"{lab}_answers.py"
-    path.write_text("\n\n".join(kept) + "\n")
-    ns = {"__name__": "__main__", **(extra or {})}
-    exec(compile(path.read_text(), str(path), "exec"), ns)
-    _NAMESPACES[lab] = ns
-    return ns
 
 
 def answer(lab: str, ex: engine.Exercise) -> tuple:
-    ns = solution_namespace(lab)
-    return tuple(ns[name] for name in ex.answer)
+    """The solution notebook's answer to ``ex`` (``engine.solution_answer``; make gpu-check uses it too)."""
+    return engine.solution_answer(ex, lab)
 
 
 def _placeholder(*args, **kwargs):

@@ -32,12 +32,23 @@ FAST_TIER_PROCESSES = {
     "test_gpucheck.py::test_offline_children_fail_a_download_at_once": "one `python -c` that fails at once",
     "test_gpucheck.py::test_the_makefile_passes_gpu_check_args": "`make -n`: prints the command, runs nothing",
     "test_gpucheck.py::test_every_required_check_is_listed": "lists the checks, runs none",
-    "test_gpucheck.py::test_make_gpu_check_with_a_tiny_budget_writes_the_report_and_every_skip_says_why": "a 5 s "
-    "budget: every check is skipped before it starts",
-    "test_gpucheck.py::test_the_budget_stops_a_long_check_and_skips_the_rest_with_reasons": "two `python -c` "
+    "test_gpucheck.py::test_make_gpu_check_with_a_tiny_budget_verifies_nothing_and_exits_3": "a 5 s budget, "
+    "twice: every check is not verified before it starts",
+    "test_gpucheck.py::test_the_budget_stops_a_long_check_and_the_rest_are_not_verified": "two `python -c` "
     "sleeps, stopped by an 8 s budget: the budget's own test",
     "test_gpucheck.py::test_the_grader_check_skips_without_cifar10_and_fails_unless_passed": "gpucheck._run is "
     "replaced by a fake: nothing starts",
+    "test_gpucheck.py::test_the_riskiest_paths_come_first": "lists the checks, runs none",
+    "test_gpucheck.py::test_the_plan_cuts_the_ordered_list_and_uses_each_profiles_estimates": "lists the checks "
+    "and cuts them into parts, runs none",
+    "test_gpucheck.py::test_parts_merge_into_one_report_and_the_exit_status_says_what_is_not_verified": "all_checks "
+    "is replaced by in-process fakes: nothing starts",
+    "test_gpucheck.py::test_a_part_stopped_by_its_budget_or_killed_is_not_verified_in_the_merge": "all_checks is "
+    "replaced by in-process fakes: nothing starts",
+    "test_gpucheck.py::test_real_checks_in_parts_then_merged_in_cpu_mode": "the checks it selects load digits in "
+    "process or skip without a GPU before they start anything",
+    "test_gpucheck.py::test_lab_exercises_on_ranks_hand_every_rank_run_check_the_solutions_answer": "the rank-run "
+    "checks are replaced by in-process recorders: nothing starts",
     # Exercises checked in the notebook's own process: engine.check starts ranks only for a spec with
     # ranks=N, and those tests are slow or extended.
     "test_checks_gd_sgd.py::test_the_library_per_example_grads_is_refused_and_the_loop_refusal_names_a_loop": IN_PROCESS,

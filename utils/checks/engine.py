@@ -26,15 +26,18 @@ and then the answer; the results come back here, where they are compared.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import importlib
 import inspect
 import io
+import json
 import math
 import re
 import signal
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -42,6 +45,7 @@ import tokenize
 import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -724,3 +728,53 @@ def _replay(ex: Exercise, m: Mistake, i: int):
         return ex.run(m.variant, ex.cases()[i])
     except Exception:
         return None
+
+
+# ---------------------------------------------------------------------------------------- the solutions' answers
+
+SOLUTIONS = Path(__file__).resolve().parents[2] / "solutions"
+_SOLUTION_NAMESPACES: dict[str, dict] = {}
+
+
+def solution_namespace(lab: str) -> dict:
+    """The imports, literal constants, functions and classes of ``solutions/<lab>.ipynb``, defined
+    from a file (so ``inspect.getsource`` works, as in a notebook) in a module named ``__main__``.
+    Nothing else of the notebook runs: no training, no check calls. Read once per lab."""
+    if lab in _SOLUTION_NAMESPACES:
+        return _SOLUTION_NAMESPACES[lab]
+    cells = json.loads((SOLUTIONS / f"{lab}.ipynb").read_text())["cells"]
+    kept = []
+    for cell in cells:
+        src = "".join(cell["source"])
+        if cell["cell_type"] != "code" or src.startswith("%%"):
+            continue
+        src = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!")))
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        lines = src.splitlines()
+        for node in tree.body:
+            keep = isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef))
+            if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets):
+                try:
+                    ast.literal_eval(node.value)
+                    keep = True
+                except ValueError:
+                    pass
+            if keep:
+                start = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
+                kept.append("\n".join(lines[start - 1 : node.end_lineno]))
+    path = Path(tempfile.mkdtemp(prefix=f"{lab}-")) / f"{lab}_answers.py"
+    path.write_text("\n\n".join(kept) + "\n")
+    ns = {"__name__": "__main__"}
+    exec(compile(path.read_text(), str(path), "exec"), ns)
+    _SOLUTION_NAMESPACES[lab] = ns
+    return ns
+
+
+def solution_answer(ex: Exercise, lab: str | None = None) -> tuple:
+    """What the solution notebook hands to ``ex``'s check: the objects named in ``ex.answer``, from
+    ``solutions/<lab>.ipynb`` (default: the ``LAB`` of the module that holds the spec)."""
+    ns = solution_namespace(lab or importlib.import_module(ex.module).LAB)
+    return tuple(ns[name] for name in ex.answer)
