@@ -22,6 +22,9 @@ TIERS = {"slow", "sandbox", "slurm", "extended"}
 # each with what starts and why it stays. CPU seconds were measured with the children's time included.
 IN_PROCESS = "an in-process exercise spec: engine.check starts no process for it"
 FAST_TIER_PROCESSES = {
+    "test_authoring.py::test_a_release_holds_no_answer": "one `git ls-files`",
+    "test_authoring.py::test_generate_then_check_then_detect_drift": "authoring.main starts git only for --release, "
+    "which this test does not pass",
     "test_oracle_ddp.py::test_ddp_step_equals_one_process_on_the_union": "2 ranks (4 is slow): the one "
     "DDP-equals-one-process run `make check` keeps, about 13 s of CPU",
     "test_packaging.py::test_labs_are_up_to_date_with_solutions": "one `python -m utils.authoring --check`: "
