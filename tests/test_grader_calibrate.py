@@ -138,9 +138,7 @@ def graded(needs_s: float, spec, accuracy: float) -> dict:
         ([90.0], [40.0]),  # the budget exactly 1.5x from each at margin 1.5
     ],
 )
-def test_under_the_proposed_budget_the_one_process_time_fails_and_the_reference_passes(
-    serial_times, reference_times
-):
+def test_under_the_proposed_budget_the_one_process_time_fails_and_the_reference_passes(serial_times, reference_times):
     """Even granted every rank and the target, a run as slow as one process fails on time; the
     reference, at its slowest, passes."""
     base = load_spec(GPU_SPEC)
