@@ -18,7 +18,7 @@ from typing import Any
 from ..files import atomic_write
 from . import sandbox
 from .core import MODEL_CODES, RUN_CODES, grade, grader_info, prepare_data, write_json
-from .spec import REFERENCE_SOLUTION, Spec
+from .spec import CALIBRATE_MARGIN, CALIBRATE_REPEATS, REFERENCE_SOLUTION, Spec
 
 GRADEBOOK_FIELDS = [
     "student",
@@ -302,9 +302,9 @@ def summarize_calibration(serial: list[dict], reference: list[dict], spec: Spec,
 def calibrate(
     spec: Spec,
     *,
-    repeats: int = 3,
+    repeats: int = CALIBRATE_REPEATS,
     solution: str | Path = REFERENCE_SOLUTION,
-    margin: float = 1.2,
+    margin: float = CALIBRATE_MARGIN,
     progress: Callable[[str], Any] = print,
 ) -> dict:
     """Time the reference solution on this machine, under the spec's rules with a loose deadline,

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from .spec import REFERENCE_SOLUTION, SpecError, default_spec_path, load_spec
+from .spec import CALIBRATE_MARGIN, CALIBRATE_REPEATS, REFERENCE_SOLUTION, SpecError, default_spec_path, load_spec
 
 
 def _spec(args):
@@ -242,12 +242,12 @@ def main(argv: list[str] | None = None) -> int:
         help="time the reference as one process and as nprocs processes; propose a budget between them",
     )
     c.add_argument("--spec", help=spec_help)
-    c.add_argument("--repeats", type=int, default=3, help="runs of each kind (default 3)")
+    c.add_argument("--repeats", type=int, default=CALIBRATE_REPEATS, help="runs of each kind (default %(default)s)")
     c.add_argument(
         "--margin",
         type=float,
-        default=1.2,
-        help="how far the budget must sit from each kind's worst run, as a factor (default 1.2)",
+        default=CALIBRATE_MARGIN,
+        help="how far the budget must sit from each kind's worst run, as a factor (default %(default)s)",
     )
     c.add_argument("--solution", default=str(REFERENCE_SOLUTION))
     c.add_argument("--json", help="write the measurements here")

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC_DIR = ROOT / "labs" / "assessment"
 REFERENCE_SOLUTION = ROOT / "solutions" / "assessment" / "assessment.py"
 SERIAL_SCRIPT = SPEC_DIR / "assessment.py"
+CALIBRATE_REPEATS = 3  # `calibrate`: runs of each kind (one process, nprocs processes)
+CALIBRATE_MARGIN = 1.2  # `calibrate`: how far the budget sits from each kind's worst run, as a factor
 
 
 class SpecError(ValueError):
