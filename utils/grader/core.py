@@ -801,7 +801,7 @@ def _run_job(spec: Spec, report: dict, job: Path, work: Path, entry: str, iso: d
     return res, logs
 
 
-def judge_run(res, logs: dict, spec: Spec, report: dict) -> None:
+def judge_run(res: sandbox.RunResult, logs: dict, spec: Spec, report: dict) -> None:
     """Reasons from how the job ended: a timeout, a crash (with the rank's own message) or a
     file over its size limit, processes left running."""
     reasons = report["reasons"]
@@ -915,7 +915,7 @@ def _check_learned_under_ddp(evidence: dict, graded, job: Path, spec: Spec, held
             evidence["problems"].append("the weights DDP wrapped could not be read")
 
 
-def judge_result(res, evidence: dict, weight_reasons: list, spec: Spec, report: dict) -> None:
+def judge_result(res: sandbox.RunResult, evidence: dict, weight_reasons: list, spec: Spec, report: dict) -> None:
     """Reasons from what the run achieved: accuracy, time, ranks that joined, data parallelism and
     the graded weights (a crash is reported alone: it is the thing to fix first)."""
     reasons = report["reasons"]
