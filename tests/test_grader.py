@@ -498,7 +498,13 @@ def test_cli_run_and_calibrate(graded, spec, monkeypatch, tmp_path, capsys):
 
     ref = graded["reference"]
     monkeypatch.setattr(core, "grade", lambda *a, **k: dict(ref))
-    monkeypatch.setattr(batch, "grade", lambda *a, **k: dict(ref))
+    # calibrate grades the reference as one process (a spec with nprocs 1) and as two: the fake
+    # one-process run takes 3x as long and fails the grade on its ranks, as the real one does
+    monkeypatch.setattr(
+        batch,
+        "grade",
+        lambda sub, s, **k: dict(ref, time_s=3 * ref["time_s"], status="failed") if s.nprocs == 1 else dict(ref),
+    )
     assert (
         cli.main(
             [
@@ -521,10 +527,15 @@ def test_cli_run_and_calibrate(graded, spec, monkeypatch, tmp_path, capsys):
     assert json.loads((tmp_path / "r.json").read_text())["score"] == spec.points
     _assert_gradescope(json.loads((tmp_path / "gs.json").read_text()))
 
-    assert cli.main(["calibrate", "--spec", str(CI_SPEC), "--runs", "2", "--json", str(tmp_path / "c.json")]) == 0
+    assert cli.main(["calibrate", "--spec", str(CI_SPEC), "--repeats", "2", "--json", str(tmp_path / "c.json")]) == 0
     cal = json.loads((tmp_path / "c.json").read_text())
-    assert cal["passed"] == 2 and cal["proposed_budget_s"] == 5 * math.ceil(1.5 * ref["time_s"] / 5)
-    assert "proposed time_budget_s" in capsys.readouterr().out
+    assert len(cal["serial"]["times_s"]) == len(cal["reference"]["times_s"]) == 2
+    assert cal["proposed_budget_s"] == math.floor(math.sqrt(3) * ref["time_s"]), "sqrt(3t x t), rounded down"
+    shown = capsys.readouterr().out
+    assert "proposed time_budget_s" in shown and f"calibrated_on = {json.dumps(cal['calibrated_on'])}" in shown
+    monkeypatch.setattr(batch, "grade", lambda sub, s, **k: dict(ref))  # one process as fast as two
+    assert cli.main(["calibrate", "--spec", str(CI_SPEC), "--repeats", "1"]) == 1
+    assert "no budget proposed: one process took" in capsys.readouterr().err
 
     assert cli.main(["run", "x.py", "--spec", str(tmp_path / "nope.toml")]) == 2, "a bad spec is a clear error"
     assert "not found" in capsys.readouterr().err

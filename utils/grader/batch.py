@@ -4,6 +4,7 @@ jobs), a CSV gradebook, Gradescope's results.json; and calibration of the time b
 from __future__ import annotations
 
 import csv
+import datetime
 import io
 import json
 import math
@@ -17,7 +18,7 @@ from typing import Any
 from ..files import atomic_write
 from . import sandbox
 from .core import MODEL_CODES, RUN_CODES, grade, grader_info, prepare_data, write_json
-from .spec import REFERENCE_SOLUTION, Spec
+from .spec import CALIBRATE_MARGIN, CALIBRATE_REPEATS, REFERENCE_SOLUTION, Spec
 
 GRADEBOOK_FIELDS = [
     "student",
@@ -206,6 +207,8 @@ def gradescope_result(report: dict, spec: Spec) -> dict:
     /autograder/results/results.json): the score, then the tests."""
     lines = [f"{report['status'].upper()}: {report['reason']}"]
     lines += [f"Note: {w}" for w in report.get("static_warnings", [])]
+    if report.get("budget_note"):
+        lines.append(f"Note: {report['budget_note']}")
     return {
         "score": score(report, spec),
         "output": "\n".join(lines),
@@ -243,44 +246,90 @@ def write_gradescope(doc: dict, path: str | Path) -> None:
     atomic_write(path, json.dumps(doc, indent=1))
 
 
+class NoBudget(ValueError):
+    """No time budget separates the one-process run from the reference: the reason, in words."""
+
+
+def propose_budget(serial_s: float, reference_s: float, margin: float) -> int:
+    """The time budget, in whole seconds, that fails a run taking ``serial_s`` and passes one taking
+    ``reference_s``: their geometric mean sqrt(serial_s x reference_s), rounded down, so that it sits
+    as many times above the reference as below the serial run. Proposed only when it leaves both at
+    least ``margin`` away, reference_s x margin <= budget <= serial_s / margin (which needs
+    serial_s / reference_s >= margin ** 2); otherwise :class:`NoBudget` says why."""
+    if not (serial_s > 0 and reference_s > 0 and margin >= 1):
+        raise ValueError(f"times must be > 0 and margin >= 1, got {serial_s}, {reference_s}, {margin}")
+    budget = math.floor(math.sqrt(serial_s * reference_s))
+    if reference_s * margin <= budget and budget * margin <= serial_s:
+        return budget
+    raise NoBudget(
+        f"one process took {serial_s:.1f} s, {serial_s / reference_s:.2f}x the reference's {reference_s:.1f} s, "
+        f"and a budget {margin:g}x away from both needs {margin * margin:.2f}x or more. Try: a spec where "
+        "training outweighs start-up (more data, a wider model or more epochs in the reference)"
+    )
+
+
+def _spread(times: list[float]) -> dict:
+    return {"median_s": statistics.median(times), "min_s": min(times), "max_s": max(times), "times_s": times}
+
+
+def summarize_calibration(serial: list[dict], reference: list[dict], spec: Spec, margin: float) -> dict:
+    """The calibration from graded reports: ``serial`` (the reference graded as one process) and
+    ``reference`` (as ``spec.nprocs`` processes). The budget is :func:`propose_budget` of the FASTEST
+    one-process run and the SLOWEST reference run; ``problem`` says why there is none."""
+    out: dict = {"spec": spec.name, "nprocs": spec.nprocs, "margin": margin}
+    ref_ok = [r for r in reference if r["status"] == "passed"]
+    ser_ok = [r for r in serial if r["exit_code"] == 0 and not r["timed_out"] and r["accuracy"] is not None]
+    if not reference or not serial:
+        out["problem"] = "nothing was timed: give at least one repeat"
+        return out
+    if len(ref_ok) < len(reference):
+        bad = next(r for r in reference if r["status"] != "passed")
+        out["problem"] = f"the reference solution must pass every run, and one did not: {bad['reason']}"
+        return out
+    if len(ser_ok) < len(serial):  # it fails the ranks check by design; it must still run to the end
+        bad = next(r for r in serial if r["exit_code"] != 0 or r["timed_out"] or r["accuracy"] is None)
+        out["problem"] = f"the one-process run of the reference did not complete: {bad['reason']}"
+        return out
+    out["reference"] = {**_spread([r["time_s"] for r in ref_ok]), "min_accuracy": min(r["accuracy"] for r in ref_ok)}
+    out["serial"] = {**_spread([r["time_s"] for r in ser_ok]), "min_accuracy": min(r["accuracy"] for r in ser_ok)}
+    try:
+        out["proposed_budget_s"] = propose_budget(out["serial"]["min_s"], out["reference"]["max_s"], margin)
+    except NoBudget as e:
+        out["problem"] = str(e)
+    return out
+
+
 def calibrate(
     spec: Spec,
     *,
-    runs: int = 3,
+    repeats: int = CALIBRATE_REPEATS,
     solution: str | Path = REFERENCE_SOLUTION,
-    margin: float = 1.5,
+    margin: float = CALIBRATE_MARGIN,
     progress: Callable[[str], Any] = print,
 ) -> dict:
-    """Grade the reference solution ``runs`` times with a generous deadline; propose a budget of
-    ``margin`` x the slowest run, rounded up to 5 s."""
+    """Time the reference solution on this machine, under the spec's rules with a loose deadline,
+    ``repeats`` times each way, alternating: as ONE process (the spec with nprocs = 1: the same
+    script, data and epochs, the serial baseline) and as ``spec.nprocs`` processes. Then
+    :func:`summarize_calibration`, plus this machine's description and a ``calibrated_on`` line."""
     loose = spec.replace(time_budget_s=max(spec.time_budget_s * 10, 600))
-    reports = []
-    for i in range(runs):
-        r = grade(solution, loose, student=f"reference-{i}")
-        reports.append(r)
-        if progress:
-            progress(
-                f"run {i + 1}/{runs}: {r['status']:<7} {r['time_s'] or float('nan'):7.1f} s  "
-                f"accuracy {r['accuracy'] if r['accuracy'] is not None else float('nan'):.4f}"
-            )
-    times = [r["time_s"] for r in reports if r["status"] == "passed"]
-    accs = [r["accuracy"] for r in reports if r["status"] == "passed"]
-    out = {
-        "spec": spec.name,
-        "runs": runs,
-        "passed": len(times),
-        "times_s": times,
-        "accuracies": accs,
-        "hardware": grader_info(),
-    }
-    if times:
-        out.update(
-            min_s=min(times),
-            median_s=statistics.median(times),
-            max_s=max(times),
-            proposed_budget_s=int(5 * math.ceil(margin * max(times) / 5)),
-            min_accuracy=min(accs),
+    runs: dict[str, list] = {"serial": [], "reference": []}
+    for i in range(repeats):
+        for kind, s in (("serial", loose.replace(nprocs=1)), ("reference", loose)):
+            r = grade(solution, s, student=f"{kind}-{i}")
+            runs[kind].append(r)
+            if progress:
+                acc = r["accuracy"] if r["accuracy"] is not None else float("nan")
+                progress(
+                    f"{kind:<9} run {i + 1}/{repeats}: {s.nprocs} process(es), {r['status']:<7} "
+                    f"{r['time_s'] or float('nan'):7.1f} s  accuracy {acc:.4f}"
+                )
+    out = summarize_calibration(runs["serial"], runs["reference"], spec, margin)
+    out["hardware"] = info = grader_info()
+    if "proposed_budget_s" in out:
+        where = ", ".join(info["gpus"]) or f"{info['cpu_cores']} CPU cores"
+        out["calibrated_on"] = (
+            f"{where}, torch {info['torch']}, {datetime.date.today()}: one process "
+            f"{out['serial']['min_s']:.1f}-{out['serial']['max_s']:.1f} s, reference "
+            f"{out['reference']['min_s']:.1f}-{out['reference']['max_s']:.1f} s, margin {margin:g}"
         )
-    else:
-        out["problem"] = "the reference solution did not pass once: " + reports[0]["reason"]
     return out

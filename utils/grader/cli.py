@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from .spec import REFERENCE_SOLUTION, SpecError, default_spec_path, load_spec
+from .spec import CALIBRATE_MARGIN, CALIBRATE_REPEATS, REFERENCE_SOLUTION, SpecError, default_spec_path, load_spec
 
 
 def _spec(args):
@@ -50,6 +50,8 @@ def summary(r: dict, verbose: bool = False) -> str:
     ]
     lines += [f"  - {x['message']}" for x in r["reasons"]] or [f"  {r['reason']}"]
     lines += [f"  note: {w}" for w in r.get("static_warnings", [])]
+    if r.get("budget_note"):
+        lines.append(f"  note: {r['budget_note']}")
     iso = r.get("isolation") or {}
     if iso:
         lines.append("  sandbox in force:")
@@ -75,6 +77,8 @@ def cmd_batch(args: argparse.Namespace) -> int:
         print(f"no submissions in {args.folder} (expected one .py file or one folder per student)", file=sys.stderr)
         return 2
     print(f"grading {len(subs)} submission(s) with {spec.name}, {args.jobs} at a time", flush=True)
+    if spec.budget_note():
+        print(f"note: {spec.budget_note()}", flush=True)
     reports = grade_many(
         subs,
         spec,
@@ -119,28 +123,56 @@ def cmd_zip(args: argparse.Namespace) -> int:
     return 0
 
 
+def calibration_text(out: dict, spec_path: str, target: float) -> str:
+    """What ``calibrate`` prints: both runs' times (median and spread), the proposed budget and the
+    rule, and the two lines to put in the spec; or why no budget can be proposed."""
+    lines = []
+    for kind, what in (("serial", "one process"), ("reference", f"reference, {out['nprocs']} processes")):
+        t = out.get(kind)
+        if t:
+            lines.append(
+                f"{what + ':':<28} median {t['median_s']:.1f} s, spread {t['min_s']:.1f}-{t['max_s']:.1f} s "
+                f"over {len(t['times_s'])} run(s), lowest accuracy {t['min_accuracy']:.4f}"
+            )
+    if "proposed_budget_s" not in out:
+        lines.append(f"no budget proposed: {out['problem']}")
+        return "\n".join(lines)
+    m = out["margin"]
+    lines.append(
+        f"proposed time_budget_s = {out['proposed_budget_s']}: the geometric mean of the fastest one-process "
+        f"run and the slowest reference run, rounded down, at least {m:g}x from each"
+    )
+    if out["serial"]["min_accuracy"] < target:
+        lines.append(f"  (one process stayed below the target {target}: it needs longer still)")
+    elif out["reference"]["min_accuracy"] - target > 0.05:
+        lines.append(
+            f"  (the reference reaches {out['reference']['min_accuracy']:.4f}, well above the target {target}: "
+            "a one-process script that trains less may fit the budget; raise the target or cut the reference's epochs)"
+        )
+    lines += [
+        f"set in {spec_path}:",
+        f"time_budget_s = {out['proposed_budget_s']}",
+        f"calibrated_on = {json.dumps(out['calibrated_on'])}",
+    ]
+    return "\n".join(lines)
+
+
 def cmd_calibrate(args: argparse.Namespace) -> int:
     from .batch import calibrate
 
     spec = _spec(args)
     out = calibrate(
-        spec, runs=args.runs, solution=args.solution, margin=args.margin, progress=lambda s: print(s, flush=True)
+        spec, repeats=args.repeats, solution=args.solution, margin=args.margin, progress=lambda s: print(s, flush=True)
     )
     if args.json:
         from .core import write_json
 
         write_json(out, args.json)
+    text = calibration_text(out, spec.path, spec.target_val_acc)
     if "proposed_budget_s" in out:
-        print(
-            f"reference: min {out['min_s']:.1f} s, median {out['median_s']:.1f} s, max {out['max_s']:.1f} s, "
-            f"lowest accuracy {out['min_accuracy']:.4f}"
-        )
-        print(
-            f"proposed time_budget_s = {out['proposed_budget_s']}  ({args.margin} x the slowest run, "
-            f"rounded up to 5 s); set it in {spec.path} and record these figures in its comments"
-        )
+        print(text)
         return 0
-    print(out["problem"], file=sys.stderr)
+    print(text, file=sys.stderr)
     return 1
 
 
@@ -205,10 +237,18 @@ def main(argv: list[str] | None = None) -> int:
     z.add_argument("--out", default="build/gradescope-autograder.zip")
     z.set_defaults(fn=cmd_zip)
 
-    c = sub.add_parser("calibrate", help="time the reference solution and propose a budget")
+    c = sub.add_parser(
+        "calibrate",
+        help="time the reference as one process and as nprocs processes; propose a budget between them",
+    )
     c.add_argument("--spec", help=spec_help)
-    c.add_argument("--runs", type=int, default=3)
-    c.add_argument("--margin", type=float, default=1.5, help="budget = margin x slowest run")
+    c.add_argument("--repeats", type=int, default=CALIBRATE_REPEATS, help="runs of each kind (default %(default)s)")
+    c.add_argument(
+        "--margin",
+        type=float,
+        default=CALIBRATE_MARGIN,
+        help="how far the budget must sit from each kind's worst run, as a factor (default %(default)s)",
+    )
     c.add_argument("--solution", default=str(REFERENCE_SOLUTION))
     c.add_argument("--json", help="write the measurements here")
     c.set_defaults(fn=cmd_calibrate)
@@ -221,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if getattr(args, "jobs", 1) < 1:
         p.error("--jobs must be >= 1")
+    if getattr(args, "repeats", 1) < 1 or getattr(args, "margin", 1.0) < 1.0:
+        p.error("--repeats must be >= 1 and --margin >= 1")
     from .sandbox import SandboxUnavailable
 
     try:

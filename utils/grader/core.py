@@ -599,6 +599,7 @@ def grade(
         "target_val_acc": spec.target_val_acc,
         "time_s": None,
         "time_budget_s": spec.time_budget_s,
+        "budget_note": spec.budget_note(),
         "ranks_measured": 0,
         "nprocs_required": spec.nprocs,
         "workers_seen": 0,
@@ -636,6 +637,18 @@ def grade(
             shutil.rmtree(job, ignore_errors=True)
         elif job:
             report["workdir"] = str(job)
+    verdict(report, spec)
+    report["grading_s"] = round(time.perf_counter() - t_start, 2)
+    try:
+        report["grader"] = grader_info()
+    except Exception:  # provenance is best effort
+        pass
+    return report
+
+
+def verdict(report: dict, spec: Spec) -> None:
+    """The report's ``status`` and ``reason`` from the reasons collected: ``passed`` with none,
+    ``error`` when one left nothing gradable (:data:`ERROR_CODES`), else ``failed``."""
     if not report["reasons"] and (report["accuracy"] is None or report["time_s"] is None):
         report["reasons"].append(_reason("grader_error", "no accuracy or time was measured; tell the instructor"))
     codes = [r["code"] for r in report["reasons"]]
@@ -645,12 +658,6 @@ def grade(
         or f"passed: accuracy {report['accuracy']:.4f} >= {spec.target_val_acc} in {report['time_s']:.1f} s "
         f"<= {spec.time_budget_s:g} s with {report['ranks_measured']} ranks"
     )
-    report["grading_s"] = round(time.perf_counter() - t_start, 2)
-    try:
-        report["grader"] = grader_info()
-    except Exception:  # provenance is best effort
-        pass
-    return report
 
 
 def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpus, imports: dict):
@@ -668,7 +675,7 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
     report["rank_evidence"] = evidence
     report["ranks_measured"] = len(evidence["ranks_joined"])
     report["data_parallel"] = evidence["data_parallel"]
-    _judge_run(res, logs, spec, report)
+    judge_run(res, logs, spec, report)
     saved_print = _evaluate_weights(job, work, spec, heldout, res, report)
     graded, weight_reasons = None, []
     if saved_print is not None:
@@ -676,7 +683,7 @@ def _grade(submission: Path, spec: Spec, report: dict, job: Path, iso: dict, gpu
             n_train = len(f["y"])
         graded, weight_reasons = verify_weights(evidence, saved_print, n_train, spec.nprocs)
     _check_learned_under_ddp(evidence, graded, job, spec, heldout, report)
-    _judge_result(res, evidence, weight_reasons, spec, report)
+    judge_result(res, evidence, weight_reasons, spec, report)
 
 
 def _prepare_job(submission: Path, spec: Spec, report: dict, job: Path, gpus):
@@ -794,7 +801,7 @@ def _run_job(spec: Spec, report: dict, job: Path, work: Path, entry: str, iso: d
     return res, logs
 
 
-def _judge_run(res, logs: dict, spec: Spec, report: dict) -> None:
+def judge_run(res: sandbox.RunResult, logs: dict, spec: Spec, report: dict) -> None:
     """Reasons from how the job ended: a timeout, a crash (with the rank's own message) or a
     file over its size limit, processes left running."""
     reasons = report["reasons"]
@@ -908,7 +915,7 @@ def _check_learned_under_ddp(evidence: dict, graded, job: Path, spec: Spec, held
             evidence["problems"].append("the weights DDP wrapped could not be read")
 
 
-def _judge_result(res, evidence: dict, weight_reasons: list, spec: Spec, report: dict) -> None:
+def judge_result(res: sandbox.RunResult, evidence: dict, weight_reasons: list, spec: Spec, report: dict) -> None:
     """Reasons from what the run achieved: accuracy, time, ranks that joined, data parallelism and
     the graded weights (a crash is reported alone: it is the thing to fix first)."""
     reasons = report["reasons"]

@@ -16,6 +16,8 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC_DIR = ROOT / "labs" / "assessment"
 REFERENCE_SOLUTION = ROOT / "solutions" / "assessment" / "assessment.py"
 SERIAL_SCRIPT = SPEC_DIR / "assessment.py"
+CALIBRATE_REPEATS = 3  # `calibrate`: runs of each kind (one process, nprocs processes)
+CALIBRATE_MARGIN = 1.2  # `calibrate`: how far the budget sits from each kind's worst run, as a factor
 
 
 class SpecError(ValueError):
@@ -29,6 +31,7 @@ class Spec:
     target_val_acc: float
     time_budget_s: float
     nprocs: int
+    calibrated_on: str = ""  # what `python -m utils.grader calibrate` measured; "" = time_budget_s is not measured
     model: str = "net"
     model_kwargs: dict = field(default_factory=dict)
     n_train: int = 0  # 0 = the whole training split
@@ -67,6 +70,15 @@ class Spec:
         d["heldout_seed"] = "(secret)" if self.heldout_seed else 0
         return d
 
+    def budget_note(self) -> str | None:
+        """A line for every report while the budget has not been calibrated (None once it has)."""
+        if self.calibrated_on:
+            return None
+        return (
+            f"time budget: {self.time_budget_s:g} s was not calibrated against a one-process run on this "
+            "hardware, so it stops hangs, not one-process scripts. Try (instructor): python -m utils.grader calibrate"
+        )
+
     def secret_missing(self) -> str | None:
         """Why this spec cannot be graded yet (a secret split without its secret), or None."""
         if self.heldout == "secret_split" and not self.heldout_seed:
@@ -101,6 +113,8 @@ def validate(spec: Spec) -> Spec:
         problems.append(f"model {spec.model!r} is not one of net, resnet9, linear (utils.models.build)")
     if not 0.0 < spec.target_val_acc <= 1.0:
         problems.append(f"target_val_acc must be in (0, 1], got {spec.target_val_acc}")
+    if not isinstance(spec.calibrated_on, str):
+        problems.append("calibrated_on must be a string: the line `python -m utils.grader calibrate` prints")
     if not spec.time_budget_s > 0:
         problems.append(f"time_budget_s must be > 0, got {spec.time_budget_s}")
     if not (isinstance(spec.nprocs, int) and spec.nprocs >= 1):
