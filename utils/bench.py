@@ -466,8 +466,9 @@ def amp_step_costs(
     the scaler's check (for the timing only: unsafe to train with).
 
     Why the scaler synchronises: ``scaler.step(optimizer)`` must skip the step when the scaled
-    gradients overflowed, and that decision is taken on the host, so it reads the GPU's
-    found-inf flag with ``.item()`` every step. The host then waits for the whole backward pass
+    gradients overflowed. With a non-fused optimizer, such as the SGD here, that decision is taken
+    on the host, so it reads the GPU's found-inf flag with ``.item()`` every step (a ``fused=True``
+    optimizer takes the flag as a tensor and skips on the GPU, with no sync). The host then waits for the whole backward pass
     before it can queue the next step's kernels; the GPU idles for the host's launch time of
     the next forward. bf16 has fp32's exponent range, needs no scaler and has no such sync."""
     device = torch.device(device)
@@ -476,7 +477,7 @@ def amp_step_costs(
     net = copy.deepcopy(model).to(device).train()
     x = torch.randn(batch_size, *input_shape, device=device)
     y = torch.randint(0, 10, (batch_size,), device=device)
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)  # not fused: the scaler reads found_inf on the host
     scaler = torch.amp.GradScaler("cuda")
 
     def fp16_scaled():
