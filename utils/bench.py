@@ -243,8 +243,8 @@ def measure_throughput(
     steps: steps per timed repeat; None chooses enough for about ``min_repeat_s`` seconds
         (at most ``max_steps``), from the time of one warm step.
     optimizer, momentum: a name for :func:`utils.optim.make_optimizer` ("sgd", "adam", "adamw")
-        or a function params -> optimizer; ``momentum`` is SGD's (0.9 by default here: the
-        lecture's SGD with momentum).
+        or a function params -> optimizer; ``momentum`` is SGD's (0.9 by default here; the
+        lecture does not say which optimizer its throughput demo used).
     """
     if mode not in ("train", "inference"):
         raise ValueError(f"mode must be 'train' or 'inference', got {mode!r}")
