@@ -538,8 +538,9 @@ def matmul_flops_per_s(
 
     On a CPU the multiply runs on ONE thread and the rate is multiplied by the threads torch
     uses (``torch.get_num_threads()``): a chip's peak is the sum of its cores' peaks. One
-    thread has no partner to wait for, so a busy neighbour on another core cannot slow it;
-    and one core alone may clock higher than all of them together, so this peak errs high."""
+    thread has no partner to wait for, so a busy neighbour on another core cannot slow it. The
+    result is an upper bound: one core alone clocks higher than all of them busy together, and
+    threads beyond the physical cores share their arithmetic units."""
     if precision not in ("fp32", "tf32", "bf16"):
         raise ValueError(f"precision must be fp32, tf32 or bf16, got {precision!r}")
     device = torch.device(device)
