@@ -1,5 +1,6 @@
 import ast
 import json
+import re
 
 import nbformat
 import pytest
@@ -15,10 +16,10 @@ SOLUTION = """def accuracy(logits, labels):
 print("after")"""
 
 
-def test_solution_block_becomes_hint_and_placeholder_at_same_indent():
-    out = authoring.strip_solutions(SOLUTION)
-    assert "argmax(1) == labels" not in out
-    assert "    # HINT: compare logits.argmax(dim=1) with labels" in out
+def test_solution_block_becomes_a_placeholder_at_the_same_indent_and_its_hint_moves_out():
+    out, loose, blocks = authoring.split_solutions(SOLUTION)
+    assert "argmax(1) == labels" not in out and "HINT" not in out
+    assert (loose, blocks) == ([], [[(0, "compare logits.argmax(dim=1) with labels")]])
     assert "    raise NotImplementedError(" in out
     assert out.startswith("def accuracy") and out.endswith('print("after")')
     ns = {}
@@ -57,7 +58,8 @@ def test_generate_then_check_then_detect_drift(tmp_path, capsys):
     assert authoring.main(["--root", str(root), "--check"]) == 1  # labs/ missing
     assert authoring.main(["--root", str(root)]) == 0
     lab = json.loads((root / "labs" / "lab9.ipynb").read_text())
-    code = lab["cells"][1]
+    hints, code = lab["cells"][1:3]
+    assert hints["cell_type"] == "markdown" and "<details><summary>Hint</summary>" in "".join(hints["source"])
     assert code["outputs"] == [] and code["execution_count"] is None
     assert "NotImplementedError" in "".join(code["source"])
     assert authoring.main(["--root", str(root), "--check"]) == 0
@@ -160,18 +162,25 @@ def test_every_exercise_has_three_tiers_of_hints(lab):
         assert {1, 2, 3} <= tiers, f"{lab}: a block's hints lack a tier: {hints}"
 
 
-def test_tiered_hints_are_kept_in_order_and_malformed_ones_are_errors():
+def test_tiered_hints_are_folded_one_per_tier_in_order_and_malformed_ones_are_errors():
     ok = (
-        "    ### BEGIN SOLUTION\n    # HINT 1 (the idea): a\n    # HINT 2 (look up): b\n"
-        "    # HINT 3 (pseudo-code): c\n    x = 1\n    ### END SOLUTION"
+        "x = 0\n# HINT 1 (the idea): p\n    ### BEGIN SOLUTION\n    # HINT 1 (the idea): a\n    # HINT 2 (look up): b\n"
+        "    # HINT 3 (pseudo-code): c\n    # HINT 3 (pseudo-code): d\n    x = 1\n    ### END SOLUTION\n"
+        "### BEGIN SOLUTION\n# HINT 1 (the idea): e\ny = 2\n### END SOLUTION"
     )
-    out = authoring.strip_solutions(ok)
-    assert out.splitlines()[:3] == [
-        "    # HINT 1 (the idea): a",
-        "    # HINT 2 (look up): b",
-        "    # HINT 3 (pseudo-code): c",
+    out, loose, blocks = authoring.split_solutions(ok)
+    assert out.splitlines() == ["x = 0", "    " + authoring.PLACEHOLDER, authoring.PLACEHOLDER]
+    assert loose == [(1, "p")] and blocks == [[(1, "a"), (2, "b"), (3, "c"), (3, "d")], [(1, "e")]]
+    md = authoring.hints_markdown(loose, blocks)
+    summaries = re.findall(r"<details><summary>(.*?)</summary>\n\n(.*?)\n\n</details>", md, re.S)
+    assert summaries == [
+        ("Hint 1: the idea", "p"),
+        ("Hint 1: the idea", "a"),
+        ("Hint 2: look up", "b"),
+        ("Hint 3: pseudo-code", "c\n\nd"),
+        ("Hint 1: the idea", "e"),
     ]
-    assert "x = 1" not in out and authoring.PLACEHOLDER in out
+    assert md.index("first `NotImplementedError`") < md.index("\n\na\n\n") < md.index("second `NotImplementedError`")
     for bad in ("# HINT 2 (the idea): a", "# HINT4: a", "# HINTS: a"):
         with pytest.raises(authoring.AuthoringError, match="malformed hint"):
             authoring.strip_solutions(f"### BEGIN SOLUTION\n{bad}\nx = 1\n### END SOLUTION")
@@ -179,6 +188,22 @@ def test_tiered_hints_are_kept_in_order_and_malformed_ones_are_errors():
         authoring.strip_solutions(
             "### BEGIN SOLUTION\n# HINT 3 (pseudo-code): a\n# HINT 1 (the idea): b\nx = 1\n### END SOLUTION"
         )
+
+
+@pytest.mark.parametrize("lab", LABS)
+def test_in_labs_each_exercise_has_its_tiers_folded_above_it_and_no_hint_left_in_code(lab):
+    cells = nbformat.read(ROOT / "labs" / f"{lab}.ipynb", 4).cells
+    exercises = [i for i, c in enumerate(cells) if c.cell_type == "code" and authoring.PLACEHOLDER in c.source]
+    assert exercises, f"{lab}: no exercise"
+    for i in exercises:
+        above = cells[i - 1]
+        assert above.cell_type == "markdown" and above.source.startswith("**Hints**"), f"{lab} cell {i}: no hints above"
+        for part in above.source.split("`NotImplementedError` in the cell below"):  # one part per block
+            tiers = re.findall(r"<details><summary>Hint (\d)", part)
+            assert tiers == sorted(tiers), f"{lab} cell {i}: tiers out of order: {tiers}"
+        assert "<details><summary>Hint 1" in above.source, f"{lab} cell {i}: no first tier"
+        assert "<details open" not in above.source, "a tier is folded until the student opens it"
+    assert not [c for c in cells if c.cell_type == "code" and "# HINT" in c.source], f"{lab}: a hint left in code"
 
 
 def test_answer_keys_are_removed_and_empty_cells_dropped():

@@ -1,17 +1,18 @@
 """Generate the student copies in labs/ from solutions/ (nbgrader-style markers).
 
 In a code cell of ``solutions/NAME.ipynb``, the lines between ``### BEGIN SOLUTION`` and
-``### END SOLUTION`` are the answer. In ``labs/NAME.ipynb`` they become (at the same
-indentation)::
+``### END SOLUTION`` are the answer, with its hints among them::
 
-    # HINT 1 (the idea): ...       <- the block's hint lines are kept, in three tiers:
-    # HINT 2 (look up): ...           the idea, the API or docs to look up (names, never a
-    # HINT 3 (pseudo-code): ...       call with its arguments), pseudo-code in words
-    raise NotImplementedError("Exercise: write this part (see the hint above)")
+    # HINT 1 (the idea): ...       <- three tiers: the idea, the API or docs to look up
+    # HINT 2 (look up): ...           (names, never a call with its arguments), the steps in
+    # HINT 3 (pseudo-code): ...       words; a plain ``# HINT: ...`` line has no tier
 
-A plain ``# HINT: ...`` line (no tier) is kept too. A line that starts with ``# HINT`` in any
-other form is an error, so a mistyped hint never vanishes silently; tiers go 1, 2, 3 in order.
-Hints never contain a line of the answer's code (``tests/test_authoring.py`` checks it).
+In ``labs/NAME.ipynb`` the block becomes, at the same indentation,
+``raise NotImplementedError("Exercise: write this part (see the hints above)")``, and its hints
+move into a markdown cell just above the code cell, one collapsed ``<details>`` per hint, so a
+student opens the idea first and the steps only when stuck. A line that starts with ``# HINT`` in
+any other form is an error, so a mistyped hint never vanishes silently; tiers go 1, 2, 3 in
+order. Hints never contain a line of the answer's code (``tests/test_authoring.py`` checks it).
 
 Between ``### BEGIN ANSWER KEY`` and ``### END ANSWER KEY`` (code or markdown cells) is what
 only instructors see: the key to a question, a prediction's expected value. The block is
@@ -43,7 +44,7 @@ import nbformat
 from .files import atomic_write
 
 BEGIN, END = "### BEGIN SOLUTION", "### END SOLUTION"
-PLACEHOLDER = 'raise NotImplementedError("Exercise: write this part (see the hint above)")'
+PLACEHOLDER = 'raise NotImplementedError("Exercise: write this part (see the hints above)")'
 KEY_BEGIN, KEY_END = "### BEGIN ANSWER KEY", "### END ANSWER KEY"
 TIERS = {1: "the idea", 2: "look up", 3: "pseudo-code"}
 HINT_RE = re.compile(r"# HINT(?: ([1-3]) \(([a-z -]+)\))?:")
@@ -87,36 +88,66 @@ def strip_answer_keys(source: str, where: str = "cell") -> str:
     return "\n".join(out).strip("\n") if out else ""
 
 
-def strip_solutions(source: str, where: str = "cell") -> str:
-    """Replace every BEGIN/END SOLUTION block of ``source`` with its hints and a placeholder."""
-    out, in_block, indent, hints, tier = [], False, "", [], 0
+Hints = list[tuple[int, str]]  # (tier, text); tier 0 for a plain ``# HINT:`` line
+
+
+def split_solutions(source: str, where: str = "cell") -> tuple[str, Hints, list[Hints]]:
+    """``source`` with every BEGIN/END SOLUTION block replaced by a placeholder and every hint line
+    removed; the hints outside any block (a prediction's), and each block's hints."""
+    out, loose, blocks, in_block, indent = [], [], [], False, ""
     for n, line in enumerate(source.splitlines(), 1):
         stripped = line.strip()
         if stripped.startswith(BEGIN):
             if in_block:
                 raise AuthoringError(f"{where}, line {n}: {BEGIN} inside another solution block")
-            in_block, indent, hints, tier = True, line[: len(line) - len(line.lstrip())], [], 0
-            continue
-        if stripped.startswith(END):
+            in_block, indent = True, line[: len(line) - len(line.lstrip())]
+            blocks.append([])
+        elif stripped.startswith(END):
             if not in_block:
                 raise AuthoringError(f"{where}, line {n}: {END} without {BEGIN}")
-            out += [indent + h for h in hints] + [indent + PLACEHOLDER]
+            out.append(indent + PLACEHOLDER)
             in_block = False
-            continue
-        if in_block:
-            t = hint_tier(line, f"{where}, line {n}")
-            if t is not None:
-                if t and t < tier:
-                    raise AuthoringError(
-                        f"{where}, line {n}: HINT {t} after HINT {tier}; give the tiers in order 1, 2, 3"
-                    )
-                tier = max(tier, t)
-                hints.append(stripped)
-        else:
+        elif (t := hint_tier(line, f"{where}, line {n}")) is not None:
+            hints = blocks[-1] if in_block else loose
+            if t and t < max((h[0] for h in hints), default=0):
+                raise AuthoringError(f"{where}, line {n}: HINT {t} after a later tier; give the tiers in order 1, 2, 3")
+            hints.append((t, stripped[HINT_RE.match(stripped).end() :].strip()))
+        elif not in_block:
             out.append(line)
     if in_block:
         raise AuthoringError(f"{where}: {BEGIN} without {END}")
-    return "\n".join(out)
+    return "\n".join(out), loose, blocks
+
+
+def strip_solutions(source: str, where: str = "cell") -> str:
+    """``source`` with every BEGIN/END SOLUTION block replaced by a placeholder, hints removed."""
+    return split_solutions(source, where)[0]
+
+
+ORDINALS = ("first", "second", "third", "fourth", "fifth", "sixth")
+
+
+def _folded(hints: Hints) -> list[str]:
+    tiers: dict[int, list[str]] = {}
+    for tier, text in hints:
+        tiers.setdefault(tier, []).append(text)
+    return [
+        f"<details><summary>{f'Hint {t}: {TIERS[t]}' if t else 'Hint'}</summary>\n\n"
+        + "\n\n".join(texts)
+        + "\n\n</details>"
+        for t, texts in tiers.items()
+    ]
+
+
+def hints_markdown(loose: Hints, blocks: list[Hints]) -> str:
+    """The markdown cell that holds a code cell's hints: one collapsed ``<details>`` per tier."""
+    parts = ["**Hints**: open one at a time, and the next only when you are still stuck."] + _folded(loose)
+    for b, hints in enumerate(blocks):
+        if len(blocks) > 1 and hints:
+            part = ORDINALS[b] if b < len(ORDINALS) else f"number {b + 1}"
+            parts.append(f"*For the {part} `NotImplementedError` in the cell below:*")
+        parts += _folded(hints)
+    return "\n\n".join(parts)
 
 
 def student_copy(nb: nbformat.NotebookNode, name: str = "notebook") -> nbformat.NotebookNode:
@@ -126,11 +157,16 @@ def student_copy(nb: nbformat.NotebookNode, name: str = "notebook") -> nbformat.
         had_key = KEY_BEGIN in cell.source
         if had_key:
             cell.source = strip_answer_keys(cell.source, f"{name} cell {i}")
+        loose, blocks = [], []
         if cell.cell_type == "code":
-            cell.source = strip_solutions(cell.source, f"{name} cell {i}")
+            cell.source, loose, blocks = split_solutions(cell.source, f"{name} cell {i}")
             cell.outputs = []
             cell.execution_count = None
         cell.get("metadata", {}).pop("execution", None)
+        if loose or any(blocks):
+            md = nbformat.v4.new_markdown_cell(hints_markdown(loose, blocks))
+            md.id = f"{cell.get('id', i)}-hints"[-64:]
+            kept.append(md)
         if not (had_key and not cell.source.strip()):
             kept.append(cell)
     nb.cells = kept
