@@ -256,7 +256,7 @@ c.JupyterHub.load_roles.append(
 )
 """
 
-CULL_IDLE_S = 25
+CULL_IDLE_S = 20
 
 
 @pytest.mark.slow
@@ -329,6 +329,12 @@ def test_two_students_get_different_gpus_notebook_00_runs_and_an_idle_server_is_
             assert (e["MEM_LIMIT"], e["CPU_LIMIT"], e["OMP_NUM_THREADS"]) == (str(2 * 2**30), "1.0", "1")
             course = tmp_path / "home" / u / hub.COURSE_FOLDER
             assert (course / "notebooks" / "00_environment.ipynb").exists() and not (course / "solutions").exists()
+
+        # A third student while both GPUs are in use: the hub says so, and starts nothing.
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            hub_api.api("POST", "/users/cy/server")
+        assert "all 2 shares of this server's GPUs are in use" in json.loads(refused.value.read())["message"]
+        assert not (tmp_path / "home" / "cy").exists()
 
         # Notebook 00 in ada's server, through its kernel: the setup cell prints her share.
         nb = json.loads(

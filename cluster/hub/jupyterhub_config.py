@@ -88,7 +88,11 @@ def _home(spawner) -> tuple[Path, tuple[int, int] | None]:
 
 
 def pre_spawn_hook(spawner) -> None:
-    share = SHARES.take(_key(spawner))  # PoolFull: the student reads why on the spawn page
+    try:
+        share = SHARES.take(_key(spawner))
+    except hub.PoolFull as e:
+        e.jupyterhub_message = str(e)  # what JupyterHub shows the student (and the REST API returns)
+        raise
     spawner.environment = {**spawner.environment, **hub.spawn_environment(share, spawner.cpu_limit)}
     spawner.log.info("GPU share of %s: CUDA_VISIBLE_DEVICES=%r (%s)", _key(spawner), share.visible, share.line)
     home, owner = _home(spawner)
