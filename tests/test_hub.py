@@ -20,10 +20,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -119,6 +121,48 @@ def test_the_course_is_copied_once_without_the_environment(tmp_path):
     (course / "solutions").mkdir()
     with pytest.raises(ValueError, match="solutions/"):
         hub.copy_course(course, tmp_path / "home" / "ben")
+
+
+def _python_for(uid: int) -> str | None:
+    """An interpreter (3.10+) that the account ``uid`` can run: this one, else the system's."""
+    for python in (sys.executable, "/usr/bin/python3"):
+        probe = ["-c", "import sys; assert sys.version_info >= (3, 10)"]
+        try:
+            subprocess.run([python, *probe], user=uid, group=uid, extra_groups=[], capture_output=True, check=True)
+        except (OSError, subprocess.CalledProcessError):
+            continue
+        return python
+    return None
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="copying as another account needs root")
+def test_the_course_is_copied_as_the_student_whatever_they_put_in_their_home(tmp_path, monkeypatch):
+    uid = 4321
+    if (python := _python_for(uid)) is None:
+        pytest.skip("no Python here that another account may run (this one lives in a private folder)")
+    monkeypatch.setattr(sys, "executable", python)  # copy_course_as starts the copy with sys.executable
+    base = Path(tempfile.mkdtemp(prefix="hub-copy-"))
+    try:
+        base.chmod(0o755)
+        course, victim, home = base / "release", base / "victim", base / "home"
+        (course / "labs").mkdir(parents=True)
+        (course / "labs" / "lab0.ipynb").write_text("{}")
+        victim.mkdir()
+        home.mkdir()
+        os.chown(home, uid, uid)
+        # the student points the copy's working folder at a folder of root's
+        (home / f".{hub.COURSE_FOLDER}.partial").symlink_to(victim)
+        dest = hub.copy_course_as((uid, uid), course, home)
+        assert list(victim.iterdir()) == []
+        assert (dest / "labs" / "lab0.ipynb").read_text() == "{}"
+        for p in [dest, *dest.rglob("*")]:
+            assert (p.lstat().st_uid, p.lstat().st_gid) == (uid, uid), p
+        # a home the student cannot write in: the hub says where and why it failed
+        os.chown(home, 0, 0)
+        with pytest.raises(RuntimeError, match="as uid 4321 failed: PermissionError"):
+            hub.copy_course_as((uid, uid), course, base / "home" / "sub")
+    finally:
+        shutil.rmtree(base)
 
 
 # ---- the real hub
@@ -316,8 +360,8 @@ def test_two_students_get_different_gpus_notebook_00_runs_and_an_idle_server_is_
             return lambda: (s := hub_api.server(user)) and s["ready"] and s
 
         # Two students log in at once.
-        for user in ("ada", "ben"):
-            hub_api.api("POST", f"/users/{user}/server")
+        with ThreadPoolExecutor(2) as pool:  # the hub answers a start request when the server is up
+            list(pool.map(lambda u: hub_api.api("POST", f"/users/{u}/server"), ("ada", "ben")))
         servers = {u: _wait(f"{u}'s server is ready", ready(u), 90, log) for u in ("ada", "ben")}
         pids = [servers[u]["state"]["pid"] for u in ("ada", "ben")]
         envs = {u: _environ(servers[u]["state"]["pid"]) for u in ("ada", "ben")}

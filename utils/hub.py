@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,24 +156,62 @@ def spawn_environment(share: Share, cpu_limit: float | None = None) -> dict[str,
     return env
 
 
-def copy_course(course: Path, home: Path, owner: tuple[int, int] | None = None) -> Path | None:
+def copy_course(course: Path, home: Path) -> Path | None:
     """Copy the release folder ``course`` into ``home/scaling-labs`` unless it is there already (a
-    student's work is never overwritten); ``owner`` (uid, gid) gets every file. Returns the new folder,
-    or None when there was one. A folder holding ``solutions/`` is refused: it is not a release."""
-    course, dest = Path(course), Path(home) / COURSE_FOLDER
+    student's work is never overwritten), as the hub's own user (SimpleLocalProcessSpawner's case).
+    Returns the new folder, or None when there was one. A folder holding ``solutions/`` is refused:
+    it is not a release."""
+    course, dest = _release(course), Path(home) / COURSE_FOLDER
+    if os.path.lexists(dest):
+        return None
+    _copy(course, dest)
+    return dest
+
+
+def copy_course_as(account: tuple[int, int], course: Path, home: Path) -> Path | None:
+    """``copy_course`` run as the account (uid, gid) that owns ``home``, from a hub running as root:
+    every file is the student's, and nothing the student puts in their home (a link where the copy
+    goes) can make root write anywhere else. The student must be able to run this Python and read
+    ``course`` (as their server must)."""
+    course, dest = _release(course), Path(home) / COURSE_FOLDER
+    if os.path.lexists(dest):
+        return None
+    uid, gid = account
+    run = subprocess.run(
+        [sys.executable, "-I", __file__, str(course), str(dest)],
+        user=uid,
+        group=gid,
+        extra_groups=[],
+        cwd="/",
+        env={"PATH": os.defpath},
+        capture_output=True,
+        text=True,
+    )
+    if run.returncode != 0:
+        last = (run.stderr.strip().splitlines() or ["no message"])[-1]
+        raise RuntimeError(f"hub: copying the course into {dest} as uid {uid} failed: {last}")
+    return dest
+
+
+def _release(course: Path) -> Path:
+    course = Path(course).resolve()
     if (course / "solutions").exists():
         raise ValueError(
             f"hub: {course} holds solutions/, which students must not get. "
             "Try: make release DEST=<folder> and start the hub from that folder."
         )
-    if dest.exists():
-        return None
+    return course
+
+
+def _copy(course: Path, dest: Path) -> None:
+    """Copy into a folder beside ``dest``, renamed into place when complete."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{COURSE_FOLDER}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if os.path.lexists(tmp):
+        shutil.rmtree(tmp) if tmp.is_dir() and not tmp.is_symlink() else tmp.unlink()
     shutil.copytree(course, tmp, symlinks=True, ignore=shutil.ignore_patterns(*NOT_COPIED))
-    if owner is not None:
-        for path in [tmp, *tmp.rglob("*")]:
-            os.lchown(path, *owner)
     tmp.rename(dest)
-    return dest
+
+
+if __name__ == "__main__":  # copy_course_as runs this file as the student: python -I hub.py COURSE DEST
+    _copy(Path(sys.argv[1]), Path(sys.argv[2]))

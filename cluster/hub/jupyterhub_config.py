@@ -79,12 +79,12 @@ def _key(spawner) -> str:
 
 
 def _home(spawner) -> tuple[Path, tuple[int, int] | None]:
-    """The student's home, and the owner their course copy gets (None when the hub's own user runs
-    the servers, as SimpleLocalProcessSpawner does)."""
+    """The student's home, and the account that copies the course into it (None: the hub's own, as
+    when SimpleLocalProcessSpawner runs every server as the hub's user)."""
     if getattr(spawner, "home_dir", None):
         return Path(spawner.home_dir), None
     account = pwd.getpwnam(spawner.user.name)
-    return Path(account.pw_dir), (account.pw_uid, account.pw_gid)
+    return Path(account.pw_dir), (account.pw_uid, account.pw_gid) if os.geteuid() == 0 else None
 
 
 def pre_spawn_hook(spawner) -> None:
@@ -95,8 +95,9 @@ def pre_spawn_hook(spawner) -> None:
         raise
     spawner.environment = {**spawner.environment, **hub.spawn_environment(share, spawner.cpu_limit)}
     spawner.log.info("GPU share of %s: CUDA_VISIBLE_DEVICES=%r (%s)", _key(spawner), share.visible, share.line)
-    home, owner = _home(spawner)
-    if hub.copy_course(COURSE, home, owner):
+    home, account = _home(spawner)
+    copied = hub.copy_course_as(account, COURSE, home) if account else hub.copy_course(COURSE, home)
+    if copied:
         spawner.log.info("copied the course into %s", home / hub.COURSE_FOLDER)
 
 
