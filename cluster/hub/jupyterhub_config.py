@@ -63,7 +63,7 @@ if proxy.exists():
 
 # Who may log in: local accounts in HUB_GROUP (PAM, the default authenticator).
 c.LocalAuthenticator.allowed_groups = {env.get("HUB_GROUP", "students")}
-c.Authenticator.admin_users = set(hub.parse_pool(env.get("HUB_ADMINS", "")))
+c.Authenticator.admin_users = {name.strip() for name in env.get("HUB_ADMINS", "").split(",") if name.strip()}
 
 # Each server: the shared environment's Python, the student's home, notebook 00 first.
 c.Spawner.cmd = [str(Path(sys.executable).parent / "jupyterhub-singleuser")]
