@@ -11,7 +11,10 @@ task/none, select/cons_tres, no accounting, the node as ``slurmd -C`` describes 
 3. ``srun_tasks.sbatch`` (``srun -n 2``: each task one rank, from SLURM's variables),
 4. ``srun_tasks.sbatch`` again, with rank 1 killed in epoch 3 (``--fail-at-step``: a lost node);
    the job fails, ``scontrol requeue`` reruns it, and the second run (SLURM_RESTART_COUNT=1) must
-   resume from the epoch-2 checkpoint.
+   resume from the epoch-2 checkpoint;
+5. ``notebook.sbatch`` on notebook 00 in the smoke profile: the executed copy, with outputs;
+6. ``jupyter.sbatch``: JupyterLab on the node answers its REST API with the token the job printed,
+   through the address of the tunnel command it printed; then the job is cancelled.
 
 Checks, against oracles outside the code under test: every rank's all-reduce of rank+1 equals
 W(W+1)/2; every rank of a job ends with bit-identical weights (DDP's promise); the same training
@@ -264,6 +267,72 @@ def check_run(run_dir: str, world: int, attempts: int = 1) -> dict:
     return {"digest": digests.pop(), "start_epoch": starts.pop(), "logs": logs}
 
 
+def _submit(slurm: LocalSlurm, out: str, name: str, *argv: str) -> str:
+    return slurm.run("sbatch", "--parsable", "-N1", "-c1", f"--output={out}/{name}-%j.out", *argv).strip().split(";")[0]
+
+
+def check_notebook_job(slurm: LocalSlurm, tmp: str, out: str, step) -> None:
+    """notebook.sbatch executes notebook 00 (smoke) on the node and keeps the executed copy."""
+    import json
+
+    dest = os.path.join(tmp, "executed", "00_environment.ipynb")
+    nb = os.path.join(ROOT, "notebooks", "00_environment.ipynb")
+    jid = _submit(slurm, out, "notebook", os.path.join(ROOT, "cluster", "notebook.sbatch"), nb, dest, "smoke")
+    j = slurm.wait_job(jid, 600)
+    log = (
+        open(os.path.join(out, f"notebook-{jid}.out")).read()
+        if os.path.exists(os.path.join(out, f"notebook-{jid}.out"))
+        else ""
+    )
+    if j.get("JobState") != "COMPLETED" or not os.path.exists(dest):
+        raise AssertionError(f"notebook job {jid} ended {j.get('JobState')} without {dest}:\n{log[-3000:]}")
+    cells = json.load(open(dest))["cells"]
+    outputs = sum(len(c.get("outputs", [])) for c in cells if c["cell_type"] == "code")
+    errors = [o for c in cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    if not outputs or errors:
+        raise AssertionError(f"the executed notebook has {outputs} outputs and {len(errors)} errors")
+    step(f"job {jid} notebook: COMPLETED; notebook 00 executed on the node, {outputs} outputs kept in {dest}")
+
+
+def check_jupyter_job(slurm: LocalSlurm, out: str, step) -> None:
+    """jupyter.sbatch starts JupyterLab on the node; it answers with the printed token at the
+    tunnel's target (NODE:PORT); scancel ends it."""
+    import json
+    import urllib.request
+
+    jid = _submit(slurm, out, "jupyter", os.path.join(ROOT, "cluster", "jupyter.sbatch"))
+    path = os.path.join(out, f"jupyter-{jid}.out")
+    pattern = re.compile(r"ssh -N -L (\d+):(\S+):\d+ .*\n.*http://localhost:\d+/lab\?token=(\w+)")
+    found: list = []
+
+    def ready():
+        text = open(path).read() if os.path.exists(path) else ""
+        m = pattern.search(text)
+        if not m:
+            return False
+        port, node, token = m.groups()
+        try:
+            req = urllib.request.Request(
+                f"http://{node}:{port}/api/status", headers={"Authorization": f"token {token}"}
+            )
+            with urllib.request.urlopen(req, timeout=5) as r:
+                found.append(json.load(r))
+            return True
+        except OSError:
+            return False
+
+    try:
+        slurm._wait(ready, 180, f"JupyterLab of job {jid} to answer")
+    finally:
+        slurm.run("scancel", jid, check=False)
+    if "started" not in found[0]:
+        raise AssertionError(f"JupyterLab's /api/status answered {found[0]}")
+    j = slurm.wait_job(jid, 60)
+    if j.get("JobState") != "CANCELLED":
+        raise AssertionError(f"the JupyterLab job {jid} should end CANCELLED by scancel, it ended {j.get('JobState')}")
+    step(f"job {jid} jupyter: JupyterLab answered at the tunnel's target with the printed token; scancel ended it")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--epochs", type=int, default=4, help="epochs of every job (the requeue test needs >= 3)")
@@ -391,6 +460,8 @@ def main(argv=None) -> int:
         if differ:
             raise AssertionError(f"the same training ended with different weights: srun_tasks {base[:12]}, {differ}")
         step("the same weights from torchrun --standalone, torchrun c10d, srun tasks and the resumed job")
+        check_notebook_job(slurm, tmp, out, step)
+        check_jupyter_job(slurm, out, step)
         ok = True
     except (AssertionError, RuntimeError, TimeoutError, subprocess.SubprocessError, OSError) as e:
         print(f"slurm-check FAILED: {e}", file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ submissions (a student who read the grader's source) are in test_grader_attacks.
 from __future__ import annotations
 
 import csv
+import html
 import json
 import os
 import subprocess
@@ -23,7 +24,7 @@ import pytest
 import torch
 
 import utils.models
-from utils.grader import sandbox, weights
+from utils.grader import batch, sandbox, weights
 from utils.grader.batch import gradescope_batch, gradescope_result
 from utils.grader.core import grade, write_json
 from utils.grader.gradescope import build_zip
@@ -80,6 +81,10 @@ def batch_run(spec, tmp_path_factory):
         str(out / "results.json"),
         "--reports",
         str(out / "reports"),
+        "--platform-csv",
+        str(out / "canvas.csv"),
+        "--feedback",
+        str(out / "feedback"),
         "--jobs",
         "3",
     ]
@@ -155,6 +160,17 @@ def test_unchanged_serial_script_fails_on_accuracy_and_ranks(graded, spec):
     assert r["accuracy"] < spec.target_val_acc
     warnings = " ".join(r["static_warnings"])
     assert "init_process_group" in warnings and "every rank" in warnings, r["static_warnings"]
+
+
+def test_the_platform_gradebook_and_feedback_of_the_reference_and_the_serial_script(graded, spec, tmp_path):
+    reports = [dict(graded[k], score=batch.score(graded[k], spec)) for k in ("reference", "serial")]
+    batch.write_platform_csv(reports, tmp_path / "grades.csv", spec, platform="generic", id_column="student")
+    rows = {r["student"]: r for r in csv.DictReader((tmp_path / "grades.csv").open())}
+    assert rows["reference"]["score"] == f"{spec.points:g}" and rows["serial"]["score"] == "0"
+    batch.write_feedback(reports, tmp_path / "feedback", spec)
+    assert "Every requirement was met" in (tmp_path / "feedback" / "reference.html").read_text()
+    serial = (tmp_path / "feedback" / "serial.html").read_text()
+    assert html.escape(batch.NEXT_STEP["accuracy"]) in serial and ("Not passed" in serial or "Not graded" in serial)
 
 
 def test_reports_json_and_gradescope_format(graded, spec, tmp_path):
@@ -436,6 +452,12 @@ def test_batch_grades_every_bad_input_with_its_reason(batch_run):
     assert len(printed["logs"]["0"]["stdout"]) < 4000, "log tails must be capped"
     hang = json.loads((out / "reports" / "hang.json").read_text())
     assert HANG_BUDGET_S <= hang["time_s"] < HANG_BUDGET_S + 10 and hang["timed_out"] and hang["accuracy"] is None
+    canvas = list(csv.reader((out / "canvas.csv").open()))
+    assert canvas[0][:5] == ["Student", "ID", "SIS User ID", "SIS Login ID", "Section"]
+    assert sorted(r[0] for r in canvas[2:]) == sorted(EXPECTED) and {r[5] for r in canvas[2:]} == {"0"}
+    for student, (_, code, _) in EXPECTED.items():
+        page = (out / "feedback" / f"{student}.html").read_text()
+        assert "Not graded" in page and html.escape(batch.NEXT_STEP[code]) in page, student
     doc = json.loads((out / "results.json").read_text())
     _assert_gradescope(doc, per_submission=False)
     assert sorted(t["name"] for t in doc["tests"]) == sorted(EXPECTED)

@@ -225,6 +225,20 @@ def test_stage6_profiler_schedule_and_buckets(name):
     assert small < large and large >= cfg.prof_ddp_depth * layer_mb, "the large cap holds every gradient"
 
 
+@pytest.mark.parametrize("name", config.PROFILE_NAMES)
+def test_transformer_notebook_sizes_fit_the_model(name):
+    """Notebook 07: three sequence lengths up to the model's context (the last is the context),
+    a median of at least three timed steps after a warm-up, and a learning rate Adam can take."""
+    cfg = config.profile(name)
+    lens = cfg.gpt_mem_seq_lens
+    assert len(lens) == 3 and list(lens) == sorted(set(lens)) and lens[0] >= 1 and lens[-1] == cfg.gpt_context
+    assert cfg.gpt_timing_warmup >= 1 and cfg.gpt_timing_repeats >= 3
+    assert cfg.gpt_train_steps >= 20 and 0 < cfg.gpt_lr <= 1e-2
+    assert cfg.gpt_eval_batches >= 1 and cfg.gpt_sample_bytes >= 1 and cfg.gpt_mem_batch >= 1
+    held_out = (cfg.gpt_corpus_bytes or data.SHAKESPEARE_BYTES) // 10  # load_tokens keeps 10% for validation
+    assert held_out > cfg.gpt_context + 1, "held-out windows of the full context exist"
+
+
 @pytest.mark.parametrize("spec_path", SPECS, ids=lambda p: p.name)
 def test_grader_specs_fit_their_dataset_and_train_a_step(spec_path):
     from utils.grader import spec as grader_spec

@@ -243,8 +243,8 @@ def measure_throughput(
     steps: steps per timed repeat; None chooses enough for about ``min_repeat_s`` seconds
         (at most ``max_steps``), from the time of one warm step.
     optimizer, momentum: a name for :func:`utils.optim.make_optimizer` ("sgd", "adam", "adamw")
-        or a function params -> optimizer; ``momentum`` is SGD's (0.9 by default here: the
-        lecture's SGD with momentum).
+        or a function params -> optimizer; ``momentum`` is SGD's (0.9 by default here; the
+        lecture does not say which optimizer its throughput demo used).
     """
     if mode not in ("train", "inference"):
         raise ValueError(f"mode must be 'train' or 'inference', got {mode!r}")
@@ -466,8 +466,9 @@ def amp_step_costs(
     the scaler's check (for the timing only: unsafe to train with).
 
     Why the scaler synchronises: ``scaler.step(optimizer)`` must skip the step when the scaled
-    gradients overflowed, and that decision is taken on the host, so it reads the GPU's
-    found-inf flag with ``.item()`` every step. The host then waits for the whole backward pass
+    gradients overflowed. With a non-fused optimizer, such as the SGD here, that decision is taken
+    on the host, so it reads the GPU's found-inf flag with ``.item()`` every step (a ``fused=True``
+    optimizer takes the flag as a tensor and skips on the GPU, with no sync). The host then waits for the whole backward pass
     before it can queue the next step's kernels; the GPU idles for the host's launch time of
     the next forward. bf16 has fp32's exponent range, needs no scaler and has no such sync."""
     device = torch.device(device)
@@ -476,7 +477,7 @@ def amp_step_costs(
     net = copy.deepcopy(model).to(device).train()
     x = torch.randn(batch_size, *input_shape, device=device)
     y = torch.randint(0, 10, (batch_size,), device=device)
-    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)
+    opt = torch.optim.SGD(net.parameters(), lr=1e-3, momentum=0.9)  # not fused: the scaler reads found_inf on the host
     scaler = torch.amp.GradScaler("cuda")
 
     def fp16_scaled():
@@ -537,8 +538,9 @@ def matmul_flops_per_s(
 
     On a CPU the multiply runs on ONE thread and the rate is multiplied by the threads torch
     uses (``torch.get_num_threads()``): a chip's peak is the sum of its cores' peaks. One
-    thread has no partner to wait for, so a busy neighbour on another core cannot slow it;
-    and one core alone may clock higher than all of them together, so this peak errs high."""
+    thread has no partner to wait for, so a busy neighbour on another core cannot slow it. The
+    result is an upper bound: one core alone clocks higher than all of them busy together, and
+    threads beyond the physical cores share their arithmetic units."""
     if precision not in ("fp32", "tf32", "bf16"):
         raise ValueError(f"precision must be fp32, tf32 or bf16, got {precision!r}")
     device = torch.device(device)

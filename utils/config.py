@@ -173,6 +173,15 @@ TABLE: dict[str, tuple] = {
     "gpt_layers": (2, 4, 12),  # transformer blocks
     "gpt_heads": (4, 4, 12),  # attention heads (head width 16, 64, 64)
     "gpt_batch": (8, 16, 32),  # sequences per optimizer step (x gpt_context tokens)
+    # --- notebook 07_scaling_a_transformer ---
+    "gpt_train_steps": (60, 30, 100),  # AdamW steps of the first training run
+    "gpt_lr": (3e-3, 3e-3, 3e-4),  # AdamW learning rate (constant, no weight decay)
+    "gpt_eval_batches": (4, 4, 8),  # held-out batches (gpt_batch x gpt_context tokens each) for the validation loss
+    "gpt_sample_bytes": (200, 200, 300),  # bytes the trained model writes after a prompt
+    "gpt_timing_warmup": (2, 1, 3),  # untimed training steps before the timed ones
+    "gpt_timing_repeats": (5, 3, 10),  # timed training steps (median)
+    "gpt_mem_batch": (4, 4, 8),  # sequences per batch in the memory measurements
+    "gpt_mem_seq_lens": ((16, 32, 64), (32, 64, 128), (256, 512, 1024)),  # tokens; the last is gpt_context
 }
 # fmt: on
 

@@ -698,7 +698,7 @@ def rank_exercises() -> list:
     from . import checks  # noqa: F401 - importing the package registers every lab's exercises
     from .checks import engine
 
-    return [ex for ex in engine.REGISTRY.values() if ex.ranks]
+    return [ex for ex in engine.REGISTRY.values() if ex.ranks and ex.module.startswith("utils.checks.")]
 
 
 def check_lab_exercises_on_ranks(ctx: Context) -> str:

@@ -1,10 +1,12 @@
 """A class at a time: submissions found in a folder, graded K at a time (GPUs divided among the
-jobs), a CSV gradebook, Gradescope's results.json; and calibration of the time budget."""
+jobs), a CSV gradebook, Gradescope's results.json, a gradebook a learning platform imports
+(Canvas's, or a generic one), one feedback page per student; and calibration of the time budget."""
 
 from __future__ import annotations
 
 import csv
 import datetime
+import html
 import io
 import json
 import math
@@ -124,6 +126,104 @@ def write_gradebook(reports: list[dict], path: str | Path) -> None:
     for r in reports:
         w.writerow({k: _fmt(k, r.get(k)) for k in GRADEBOOK_FIELDS})
     atomic_write(path, buf.getvalue())
+
+
+CANVAS_IDS = ("ID", "SIS User ID", "SIS Login ID")  # the columns Canvas matches a row to a student by
+
+
+def write_platform_csv(
+    reports: list[dict],
+    path: str | Path,
+    spec: Spec,
+    *,
+    platform: str = "canvas",
+    id_column: str = "SIS Login ID",
+    assignment: str = "Scaling Labs assessment",
+) -> None:
+    """The grades as a learning platform imports them, one row per student with the score out of
+    ``spec.points``; the student is the submission's name (its file or folder), put in ``id_column``.
+
+    ``canvas``: Canvas's gradebook columns (Student, ID, SIS User ID, SIS Login ID, Section), a
+    "Points Possible" row, then one column for the assignment; ``id_column`` is one of
+    :data:`CANVAS_IDS`, the one the submissions are named by. ``generic``: ``id_column``, score,
+    points possible, status."""
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    if platform == "canvas":
+        if id_column not in CANVAS_IDS:
+            raise ValueError(f"Canvas matches students by one of {', '.join(CANVAS_IDS)}, not {id_column!r}")
+        w.writerow(["Student", *CANVAS_IDS, "Section", assignment])
+        w.writerow(["Points Possible", "", "", "", "", f"{spec.points:g}"])
+        for r in reports:
+            ids = [r["student"] if c == id_column else "" for c in CANVAS_IDS]
+            w.writerow([r["student"], *ids, "", f"{r['score']:g}"])
+    elif platform == "generic":
+        w.writerow([id_column, "score", "points_possible", "status"])
+        for r in reports:
+            w.writerow([r["student"], f"{r['score']:g}", f"{spec.points:g}", r["status"]])
+    else:
+        raise ValueError(f"unknown platform {platform!r}: canvas or generic")
+    atomic_write(path, buf.getvalue())
+
+
+NEXT_STEP = {
+    "no_entry": "hand in assessment.py (one file, or a folder with it at its top)",
+    "syntax_error": "run `python -m py_compile assessment.py` and fix the line it names",
+    "too_large_submission": "hand in your code only: no data, checkpoints or virtual environments",
+    "crashed": "run the command in the brief on your machine and fix the error above, on every rank",
+    "timeout": "make it finish sooner: time one epoch with the brief's command and cut epochs or work",
+    "output_limit": "print less (a line per epoch) and write only model.pt",
+    "grader_error": "tell your instructor: the grader, not your code, failed",
+    "no_output": "save model.state_dict() to the path given by --out, on rank 0 only",
+    "bad_checkpoint": "save with torch.save(model.state_dict(), path): a dict of tensors",
+    "unsafe_checkpoint": "save plain tensors only (model.state_dict()), never pickled objects",
+    "too_large": "save the model's state_dict only, not the optimizer or the data",
+    "wrong_keys": "save the state_dict of the model the brief names, unwrapped from DDP (model.module)",
+    "wrong_shapes": "keep the brief's model and its sizes",
+    "nan_weights": "lower the learning rate or add warmup: training diverged",
+    "time": "spend the speed-up: train on every rank, so each epoch takes less time",
+    "accuracy": "train longer or tune the learning rate for your global batch",
+    "background_processes": "let every process you start end before your script does",
+    "not_distributed": "join the process group on every rank (init_process_group) and train on each",
+    "not_data_parallel": "wrap the model in DistributedDataParallel and give each rank its own shard",
+    "not_ddp_weights": "save the weights of the model DDP trained (model.module.state_dict())",
+    "weights_changed": "save the weights right after training, unchanged",
+    "too_little_data": "train on the whole training split: shard it across ranks, do not cut it",
+}
+
+
+def feedback_page(report: dict, spec: Spec) -> str:
+    """One student's grade as an HTML page: the result, each reason with what to do next."""
+    e = html.escape
+    rows = [
+        ("accuracy", report.get("accuracy"), f"target {spec.target_val_acc}"),
+        ("time", report.get("time_s"), f"budget {spec.time_budget_s:g} s"),
+        ("ranks measured", report.get("ranks_measured"), f"required {spec.nprocs}"),
+    ]
+    table = "".join(
+        f"<tr><td>{e(k)}</td><td>{'not measured' if v is None else e(f'{v:.4g}' if isinstance(v, float) else str(v))}"
+        f"</td><td>{e(want)}</td></tr>"
+        for k, v, want in rows
+    )
+    reasons = "".join(
+        f"<li><p>{e(r['message'])}</p><p><b>Next:</b> {e(NEXT_STEP.get(r['code'], 'read the brief again, or ask your instructor'))}</p></li>"
+        for r in report.get("reasons", [])
+    )
+    verdict = (
+        "Passed" if report["status"] == "passed" else "Not passed" if report["status"] == "failed" else "Not graded"
+    )
+    body = f"<ol>{reasons}</ol>" if reasons else "<p>Every requirement was met.</p>"
+    return (
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{e(report['student'])}: {verdict}</title></head>"
+        f"<body><h1>{e(report['student'])}: {verdict}, {report['score']:g} of {spec.points:g} points</h1>"
+        f"<table><tr><th></th><th>yours</th><th>needed</th></tr>{table}</table><h2>Why</h2>{body}</body></html>\n"
+    )
+
+
+def write_feedback(reports: list[dict], folder: str | Path, spec: Spec) -> None:
+    """One ``<student>.html`` per report in ``folder``, each written atomically."""
+    for r in reports:
+        atomic_write(Path(folder) / f"{r['student']}.html", feedback_page(r, spec))
 
 
 DP_CODES = {"not_distributed", "not_data_parallel", "not_ddp_weights", "weights_changed", "too_little_data"}

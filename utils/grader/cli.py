@@ -69,9 +69,21 @@ def summary(r: dict, verbose: bool = False) -> str:
 
 
 def cmd_batch(args: argparse.Namespace) -> int:
-    from .batch import find_submissions, grade_many, gradescope_batch, write_gradebook, write_gradescope
+    from .batch import (
+        CANVAS_IDS,
+        find_submissions,
+        grade_many,
+        gradescope_batch,
+        write_feedback,
+        write_gradebook,
+        write_gradescope,
+        write_platform_csv,
+    )
 
     spec = _spec(args)
+    if args.platform_csv and args.platform == "canvas" and args.id_column not in CANVAS_IDS:
+        print(f"--id-column: Canvas matches students by one of {', '.join(CANVAS_IDS)}", file=sys.stderr)
+        return 2
     subs = find_submissions(args.folder)
     if not subs:
         print(f"no submissions in {args.folder} (expected one .py file or one folder per student)", file=sys.stderr)
@@ -92,6 +104,12 @@ def cmd_batch(args: argparse.Namespace) -> int:
     if args.gradescope:
         write_gradescope(gradescope_batch(reports, spec), args.gradescope)
         print(f"Gradescope results: {args.gradescope}")
+    if args.platform_csv:
+        write_platform_csv(reports, args.platform_csv, spec, platform=args.platform, id_column=args.id_column)
+        print(f"{args.platform} gradebook: {args.platform_csv}")
+    if args.feedback:
+        write_feedback(reports, args.feedback, spec)
+        print(f"feedback pages: {args.feedback}/<student>.html")
     passed = sum(r["status"] == "passed" for r in reports)
     print(f"{passed} of {len(reports)} passed")
     return 0
@@ -220,6 +238,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--csv", required=True, help="the gradebook to write")
     b.add_argument("--gradescope", help="write a Gradescope-format results.json for the class")
     b.add_argument("--reports", help="folder for one JSON report per student")
+    b.add_argument("--platform-csv", help="write the grades as a learning platform imports them")
+    b.add_argument("--platform", choices=("canvas", "generic"), default="canvas", help="that file's format")
+    b.add_argument(
+        "--id-column",
+        default="SIS Login ID",
+        help="the column holding the submission's name: for canvas one of ID, SIS User ID, SIS Login ID",
+    )
+    b.add_argument("--feedback", help="folder for one HTML feedback page per student")
     b.add_argument("--jobs", type=int, default=1, help="submissions graded at once (GPUs are divided)")
     b.add_argument("--budget", type=float, help="override the spec's time budget (seconds)")
     b.add_argument("--workroot", help="where job dirs go (default: the system temp dir)")

@@ -18,6 +18,10 @@ MASTER_PORT          20000 + SLURM_JOB_ID % 10000 (if unset)          job 123456
 
 SLURM counts only inside a job *step* (``srun``, SLURM_STEP_ID set): the batch script itself
 sees SLURM_NTASKS=8 and SLURM_PROCID=0 but is one process, and must not wait for seven others.
+
+The derived MASTER_PORT is the same on every task without any exchange, but two jobs whose ids
+differ by a multiple of 10,000 get the same one: if they share a node, the second cannot bind it.
+Where jobs share nodes, export MASTER_PORT (a free port on the first node) in the job script.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-PORT_BASE, PORT_SPAN = 20000, 10000  # MASTER_PORT = PORT_BASE + job id % PORT_SPAN (below Linux's ephemeral range)
+# MASTER_PORT = PORT_BASE + job id % PORT_SPAN, below Linux's ephemeral range; ids PORT_SPAN apart collide
+PORT_BASE, PORT_SPAN = 20000, 10000
 
 
 @dataclass(frozen=True)
