@@ -6,7 +6,7 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS)
 NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --nbval-sanitize-with tests/sanitize.cfg
 
-.PHONY: lab test test-extended unit check lint format notebooks notebooks-cpu standins labs check-labs release bench grade gradescope two-node clean help slurm-check tensorboard
+.PHONY: lab hub hub-proxy test test-extended unit check lint format notebooks notebooks-cpu standins labs check-labs release bench grade gradescope two-node clean help slurm-check tensorboard
 
 help:
 	@echo "make lab    create .venv if missing, install, start JupyterLab on the repository, open notebooks/00_environment.ipynb"
@@ -17,6 +17,8 @@ help:
 	@echo "make lint   ruff check and ruff format --check over every .py and notebook;  make format  fixes"
 	@echo "make labs   regenerate labs/*.ipynb from solutions/*.ipynb"
 	@echo "make release DEST=dir  what students get: labs, notebooks, library; no solutions/, no tests/"
+	@echo "make hub   the class's JupyterHub (cluster/hub/jupyterhub_config.py), run as root from a release folder;"
+	@echo "            HUB_GPU_POOL=0,1,2,3 HUB_PER_GPU=1 HUB_CULL_IDLE_S=3600 ... (see the config), HUB_ARGS='--port 8000' to jupyterhub"
 	@echo "make standins  write synthetic stand-ins for Fashion-MNIST, CIFAR-10 and Tiny Shakespeare (used only with LAB_DATA=standin)"
 	@echo "make notebooks-cpu  every notebook and solution in the cpu profile on the stand-ins"
 	@echo "make bench  run benchmarks/ (prints figures; never pass/fail)"
@@ -38,8 +40,25 @@ $(VENV)/.installed-lab: pyproject.toml $(CONSTRAINTS) | $(PY)
 	@touch $@
 
 $(VENV)/.installed-test: pyproject.toml $(CONSTRAINTS) | $(PY)
-	$(PIP) -e '.[test]'
-	@touch $@ $(VENV)/.installed-lab
+	$(PIP) -e '.[test,hub]'
+	@touch $@ $(VENV)/.installed-lab $(VENV)/.installed-hub
+
+# The class's JupyterHub (cluster/hub/jupyterhub_config.py; README, "Run a class on one GPU server"):
+# the [hub] extras in .venv, its proxy from npm into .venv/hub-proxy (no global install), then the hub.
+# Settings are HUB_* variables (make hub HUB_GPU_POOL=0,1); HUB_ARGS go to jupyterhub (--port 8000).
+HUB_ARGS  ?=
+HUB_PROXY := $(VENV)/hub-proxy/node_modules/.bin/configurable-http-proxy
+$(VENV)/.installed-hub: pyproject.toml $(CONSTRAINTS) | $(VENV)/.installed-lab
+	$(PIP) -e '.[hub]'
+	@touch $@
+
+$(HUB_PROXY): | $(PY)
+	npm install --prefix $(VENV)/hub-proxy --no-fund --no-audit configurable-http-proxy
+
+hub-proxy: $(HUB_PROXY)
+
+hub: $(VENV)/.installed-hub $(HUB_PROXY)
+	$(VENV)/bin/jupyterhub -f cluster/hub/jupyterhub_config.py $(HUB_ARGS)
 
 # JupyterLab serves the repository root (notebooks/, labs/, solutions/) and opens the start page.
 # As root (containers, cloud images) Jupyter refuses to start without --allow-root: pass it then.

@@ -7,6 +7,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CONDA_NAMES = {"torch": "pytorch"}  # pip name -> conda-forge name
+# conda-forge packages with no pip name: the hub's proxy is an npm package (make hub-proxy under pip)
+CONDA_ONLY = {"configurable-http-proxy"}
 
 
 def _name(req: str) -> str:
@@ -36,8 +38,8 @@ def _environment_names():
 def test_environment_yml_names_the_same_dependencies_as_pyproject():
     proj = _pyproject()["project"]
     wanted = {CONDA_NAMES.get(_name(r), _name(r)) for r in proj["dependencies"]}
-    wanted |= {_name(r) for r in proj["optional-dependencies"]["test"]}
-    have = _environment_names() - {"python", "pip"}
+    wanted |= {_name(r) for extra in ("test", "hub") for r in proj["optional-dependencies"][extra]}
+    have = _environment_names() - {"python", "pip"} - CONDA_ONLY
     assert wanted == have, (
         f"environment.yml and pyproject.toml disagree: only in pyproject {wanted - have}, "
         f"only in environment.yml {have - wanted}"

@@ -32,6 +32,8 @@ FAST_TIER_PROCESSES = {
     "test_readme.py::test_each_command_works_from_a_fresh_shell": "the README's untagged lines, each one "
     "interpreter (make labs, make check-labs, a profile summary, --help); a slow line is tagged and not run",
     "test_gpucheck.py::test_an_interpreter_without_torch_gets_a_message_not_a_traceback": "one `python -c`",
+    "test_hub.py::test_the_course_is_copied_as_the_student_whatever_they_put_in_their_home": "root only: a "
+    "`python -c` probe or two and two short copies as another account (well under a second)",
     "test_gpucheck.py::test_offline_children_fail_a_download_at_once": "one `python -c` that fails at once",
     "test_gpucheck.py::test_the_makefile_passes_gpu_check_args": "`make -n`: prints the command, runs nothing",
     "test_gpucheck.py::test_every_required_check_is_listed": "lists the checks, runs none",

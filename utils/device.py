@@ -220,6 +220,7 @@ def describe_hardware() -> dict:
         "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
         "gpus": [],
         "driver": None,
+        "gpu_share": os.environ.get("LAB_GPU_SHARE"),  # set by the class's JupyterHub (utils/hub.py)
     }
     if torch.cuda.is_available():
         info["driver"] = _driver_version()
@@ -252,4 +253,6 @@ def hardware_summary(info: dict | None = None) -> str:
             )
     else:
         lines.append("GPU    none (CUDA not available): runs use the CPU")
+    if info.get("gpu_share"):
+        lines.append(f"share  {info['gpu_share']}")
     return "\n".join(lines)
