@@ -52,8 +52,9 @@ $(VENV)/.installed-hub: pyproject.toml $(CONSTRAINTS) | $(VENV)/.installed-lab
 	$(PIP) -e '.[hub]'
 	@touch $@
 
+# 5.2.0: the newest release whose dependencies all run on node 20 (5.3.0 wants node 22.12 for commander 15)
 $(HUB_PROXY): | $(PY)
-	npm install --prefix $(VENV)/hub-proxy --no-fund --no-audit configurable-http-proxy
+	npm install --prefix $(VENV)/hub-proxy --no-fund --no-audit configurable-http-proxy@5.2.0
 
 hub-proxy: $(HUB_PROXY)
 
