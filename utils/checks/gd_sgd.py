@@ -48,13 +48,9 @@ def _run_steps(gd_step, case):
     return w, b
 
 
-def _step(f):
-    """A gd_step that moves (w, b) by ``f(w, b, lr, (dL/dw, dL/db), x)``."""
-    return lambda x, y, w, b, lr: f(w, b, lr, _grad(x, y, w, b), x)
-
-
-def _move(w, b, lr, g, x=None):
-    return w - lr * g[0], b - lr * g[1]
+def _gd(f):
+    """A gd_step whose new (w, b) is ``f(w, b, lr * dL/dw, lr * dL/db, x)``."""
+    return lambda x, y, w, b, lr: f(w, b, *(lr * d for d in _grad(x, y, w, b)), x)
 
 
 def _first_step_on_other_points(o) -> bool:
@@ -77,24 +73,24 @@ GD_STEP = Exercise(
     hint="the residual is w x + b - y; w moves by lr times twice the mean of residual times x, b by lr times twice the "
     "mean residual",
     mistakes=[
-        _m("the step goes UP the gradient. Try: gradient descent moves against the gradient: subtract lr times it "
-           "(check the residual's sign too)", _step(lambda w, b, lr, g, x: _move(w, b, -lr, g))),
+        _m("the step goes UP the gradient. Try: move against the gradient, subtracting lr times it (check the "
+           "residual's sign too)", _gd(lambda w, b, dw, db, x: (w + dw, b + db))),
         _m("the gradient is half what it should be. Try: the derivative of r squared is 2 r times dr: keep the factor 2",
-           _step(lambda w, b, lr, g, x: _move(w, b, lr / 2, g))),
-        _m("the gradient is a sum over the points, not a mean. Try: the loss is the MEAN squared error: average over "
-           "the points", _step(lambda w, b, lr, g, x: _move(w, b, lr * len(x), g))),
+           _gd(lambda w, b, dw, db, x: (w - dw / 2, b - db / 2))),
+        _m("the gradient is a sum over the points, not a mean. Try: the loss is the MEAN squared error: average",
+           _gd(lambda w, b, dw, db, x: (w - dw * len(x), b - db * len(x)))),
         _m("w moves correctly but b does not. Try: b's gradient is twice the mean residual: update b too",
-           _step(lambda w, b, lr, g, x: (_move(w, b, lr, g)[0], b))),
+           _gd(lambda w, b, dw, db, x: (w - dw, b))),
         _m("b moves correctly but w does not. Try: w's gradient is twice the mean of the residual times x: update w too",
-           _step(lambda w, b, lr, g, x: (w, _move(w, b, lr, g)[1]))),
+           _gd(lambda w, b, dw, db, x: (w, b - db))),
         _m("the two gradients are swapped. Try: w's gradient is the one with x in it, b's is twice the mean residual",
-           _step(lambda w, b, lr, g, x: _move(w, b, lr, g[::-1]))),
+           _gd(lambda w, b, dw, db, x: (w - db, b - dw))),
         _m("the residual leaves out b. Try: the prediction is w times x plus b: subtract y from that",
-           lambda x, y, w, b, lr: _move(w, b, lr, _grad(x, y, w, 0.0))),
-        _m("b moved by w's gradient. Try: b's gradient has no x in it: twice the mean residual, not of the residual "
-           "times x", _step(lambda w, b, lr, g, x: _move(w, b, lr, g[:1] * 2))),
-        _m("it does not start from the (w, b) it is given. Try: move the (w, b) each call receives and return the "
-           "moved pair, keeping nothing between calls", lambda x, y, w, b, lr: _move(0.0, 0.0, lr, _grad(x, y, 0.0, 0.0))),
+           lambda x, y, w, b, lr: tuple(v - lr * d for v, d in zip((w, b), _grad(x, y, w, 0.0)))),
+        _m("b moved by w's gradient. Try: b's gradient is twice the mean residual, with no x in it",
+           _gd(lambda w, b, dw, db, x: (w - dw, b - dw))),
+        _m("it does not start from the (w, b) it is given. Try: move the (w, b) each call receives, keeping nothing "
+           "between calls", lambda x, y, w, b, lr: _linreg.gd_step(x, y, 0.0, 0.0, lr)),
     ],
 )  # fmt: skip
 
@@ -113,21 +109,20 @@ SGD = Exercise(
     hint="each step takes the next batch of indices, moves (w, b) by the gradient on those points only, and appends "
     "the new pair",
     mistakes=[
-        _m("the start is missing. Try: begin the path with (w0, b0), then add one row after every step: steps + 1 rows",
+        _m("the start is missing. Try: begin the path with (w0, b0), then add one row per step: steps + 1 rows",
            lambda *a: _sgd(*a)[1:], when=lambda o: len(o.got) == len(o.want) - 1),
         _m("the first row is not the start (w0, b0). Try: the path starts with (w0, b0), before any step",
            lambda *a: _sgd(*a, steps_more=1)[1:], when=lambda o: not _close(o.got[0], o.want[0])),
-        _m("the path equals full-batch GD: every step used all the data. Try: compute each step's gradient on the "
-           "current minibatch's points only", partial(_sgd, bs_all=True)),
-        _m("the steps are batch_size times too long: the minibatch gradient is summed, not averaged. Try: average "
-           "over the batch, as the MSE does", lambda *a: _sgd(*a, lr_x=a[6])),
-        _m("the first step is right but later ones are not. Try: take the NEXT batch each step from one shared "
-           "minibatches iterator, and each gradient at the latest (w, b)",
-           lambda x, y, w0, b0, lr, n, bs, seed: _linreg.gd(
+        _m("the path equals full-batch GD: every step used all the data. Try: take each step's gradient on the "
+           "current minibatch only", partial(_sgd, bs_all=True)),
+        _m("the steps are batch_size times too long: the minibatch gradient is summed. Try: average it, as the MSE "
+           "does", lambda *a: _sgd(*a, lr_x=a[6])),
+        _m("the first step is right but later ones are not. Try: take the NEXT batch each step from one minibatches "
+           "iterator, and each gradient at the latest (w, b)", lambda x, y, w0, b0, lr, n, bs, seed: _linreg.gd(
                *(t[next(_linreg.minibatches(len(x), bs, seed))] for t in (x, y)), w0, b0, lr, n),
            when=lambda o: _close(o.got[1], o.want[1])),
-        _m("the steps are SGD steps, but not on the expected batches (own indices). Try: use the batches of "
-           "utils.linear_regression.minibatches, in the order it gives them", lambda *a: _sgd(*a[:-1], a[-1] + 1),
+        _m("the steps are SGD steps, but not on the expected batches. Try: use the batches of "
+           "utils.linear_regression.minibatches, in its order", lambda *a: _sgd(*a[:-1], a[-1] + 1),
            when=_first_step_on_other_points),
     ],
 )  # fmt: skip
@@ -151,20 +146,16 @@ NOISE_SCALE = Exercise(
     hint="compare each line with the two formulas above the exercise (which batch size goes with which norm, the "
     "signs), and average each kind of estimate over the pairs before dividing",
     mistakes=[
-        _m("you averaged the per-pair ratios. Try: average the |G|^2 estimates and the tr(Sigma) estimates "
-           "SEPARATELY, then divide the two means", _pairs(lambda s, g, bs, bb, G2, tr: (tr / G2).mean())),
-        _m("|G|^2 was taken as the big batch's |G_big|^2. Try: the big batch's norm still holds noise: weight each "
-           "norm by its batch size, as in the formula", _pairs(lambda s, g, bs, bb, G2, tr: tr.mean() / g.mean())),
-        _m("tr(Sigma) was divided by (B_big - B_small). Try: divide the difference of the norms by the difference of "
-           "the batch sizes' reciprocals", _pairs(lambda s, g, bs, bb, G2, tr: (s - g).mean() / (bb - bs) / G2.mean())),
+        _m("you averaged the per-pair ratios. Try: average the |G|^2 and the tr(Sigma) estimates SEPARATELY, then "
+           "divide the two means", _pairs(lambda s, g, bs, bb, G2, tr: (tr / G2).mean())),
+        _m("|G|^2 was taken as the big batch's |G_big|^2. Try: that norm still holds noise: weight each norm by its "
+           "batch size, as in the formula", _pairs(lambda s, g, bs, bb, G2, tr: tr.mean() / g.mean())),
+        _m("tr(Sigma) was divided by (B_big - B_small). Try: divide the norms' difference by the difference of the "
+           "reciprocals 1/B", _pairs(lambda s, g, bs, bb, G2, tr: (s - g).mean() / (bb - bs) / G2.mean())),
         _m("B_small and B_big are swapped in |G|^2. Try: weight each squared norm by its OWN batch size, the big "
-           "batch's term first, over B_big - B_small",
-           _pairs(lambda s, g, bs, bb, G2, tr: tr.mean() / ((bs * g - bb * s) / (bs - bb)).mean())),
-        _m("the ratio is upside down (|G|^2 / tr(Sigma)). Try: B_simple is tr(Sigma) over |G|^2: the noise on top, "
-           "the signal below", _pairs(lambda s, g, bs, bb, G2, tr: G2.mean() / tr.mean())),
-        _m("the first 4 pairs give the right value but more pairs give a wrong one: some pairs are left out. Try: "
-           "average over all the pairs you are given, in float64",
-           _pairs(lambda s, g, bs, bb, G2, tr: tr[:4].mean() / G2[:4].mean())),
+           "batch's term first", _pairs(lambda s, g, bs, bb, G2, tr: tr.mean() / ((bs * g - bb * s) / (bs - bb)).mean())),
+        _m("the ratio is upside down (|G|^2 / tr(Sigma)). Try: B_simple is tr(Sigma) over |G|^2: the noise on top",
+           _pairs(lambda s, g, bs, bb, G2, tr: G2.mean() / tr.mean())),
         _m("the noise scale is negative. Try: check the signs: the small batch's norm minus the big batch's, over "
            "1/B_small minus 1/B_big, is positive", _pairs(lambda s, g, bs, bb, G2, tr: -tr.mean() / G2.mean()),
            when=lambda o: o.got < 0),
@@ -222,36 +213,29 @@ _PER_EXAMPLE = dict(
     hint="differentiate the loss of ONE example with respect to the parameters, with the loss_fn you are given, and "
     "put example i's gradient in row i",
     mistakes=[
-        _m("the model failed on a single example: it lost its batch dimension. Try: give the model a batch of one "
-           "example: the slice i to i+1 in a loop, or x and y unsqueezed at dim 0 inside the function vmap maps",
-           lambda m, f, x, y: _per_param(m, f, x, y, one=lambda t, i: t[i]),
+        _m("the model failed on a single example: it lost its batch dimension. Try: give the model a batch of one, "
+           "the slice i to i+1 (or unsqueeze(0) inside vmap)", lambda m, f, x, y: _per_param(m, f, x, y, one=lambda t, i: t[i]),
            when=lambda o: "shapes cannot be multiplied" in o.error),
         _m("your function changed the model's parameters. Try: compute the gradients only, and take no step",
            lambda m, f, x, y: (_per_example(m, f, x, y), [p.data.mul_(0.9) for p in m.parameters()])[0],
            when=lambda o: "changed the model's parameters" in o.error),
-        _m("it returned a dict of per-parameter gradients, not one [B, P] tensor. Try: flatten each [B, ...] gradient "
-           "to B rows and concatenate them along dim 1",
-           lambda m, f, x, y: dict(zip(dict(m.named_parameters()), _per_param(m, f, x, y))),
+        _m("it returned a dict of per-parameter gradients, not one [B, P] tensor. Try: flatten each to B rows and "
+           "concatenate along dim 1", lambda m, f, x, y: dict(zip(dict(m.named_parameters()), _per_param(m, f, x, y))),
            when=lambda o: isinstance(o.got, dict)),
-        _m("it returned one gradient for the whole batch, not one per example. Try: take the gradient of each "
-           "example's own loss, so that each example gets its own row",
-           lambda m, f, x, y: _per_example(m, f, x, y).sum(0), when=lambda o: o.got.shape == o.want.shape[1:]),
+        _m("it returned one gradient for the whole batch, not one per example. Try: give each example's own loss its "
+           "own row", lambda m, f, x, y: _per_example(m, f, x, y).sum(0), when=lambda o: o.got.shape == o.want.shape[1:]),
         _m("each row is 1/B of the example's gradient: you differentiated the batch MEAN loss. Try: differentiate the "
            "loss of ONE example, a batch of one", lambda m, f, x, y: _per_example(m, f, x, y) / len(x)),
-        _m("row i is the SUM of the gradients of examples 0 to i: .grad accumulates across .backward() calls. Try: "
-           "clear the gradients before each example, or use torch.autograd.grad, which returns fresh ones",
-           lambda m, f, x, y: _per_example(m, f, x, y).cumsum(0)),
-        _m("every row is the same batch gradient: the loss was taken over the whole batch, then copied. Try: take the "
-           "loss of one example at a time, and its own gradient for its own row",
-           lambda m, f, x, y: _per_example(m, f, x, y).mean(0).expand(len(x), -1),
+        _m("row i is the SUM of the gradients of examples 0 to i: .grad accumulates. Try: clear the gradients before "
+           "each example, or use torch.autograd.grad", lambda m, f, x, y: _per_example(m, f, x, y).cumsum(0)),
+        _m("every row is the same batch gradient. Try: take the loss of one example at a time, its gradient in its "
+           "own row", lambda m, f, x, y: _per_example(m, f, x, y).mean(0).expand(len(x), -1),
            when=lambda o: any(_close(o.got, o.want.mean(0).expand_as(o.want) * k) for k in (1, len(o.want)))),
-        _m("each row holds the right numbers, but the parameters are in another order. Try: concatenate the "
-           "flattened gradients in model.named_parameters() order",
-           lambda m, f, x, y: torch.cat([t.flatten(1) for t in _per_param(m, f, x, y)[::-1]], 1),
+        _m("each row holds the right numbers, but the parameters are in another order. Try: concatenate them in "
+           "model.named_parameters() order", lambda m, f, x, y: torch.cat([t.flatten(1) for t in _per_param(m, f, x, y)[::-1]], 1),
            when=lambda o: _sorted_equal(o.got, o.want)),
-        _m("the right numbers, in the wrong rows: each [B, ...] gradient was flattened in the wrong order. Try: keep "
-           "the example dimension first when you flatten each parameter's gradient",
-           lambda m, f, x, y: torch.cat([t.reshape(-1, len(x)) for t in _per_param(m, f, x, y)]).T,
+        _m("the right numbers, in the wrong rows: a gradient was flattened in the wrong order. Try: keep the example "
+           "dimension first", lambda m, f, x, y: torch.cat([t.reshape(-1, len(x)) for t in _per_param(m, f, x, y)]).T,
            when=lambda o: _sorted_equal(o.got.flatten(), o.want.flatten())),
     ],
 )  # fmt: skip
@@ -276,24 +260,20 @@ NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
     hint="the mean is one row, taken over the examples; tr(Sigma) sums the squared deviations over ALL entries and "
     "divides by B - 1; |G|^2 subtracts the mean's own noise",
     mistakes=[
-        _m("|G|^2 is the squared norm of the mean, which still holds the mean's own noise tr(Sigma)/B. Try: correct "
-           "it: subtract tr(Sigma) / B from the squared norm of the mean", partial(_b_simple, correct=False)),
-        _m("tr(Sigma) divides the squared deviations by B (the population formula): it is biased low. Try: divide "
-           "the summed squared deviations by B - 1", partial(_b_simple, ddof=0)),
-        _m("both estimates are biased: divisor B in tr(Sigma) and no correction of |mean|^2. Try: divide the squared "
-           "deviations by B - 1, and subtract tr(Sigma) / B from the squared norm of the mean",
-           partial(_b_simple, ddof=0, correct=False)),
+        _m("|G|^2 is the squared norm of the mean, which still holds the mean's own noise. Try: subtract tr(Sigma) / B "
+           "from it", partial(_b_simple, correct=False)),
+        _m("tr(Sigma) divides the squared deviations by B: it is biased low. Try: divide them by B - 1",
+           partial(_b_simple, ddof=0)),
+        _m("both estimates are biased (divisor B, no correction of |mean|^2). Try: divide the squared deviations by "
+           "B - 1, and subtract tr(Sigma) / B from |mean|^2", partial(_b_simple, ddof=0, correct=False)),
         _m("the ratio is upside down (|G|^2 / tr(Sigma)). Try: B_simple is tr(Sigma) over |G|^2: the noise on top",
            lambda g: 1 / _b_simple(g)),
-        _m("tr(Sigma) was divided by B once more: that is the noise of the MEAN, tr(Sigma)/B. Try: tr(Sigma) is the "
-           "per-EXAMPLE variance: the summed squared deviations over B - 1, no further division",
-           lambda g: _b_simple(g) / len(g)),
-        _m("the mean was taken over the wrong dim: over each row's parameters, not over the examples. Try: the mean "
-           "gradient averages the B rows (dim 0): one value per parameter", partial(_b_simple, dim=1)),
+        _m("tr(Sigma) was divided by B once more, the noise of the MEAN. Try: tr(Sigma) is the per-EXAMPLE variance: "
+           "the squared deviations over B - 1", lambda g: _b_simple(g) / len(g)),
+        _m("the mean was taken over each row's parameters, not over the examples. Try: average the B rows (dim 0)",
+           partial(_b_simple, dim=1)),
         _m("it returned a tuple, not one number. Try: return B_simple only, as a float", lambda g: (_b_simple(g), 1.0),
            when=lambda o: isinstance(o.got, tuple)),
-        _m("it is right for 4 examples but not for other numbers of examples. Try: take B and P from the tensor's "
-           "shape, not fixed numbers", partial(_b_simple, B=4)),
     ],
 )  # fmt: skip
 
@@ -314,16 +294,16 @@ DATASET_NOISE_SCALE = Exercise(
     hint="keep two running totals over every chunk (the summed gradients, the summed squared entries), divide once by "
     "N at the end, then use the unbiased tr(Sigma) and |G|^2",
     mistakes=[
-        _m("you averaged the per-chunk B_simple values. Try: accumulate sums over ALL examples (of the gradients, of "
-           "their squared entries) and divide once at the end", partial(_chunked, each=True)),
-        _m("only the first chunk was used. Try: loop over every chunk, from the first example to the last, and add up "
-           "before dividing", partial(_chunked, keep=1)),
-        _m("the last, shorter chunk was dropped. Try: start a chunk at every multiple of the chunk size below N; the "
-           "last slice may be shorter, keep it", partial(_chunked, keep=-1)),
-        _m("tr(Sigma) divides by N, not N - 1. Try: the sum of the squared norms less N times the squared norm of the "
-           "mean, over N - 1", partial(_chunked, ddof=0)),
-        _m("|G|^2 is |mean|^2 without the correction for the mean's own noise. Try: subtract tr(Sigma) / N from the "
-           "squared norm of the mean", partial(_chunked, correct=False)),
+        _m("you averaged the per-chunk B_simple values. Try: accumulate sums over ALL examples and divide once at the "
+           "end", partial(_chunked, each=True)),
+        _m("only the first chunk was used. Try: loop over every chunk, and add up before dividing",
+           partial(_chunked, keep=1)),
+        _m("the last, shorter chunk was dropped. Try: keep the last slice, even when it is shorter",
+           partial(_chunked, keep=-1)),
+        _m("tr(Sigma) divides by N, not N - 1. Try: the summed squared norms less N |mean|^2, over N - 1",
+           partial(_chunked, ddof=0)),
+        _m("|G|^2 lacks the correction for the mean's own noise. Try: subtract tr(Sigma) / N from |mean|^2",
+           partial(_chunked, correct=False)),
     ],
 )  # fmt: skip
 
@@ -334,12 +314,6 @@ def _line(bs, ss, against_b=False) -> tuple:
     B = np.asarray(bs, dtype=float)
     slope, intercept = np.polyfit(B if against_b else 1 / B, np.asarray(ss, dtype=float), 1)
     return float(intercept), float(slope)
-
-
-def _relative_fit(bs, ss) -> tuple:
-    B, S = np.asarray(bs, dtype=float), np.asarray(ss, dtype=float)
-    (a, k), *_ = np.linalg.lstsq(np.stack([np.ones_like(B), 1 / B], 1) / S[:, None], np.ones_like(S), rcond=None)
-    return float(a), float(k / a)
 
 
 def _fit(bs, ss, against_b=False):
@@ -364,16 +338,13 @@ FIT_CRITICAL_BATCH = Exercise(
     mistakes=[
         _m("B_crit is the slope S_min * B_crit itself. Try: divide the slope by the intercept S_min", _line),
         _m("the pair is swapped. Try: return (S_min, B_crit) in that order", lambda bs, ss: _fit(bs, ss)[::-1]),
-        _m("the coefficients' order is swapped: numpy.polyfit returns the highest degree first. Try: the first "
-           "coefficient is the slope (of 1/B), the second the intercept S_min",
-           lambda bs, ss: (lambda k, a: (a, k / a))(*_line(bs, ss))),
-        _m("S was fitted against B, not against 1/B. Try: the model is linear in 1/B: regress the steps on one over "
-           "the batch size", partial(_fit, against_b=True)),
-        _m("the intercept was not fitted (it is not the fewest measured steps, nor 0). Try: fit a + k / B with both a "
-           "and k free: S_min is a, B_crit is k / a", lambda bs, ss: (min(ss), _line(bs, ss)[1] / min(ss)),
+        _m("the coefficients' order is swapped: numpy.polyfit returns the highest degree first. Try: the first is the "
+           "slope (of 1/B), the second the intercept", lambda bs, ss: (lambda k, a: (a, k / a))(*_line(bs, ss))),
+        _m("S was fitted against B, not against 1/B. Try: regress the steps on one over the batch size",
+           partial(_fit, against_b=True)),
+        _m("the intercept was not fitted (it is not the fewest measured steps, nor 0). Try: fit a + k / B with a and "
+           "k free", lambda bs, ss: (min(ss), _line(bs, ss)[1] / min(ss)),
            when=lambda o: math.isclose(o.got[0], min(o.case.args[1])) or abs(o.got[0]) < 1e-6 or not math.isfinite(o.got[1])),
-        _m("this is a fit of the RELATIVE error, not plain least squares. Try: minimise the sum of squared "
-           "differences in steps, every point weighted alike", _relative_fit),
     ],
 )  # fmt: skip
 _per_b = lambda f, c: _converted(f(*c.args), lambda g: torch.as_tensor(np.asarray(g, dtype=float)).reshape(-1))

@@ -19,9 +19,11 @@ F64 = torch.float64
 _NOT_CLASS = "it is not a class. Try: pass the class itself, as the check cell does"
 
 
-def _named(texts: dict, variant, **when) -> list:
-    """A Mistake per entry of ``texts`` ({key: "problem. Try: hint"}), made by ``variant(key)``, seen by ``when[key]``."""
-    return [Mistake(*t.split(". Try: "), variant=variant(k), when=when.get(k)) for k, t in texts.items()]
+def _named(rows: dict, variant=None, **when) -> list:
+    """A Mistake per row, {key: "problem. Try: hint"} made by ``variant(key)`` or {key: (variant, "problem. Try:
+    hint")}, seen by ``when[key]`` if given."""
+    rows = {k: r if isinstance(r, tuple) else (variant(k), r) for k, r in rows.items()}
+    return [Mistake(*t.split(". Try: "), variant=v, when=when.get(k)) for k, (v, t) in rows.items()]
 
 
 def _raised(*words):  # the answer raised an error whose last line holds one of ``words``
@@ -54,12 +56,6 @@ def _warmup(step, base_lr, peak_lr, warmup_steps):
     return base_lr + (peak_lr - base_lr) * step / warmup_steps if step < warmup_steps else peak_lr
 
 
-_WARMUP_VARIANTS = {
-    "list": lambda t, b, p, w: [_warmup(s, b, p, w) for s in range(t + 1)],
-    "from_zero": lambda t, b, p, w: p * min(t, w) / w,
-    "off_by_one": lambda t, b, p, w: b + (p - b) * min(t + 1, w) / w,
-    "no_peak": lambda t, b, p, w: b + (p - b) * t / w,
-}
 WARMUP_LR = Exercise(
     name="warmup_lr", oracle=_warmup, run=lambda f, c: [f(t, *c.args[:3]) for t in c.args[3]],
     cases=lambda: [Case((0.1, 0.9, 8, (0, 1, 4, 7, 8, 20)), label="a warmup from 0.1 to 0.9 over 8 steps, read at steps 0 to 20"),
@@ -67,11 +63,11 @@ WARMUP_LR = Exercise(
     refuse=("utils.schedules.WarmupDecay",), passed="two warmups, read inside and after the ramp",
     hint="inside the warmup, a straight line from base_lr at step 0 to peak_lr at step warmup_steps; then the peak",
     mistakes=_named({
-        "list": "it returns something other than one number for a step. Try: return a float, the learning rate of that one step",
-        "from_zero": "the ramp starts at 0, but Goyal et al.'s warmup starts at the base rate. Try: ramp from base_lr to peak_lr, not from 0",
-        "off_by_one": "step 0 is one increment along the ramp already (off by one). Try: step 0 must run at base_lr exactly: use the fraction of the warmup done before this step",
-        "no_peak": "after the warmup the rate keeps growing. Try: from step warmup_steps on, the rate stays at the peak",
-    }, _WARMUP_VARIANTS.get, list=lambda o: any(not isinstance(v, (int, float, torch.Tensor)) for v in o.got)),
+        "list": (lambda t, b, p, w: [_warmup(s, b, p, w) for s in range(t + 1)], "it returns something other than one number for a step. Try: return a float, the learning rate of that one step"),
+        "from_zero": (lambda t, b, p, w: p * min(t, w) / w, "the ramp starts at 0, but Goyal et al.'s warmup starts at the base rate. Try: ramp from base_lr to peak_lr, not from 0"),
+        "off_by_one": (lambda t, b, p, w: b + (p - b) * min(t + 1, w) / w, "step 0 is one increment along the ramp already (off by one). Try: step 0 must run at base_lr exactly: use the fraction of the warmup done before this step"),
+        "no_peak": (lambda t, b, p, w: b + (p - b) * t / w, "after the warmup the rate keeps growing. Try: from step warmup_steps on, the rate stays at the peak"),
+    }, list=lambda o: any(not isinstance(v, (int, float, torch.Tensor)) for v in o.got)),
 )  # fmt: skip
 
 
@@ -89,14 +85,6 @@ def _ratio_case(shape, scale, *hp, seed):  # three (w, g) pairs: the 2nd with ze
     return Case((w, g * 0.1, *hp), label=label)
 
 
-_TRUST_VARIANTS = {
-    "host": lambda w, g, wd, tc, eps: torch.tensor(_ratio(w, g, wd, tc, eps).item()),
-    "number": lambda w, g, wd, tc, eps: tc,
-    "no_wd": lambda w, g, wd, tc, eps: _ratio(w, g, 0.0, tc, eps),
-    "swapped": lambda w, g, wd, tc, eps: _ratio(g, w, wd, tc, eps),
-    "no_tc": lambda w, g, wd, tc, eps: _ratio(w, g, wd, 1.0, eps),
-    "no_fallback": lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps),
-}
 TRUST_RATIO = Exercise(
     name="trust_ratio", oracle=_ratio, passed="the paper's formula and its fallback, all on tensors",
     cases=lambda: [_ratio_case((6, 5), 3.0, 0.01, 0.02, 1e-9, seed=4), _ratio_case((7,), 0.5, 0.1, 1e-3, 1e-8, seed=5)],
@@ -105,13 +93,13 @@ TRUST_RATIO = Exercise(
     hint="the ratio is trust_coefficient times the norm of the whole w over the norm of g plus weight_decay times the "
     "norm of w plus eps",
     mistakes=_named({
-        "host": "it reads a tensor back to Python (.item(), float(), .tolist() or an `if` on a tensor), which on a GPU waits for the device. Try: keep the norms and the fallback as tensors and choose between the ratio and 1 with torch.where",
-        "number": "it returns a Python number, not a tensor. Try: return a 0-d tensor, computed with torch.linalg.vector_norm and torch.where",
-        "no_wd": "weight decay is missing from the denominator. Try: the denominator is the norm of g plus weight_decay times the norm of w plus eps",
-        "swapped": "the norms are swapped: the ratio is the weights' norm over the gradient's, not the other way round. Try: put the norm of w in the numerator",
-        "no_tc": "the ratio is not multiplied by trust_coefficient. Try: multiply it by trust_coefficient",
-        "no_fallback": "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give 1, chosen with torch.where so that it stays on the device",
-    }, _TRUST_VARIANTS.get, host=_raised("item()", "data pointer", "control flow"), number=_raised("only return Tensors")),
+        "host": (lambda w, g, wd, tc, eps: torch.tensor(_ratio(w, g, wd, tc, eps).item()), "it reads a tensor back to Python (.item(), float(), .tolist() or an `if` on a tensor), which on a GPU waits for the device. Try: keep the norms and the fallback as tensors and choose between the ratio and 1 with torch.where"),
+        "number": (lambda w, g, wd, tc, eps: tc, "it returns a Python number, not a tensor. Try: return a 0-d tensor, computed with torch.linalg.vector_norm and torch.where"),
+        "no_wd": (lambda w, g, wd, tc, eps: _ratio(w, g, 0.0, tc, eps), "weight decay is missing from the denominator. Try: the denominator is the norm of g plus weight_decay times the norm of w plus eps"),
+        "swapped": (lambda w, g, wd, tc, eps: _ratio(g, w, wd, tc, eps), "the norms are swapped: the ratio is the weights' norm over the gradient's, not the other way round. Try: put the norm of w in the numerator"),
+        "no_tc": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, 1.0, eps), "the ratio is not multiplied by trust_coefficient. Try: multiply it by trust_coefficient"),
+        "no_fallback": (lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps), "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give 1, chosen with torch.where so that it stays on the device"),
+    }, host=_raised("item()", "data pointer", "control flow"), number=_raised("only return Tensors")),
 )  # fmt: skip
 
 
@@ -194,11 +182,6 @@ def _compare_lr(got, want):  # what an unknown rule raised is a name, which asse
     return difference(got, want)
 
 
-_LR_VARIANTS = {
-    "no_value_error": lambda b, bb, n, rule: b * (n / bb if rule == "linear" else math.sqrt(n / bb)),
-    "upside_down": lambda b, bb, n, rule: b * (bb / n if rule == "linear" else math.sqrt(bb / n)),
-    "int_division": lambda b, bb, n, rule: b * (n // bb if rule == "linear" else math.sqrt(n // bb)),
-}
 LR_FOR_BATCH = Exercise(
     name="lr_for_batch", oracle=_lr_reference, run=_run_lr, compare=_compare_lr, refuse=("utils.schedules.lr_for_batch",),
     cases=lambda: [Case((0.1, 256, 8192, "linear"), label="the linear rule from batch 256 to 8192"),
@@ -209,10 +192,10 @@ LR_FOR_BATCH = Exercise(
     hint="linear: the base rate times the batch growth factor (the new batch over the base one); sqrt: times its "
     "square root", passed="both rules, up and down, and an unknown rule",
     mistakes=_named({
-        "no_value_error": "an unknown rule does not raise ValueError, so a misspelt rule would train at a wrong rate or stop with an unclear error. Try: for any rule but linear and sqrt, raise ValueError with a message that names the rule",
-        "upside_down": "the ratio is upside down: a bigger batch should get a bigger rate. Try: divide the new batch by the base one",
-        "int_division": "the batch ratio is rounded down by integer division. Try: divide with / so that the ratio keeps its fraction",
-    }, _LR_VARIANTS.get, no_value_error=lambda o: o.want == "ValueError" and o.got != "ValueError"),
+        "no_value_error": (lambda b, bb, n, rule: b * (n / bb if rule == "linear" else math.sqrt(n / bb)), "an unknown rule does not raise ValueError, so a misspelt rule would train at a wrong rate or stop with an unclear error. Try: for any rule but linear and sqrt, raise ValueError with a message that names the rule"),
+        "upside_down": (lambda b, bb, n, rule: b * (bb / n if rule == "linear" else math.sqrt(bb / n)), "the ratio is upside down: a bigger batch should get a bigger rate. Try: divide the new batch by the base one"),
+        "int_division": (lambda b, bb, n, rule: b * (n // bb if rule == "linear" else math.sqrt(n // bb)), "the batch ratio is rounded down by integer division. Try: divide with / so that the ratio keeps its fraction"),
+    }, no_value_error=lambda o: o.want == "ValueError" and o.got != "ValueError"),
 )  # fmt: skip
 
 
