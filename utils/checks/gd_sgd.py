@@ -376,9 +376,7 @@ EXAMPLES_TO_TARGET = Exercise(
 check_gd_step = GD_STEP.checker("``gd_step(x, y, w, b, lr)``: one full-batch GD step on the MSE, the new (w, b).")
 check_sgd = SGD.checker("``minibatch_sgd(x, y, w0, b0, lr, steps, batch_size, seed)``: the (steps + 1, 2) path of SGD.")
 check_noise_scale = NOISE_SCALE.checker("``b_simple(sq_small, sq_big, b_small, b_big)``: B_simple from pairs.")
-check_per_example_grads_loop = PER_EXAMPLE_GRADS_LOOP.checker(
-    "``per_example_grads_loop(model, loss_fn, x, y)``: [B, P]."
-)
+check_per_example_grads_loop = PER_EXAMPLE_GRADS_LOOP.checker("``per_example_grads_loop(model, loss_fn, x, y)``.")
 check_per_example_grads = PER_EXAMPLE_GRADS.checker("``per_example_grads(model, loss_fn, x, y)``: [B, P], torch.func.")
 check_noise_scale_from_per_example = NOISE_SCALE_FROM_PER_EXAMPLE.checker("``noise_scale_from_per_example(g)``.")
 check_dataset_noise_scale = DATASET_NOISE_SCALE.checker("``dataset_noise_scale(model, loss_fn, x, y, chunk)``.")

@@ -12,8 +12,6 @@ from ..optim import LARS, lars_param_groups
 from ..schedules import lr_for_batch as _lr_reference
 from .engine import Case, Exercise, Mistake, difference
 
-_NAMES = ("warmup_lr", "trust_ratio", "lars_step", "lr_for_batch", "lars_optimizer", "ghost_batch_norm")
-__all__ = [f"check_{n}" for n in _NAMES]
 LAB = "lab4_large_batch"
 F64 = torch.float64
 _NOT_CLASS = "it is not a class. Try: pass the class itself, as the check cell does"
@@ -423,3 +421,5 @@ check_lars_step = LARS_STEP.checker("``lars_step(w, g, buf, lr, ...)`` -> (new_w
 check_lr_for_batch = LR_FOR_BATCH.checker("``lr_for_batch(base_lr, base_batch, batch, rule)``: linear or sqrt.")
 check_lars_optimizer = LARS_OPTIMIZER.checker("``MyLARS``, a torch.optim.Optimizer, stepped like utils.optim.LARS.")
 check_ghost_batch_norm = GHOST_BATCH_NORM.checker("``MyGhostBatchNorm2d``: batch norm over virtual batches.")
+
+__all__ = [name for name in dir() if name.startswith("check_")]
