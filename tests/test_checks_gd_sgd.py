@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from utils import gradient_noise, linear_regression
-from utils.checks import CheckFailed, engine, gd_sgd
+from utils.checks import CheckFailed, check_noise_scale, engine, gd_sgd
 
 LAB = "lab1_gd_sgd_batch"
 EXERCISES = [
@@ -70,3 +70,13 @@ def test_the_library_per_example_grads_is_refused_and_the_loop_refusal_names_a_l
     with pytest.raises(CheckFailed, match="asks you to write yourself") as e:
         engine.check(ex, via_library)
     assert ("loop over the examples" in str(e.value)) == ex.name.endswith("_loop"), str(e.value)
+
+
+def test_weights_swapped_in_g2_alone_are_named_by_the_sign():
+    def b_simple(sq_small, sq_big, b_small, b_big):  # each norm weighted by the other batch's size
+        g2 = (b_small * sq_big - b_big * sq_small) / (b_big - b_small)
+        tr = (sq_small - sq_big) / (1 / b_small - 1 / b_big)
+        return float(tr.mean() / g2.mean())
+
+    with pytest.raises(CheckFailed, match="the noise scale is negative"):
+        check_noise_scale(b_simple)

@@ -2,12 +2,14 @@
 implemented; and what the harness cannot say: the library's LARS and batch norm are refused however they are
 reached, an independent right answer passes, and the ghost oracle is nn.BatchNorm2d for one virtual batch."""
 
+import math
+
 import exercise_harness as harness
 import pytest
 import torch
 from torch import nn
 
-from utils.checks import CheckFailed, engine, large_batch
+from utils.checks import CheckFailed, check_lr_for_batch, check_trust_ratio, engine, large_batch
 from utils.models import GhostBatchNorm2d
 from utils.optim import LARS
 
@@ -86,3 +88,26 @@ def test_the_ghost_oracle_is_batch_norm_for_one_virtual_batch():
     assert case.args[1] >= case.args[0]  # one virtual batch holds the whole batch
     ghost, bn = (large_batch._run_ghost(cls, case) for cls in (GhostBatchNorm2d, BatchNormSubclass))
     assert engine.difference(ghost, bn, rtol=1e-12, atol=1e-12) is None
+
+
+def _ratio_if(w, g, weight_decay, trust_coefficient, eps):  # an `if` on a tensor: a host read, like .item()
+    if torch.linalg.vector_norm(w) > 0 and torch.linalg.vector_norm(g) > 0:
+        return large_batch._ratio(w, g, weight_decay, trust_coefficient, eps)
+    return torch.ones(())
+
+
+def _lr_key_error(base_lr, base_batch, batch, rule):  # an unknown rule raises KeyError, not ValueError
+    return base_lr * {"linear": batch / base_batch, "sqrt": math.sqrt(batch / base_batch)}[rule]
+
+
+@pytest.mark.parametrize(
+    "check,answer,problem",
+    [
+        (check_trust_ratio, _ratio_if, "reads a tensor back to Python"),
+        (check_lr_for_batch, _lr_key_error, "does not raise ValueError"),
+    ],
+    ids=["trust-ratio-if", "lr-key-error"],
+)
+def test_the_second_form_of_a_merged_mistake_is_named_too(check, answer, problem):
+    with pytest.raises(CheckFailed, match=problem):
+        check(answer)

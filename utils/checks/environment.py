@@ -16,59 +16,44 @@ def _cases() -> list:
     logits_b = torch.randn(10, 3, generator=g)
     labels_b = logits_b.argmax(dim=1).clone()
     labels_b[:3] = (labels_b[:3] + 1) % 3  # 7 of 10 right
-    logits_c = torch.randn(6, 5, generator=g)
-    labels_c = torch.tensor([0, 1, 2, 3, 4, 0])
     return [
         Case((logits_a, torch.tensor([0, 1, 0, 1])), label="a batch of 4 examples and 4 classes"),
         Case((logits_b, labels_b), label="a batch of 10 examples and 3 classes"),
-        Case((logits_c, labels_c), label="a batch of 6 examples and 5 classes"),
-    ]
+        Case((torch.randn(6, 5, generator=g), torch.tensor([0, 1, 2, 3, 4, 0])), label="a batch of 6 examples and 5 classes"),
+    ]  # fmt: skip
 
 
 def _accuracy(logits, labels):
     return (logits.argmax(dim=1) == labels).float().mean().item()
 
 
+def _correct(logits, labels):
+    return (logits.argmax(dim=1) == labels).sum().item()
+
+
+# Each mistake: what is wrong, "Try:", what to do, then a variant that makes it (the tests submit it).
+_MISTAKES = [
+    ("it returns the number of correct predictions, not the fraction. Try: divide the count by the number of examples",
+     _correct),
+    ("it returns a percentage. Try: return the fraction in [0, 1], without multiplying by 100",
+     lambda logits, labels: 100 * _accuracy(logits, labels)),
+    ("it returns the error rate, the fraction of WRONG predictions. Try: count the rows whose arg-max equals the "
+     "label, not those where it differs", lambda logits, labels: 1 - _accuracy(logits, labels)),
+    ("it divides by the number of classes instead of the number of examples. Try: the number of examples is the "
+     "length of the batch dimension (dim 0)", lambda logits, labels: _correct(logits, labels) / logits.shape[1]),
+    ("the arg-max seems to be taken over the batch dimension. Try: the class scores lie along dim 1: take the "
+     "arg-max over that dimension",
+     lambda logits, labels: (logits.argmax(dim=0)[: len(labels)] == labels[: logits.shape[1]]).float().mean().item()),
+    ("it returns the same number whatever the batch. Try: compute the fraction from the logits and labels you are "
+     "given", lambda logits, labels: 0.5),
+]  # fmt: skip
 ACCURACY = Exercise(
     name="accuracy",
     cases=_cases,
     oracle=_accuracy,
     hint="take each row's arg-max over the classes, compare it with the labels, then average the matches",
     passed="3 batches of different shapes",
-    mistakes=[
-        Mistake(
-            "it returns the number of correct predictions, not the fraction",
-            "divide the count by the number of examples",
-            variant=lambda logits, labels: (logits.argmax(dim=1) == labels).sum().item(),
-        ),
-        Mistake(
-            "it returns a percentage",
-            "return the fraction in [0, 1], without multiplying by 100",
-            variant=lambda logits, labels: 100 * _accuracy(logits, labels),
-        ),
-        Mistake(
-            "it returns the error rate, the fraction of WRONG predictions",
-            "count the rows whose arg-max equals the label, not those where it differs",
-            variant=lambda logits, labels: 1 - _accuracy(logits, labels),
-        ),
-        Mistake(
-            "it divides by the number of classes instead of the number of examples",
-            "the number of examples is the length of the batch dimension (dim 0)",
-            variant=lambda logits, labels: (logits.argmax(dim=1) == labels).sum().item() / logits.shape[1],
-        ),
-        Mistake(
-            "the arg-max seems to be taken over the batch dimension",
-            "the class scores lie along dim 1: take the arg-max over that dimension",
-            variant=lambda logits, labels: (
-                (logits.argmax(dim=0)[: len(labels)] == labels[: logits.shape[1]]).float().mean().item()
-            ),
-        ),
-        Mistake(
-            "it returns the same number whatever the batch",
-            "compute the fraction from the logits and labels you are given",
-            variant=lambda logits, labels: 0.5,
-        ),
-    ],
+    mistakes=[Mistake(*text.split(". Try: "), variant=variant) for text, variant in _MISTAKES],
 )
 
 check_accuracy = ACCURACY.checker(

@@ -12,16 +12,16 @@ from ..optim import LARS, lars_param_groups
 from ..schedules import lr_for_batch as _lr_reference
 from .engine import Case, Exercise, Mistake, difference
 
-_NAMES = ("warmup_lr", "trust_ratio", "lars_step", "lr_for_batch", "lars_optimizer", "ghost_batch_norm")
-__all__ = [f"check_{n}" for n in _NAMES]
 LAB = "lab4_large_batch"
 F64 = torch.float64
 _NOT_CLASS = "it is not a class. Try: pass the class itself, as the check cell does"
 
 
-def _named(texts: dict, variant, **when) -> list:
-    """A Mistake per entry of ``texts`` ({key: "problem. Try: hint"}), made by ``variant(key)``, seen by ``when[key]``."""
-    return [Mistake(*t.split(". Try: "), variant=variant(k), when=when.get(k)) for k, t in texts.items()]
+def _named(rows: dict, variant=None, **when) -> list:
+    """A Mistake per row, {key: "problem. Try: hint"} made by ``variant(key)`` or {key: (variant, "problem. Try:
+    hint")}, seen by ``when[key]`` if given."""
+    rows = {k: r if isinstance(r, tuple) else (variant(k), r) for k, r in rows.items()}
+    return [Mistake(*t.split(". Try: "), variant=v, when=when.get(k)) for k, (v, t) in rows.items()]
 
 
 def _raised(*words):  # the answer raised an error whose last line holds one of ``words``
@@ -36,48 +36,37 @@ def _made(cls, base, *args, **kwargs):
     return obj
 
 
-def _plain_class(kind, cls):  # the variants of a class exercise that are no class, or a class of the wrong kind
-    if kind == "not_class":
-        return lambda *args, **kwargs: cls(*args, **kwargs)
-    return type(cls.__name__, (), {"__init__": _ignore})
+def _class_variant(cls, name):
+    """The variants of a class answer: "not_class" is a function, "not_..." a class of the wrong kind, any other
+    ``kind`` a subclass of the hand-written ``cls`` making that slip."""
 
+    def make(kind):
+        if kind == "not_class":
+            return lambda *args, **kwargs: cls(*args, **kwargs)
+        if kind.startswith("not_"):
+            return type(name, (), {"__init__": lambda self, *args, **kwargs: None})
+        return type(name, (cls,), {"kinds": frozenset([kind])})
 
-def _ignore(self, *args, **kwargs):
-    pass
+    return make
 
 
 def _warmup(step, base_lr, peak_lr, warmup_steps):
     return base_lr + (peak_lr - base_lr) * step / warmup_steps if step < warmup_steps else peak_lr
 
 
-_WARMUP_VARIANTS = {
-    "list": lambda t, b, p, w: [_warmup(s, b, p, w) for s in range(t + 1)],
-    "from_zero": lambda t, b, p, w: p * min(t, w) / w,
-    "off_by_one": lambda t, b, p, w: b + (p - b) * min(t + 1, w) / w,
-    "no_peak": lambda t, b, p, w: b + (p - b) * t / w,
-}
 WARMUP_LR = Exercise(
-    name="warmup_lr",
-    cases=lambda: [
-        Case((0.1, 0.9, 8, (0, 1, 4, 7, 8, 20)), label="a warmup from 0.1 to 0.9 over 8 steps, read at steps 0 to 20"),
-        Case((0.02, 0.5, 5, (0, 2, 3, 5, 9)), label="a warmup from 0.02 to 0.5 over 5 steps, read at steps 0 to 9"),
-    ],
-    oracle=_warmup,
-    run=lambda f, c: [f(t, *c.args[:3]) for t in c.args[3]],
-    refuse=("utils.schedules.WarmupDecay",),
+    name="warmup_lr", oracle=_warmup, run=lambda f, c: [f(t, *c.args[:3]) for t in c.args[3]],
+    cases=lambda: [Case((0.1, 0.9, 8, (0, 1, 4, 7, 8, 20)), label="a warmup from 0.1 to 0.9 over 8 steps, read at steps 0 to 20"),
+                   Case((0.02, 0.5, 5, (0, 2, 3, 5, 9)), label="a warmup from 0.02 to 0.5 over 5 steps, read at steps 0 to 9")],
+    refuse=("utils.schedules.WarmupDecay",), passed="two warmups, read inside and after the ramp",
     hint="inside the warmup, a straight line from base_lr at step 0 to peak_lr at step warmup_steps; then the peak",
-    passed="two warmups, read inside and after the ramp",
-    mistakes=_named(
-        {
-            "list": "it returns something other than one number for a step. Try: return a float, the learning rate of that one step",
-            "from_zero": "the ramp starts at 0, but Goyal et al.'s warmup starts at the base rate. Try: ramp from base_lr to peak_lr, not from 0",
-            "off_by_one": "step 0 is one increment along the ramp already (off by one). Try: step 0 must run at base_lr exactly: use the fraction of the warmup done before this step",
-            "no_peak": "after the warmup the rate keeps growing. Try: from step warmup_steps on, the rate stays at the peak",
-        },
-        _WARMUP_VARIANTS.get,
-        list=lambda o: any(not isinstance(v, (int, float, torch.Tensor)) for v in o.got),
-    ),
-)
+    mistakes=_named({
+        "list": (lambda t, b, p, w: [_warmup(s, b, p, w) for s in range(t + 1)], "it returns something other than one number for a step. Try: return a float, the learning rate of that one step"),
+        "from_zero": (lambda t, b, p, w: p * min(t, w) / w, "the ramp starts at 0, but Goyal et al.'s warmup starts at the base rate. Try: ramp from base_lr to peak_lr, not from 0"),
+        "off_by_one": (lambda t, b, p, w: b + (p - b) * min(t + 1, w) / w, "step 0 is one increment along the ramp already (off by one). Try: step 0 must run at base_lr exactly: use the fraction of the warmup done before this step"),
+        "no_peak": (lambda t, b, p, w: b + (p - b) * t / w, "after the warmup the rate keeps growing. Try: from step warmup_steps on, the rate stays at the peak"),
+    }, list=lambda o: any(not isinstance(v, (int, float, torch.Tensor)) for v in o.got)),
+)  # fmt: skip
 
 
 def _ratio(w, g, weight_decay, trust_coefficient, eps):
@@ -94,39 +83,22 @@ def _ratio_case(shape, scale, *hp, seed):  # three (w, g) pairs: the 2nd with ze
     return Case((w, g * 0.1, *hp), label=label)
 
 
-_TRUST_VARIANTS = {
-    "item": lambda w, g, wd, tc, eps: torch.tensor(_ratio(w, g, wd, tc, eps).item()),
-    "if": lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, eps) if w.norm() > 0 and g.norm() > 0 else torch.ones(()),
-    "number": lambda w, g, wd, tc, eps: tc,
-    "no_wd": lambda w, g, wd, tc, eps: _ratio(w, g, 0.0, tc, eps),
-    "swapped": lambda w, g, wd, tc, eps: _ratio(g, w, wd, tc, eps),
-    "no_tc": lambda w, g, wd, tc, eps: _ratio(w, g, wd, 1.0, eps),
-    "no_fallback": lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps),
-}
 TRUST_RATIO = Exercise(
-    name="trust_ratio",
+    name="trust_ratio", oracle=_ratio, passed="the paper's formula and its fallback, all on tensors",
     cases=lambda: [_ratio_case((6, 5), 3.0, 0.01, 0.02, 1e-9, seed=4), _ratio_case((7,), 0.5, 0.1, 1e-3, 1e-8, seed=5)],
-    oracle=_ratio,
     # a case's pairs go through torch.func.vmap, where reading a tensor back to Python cannot run
     run=lambda f, c: torch.func.vmap(lambda w, g: f(w, g, *c.args[2:]))(*c.args[:2]),
-    hint="the ratio is trust_coefficient times the norm of the whole w over the norm of g plus weight_decay times the norm of w plus eps",
-    passed="the paper's formula and its fallback, all on tensors",
-    mistakes=_named(
-        {
-            "item": "it turns a tensor into a Python number (.item(), float() or .tolist()), so the result is not a tensor and on a GPU each such call waits for the device. Try: keep the norms and the fallback as tensors and choose between the ratio and 1 with torch.where",
-            "if": "it decides with a Python `if` on a tensor, which on a GPU waits for the device. Try: choose between the ratio and 1 inside the tensor library, with torch.where",
-            "number": "it returns a Python number, not a tensor. Try: return a 0-d tensor, computed with torch.linalg.vector_norm and torch.where",
-            "no_wd": "weight decay is missing from the denominator. Try: the denominator is the norm of g plus weight_decay times the norm of w plus eps",
-            "swapped": "the norms are swapped: the ratio is the weights' norm over the gradient's, not the other way round. Try: put the norm of w in the numerator",
-            "no_tc": "the ratio is not multiplied by trust_coefficient. Try: multiply it by trust_coefficient",
-            "no_fallback": "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give 1, chosen with torch.where so that it stays on the device",
-        },
-        _TRUST_VARIANTS.get,
-        item=_raised("item()", "data pointer"),
-        number=_raised("only return Tensors"),
-        **{"if": _raised("control flow")},
-    ),
-)
+    hint="the ratio is trust_coefficient times the norm of the whole w over the norm of g plus weight_decay times the "
+    "norm of w plus eps",
+    mistakes=_named({
+        "host": (lambda w, g, wd, tc, eps: torch.tensor(_ratio(w, g, wd, tc, eps).item()), "it reads a tensor back to Python (.item(), float(), .tolist() or an `if` on a tensor), which on a GPU waits for the device. Try: keep the norms and the fallback as tensors and choose between the ratio and 1 with torch.where"),
+        "number": (lambda w, g, wd, tc, eps: tc, "it returns a Python number, not a tensor. Try: return a 0-d tensor, computed with torch.linalg.vector_norm and torch.where"),
+        "no_wd": (lambda w, g, wd, tc, eps: _ratio(w, g, 0.0, tc, eps), "weight decay is missing from the denominator. Try: the denominator is the norm of g plus weight_decay times the norm of w plus eps"),
+        "swapped": (lambda w, g, wd, tc, eps: _ratio(g, w, wd, tc, eps), "the norms are swapped: the ratio is the weights' norm over the gradient's, not the other way round. Try: put the norm of w in the numerator"),
+        "no_tc": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, 1.0, eps), "the ratio is not multiplied by trust_coefficient. Try: multiply it by trust_coefficient"),
+        "no_fallback": (lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps), "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give 1, chosen with torch.where so that it stays on the device"),
+    }, host=_raised("item()", "data pointer", "control flow"), number=_raised("only return Tensors")),
+)  # fmt: skip
 
 
 def _lars_step(w, g, buf, lr, momentum, weight_decay, trust_coefficient, eps):
@@ -174,34 +146,23 @@ def _step_case(shape, lrs, hp, seed, label):
 
 
 LARS_STEP = Exercise(
-    name="lars_step",
-    cases=lambda: [
-        _step_case((4, 3), (0.5, 0.2, 0.8), (0.9, 0.01, 0.02, 1e-9), 5, "3 steps of a 4x3 tensor, lr 0.5, 0.2, 0.8"),
-        _step_case((6,), (0.1, 0.2, 0.3, 0.3), (0.8, 0.05, 0.01, 1e-8), 6, "4 steps of a 6-element tensor in a warmup"),
-    ],
-    oracle=_lars_step,
-    run=_run_steps,
-    rtol=1e-7,
-    atol=1e-10,
-    refuse=("utils.optim.LARS",),
-    hint="follow the box: the weight-decayed gradient times the trust ratio, folded into the buffer with momentum, then the weights move by lr times the new buffer",
+    name="lars_step", oracle=_lars_step, run=_run_steps, rtol=1e-7, atol=1e-10, refuse=("utils.optim.LARS",),
+    cases=lambda: [_step_case((4, 3), (0.5, 0.2, 0.8), (0.9, 0.01, 0.02, 1e-9), 5, "3 steps of a 4x3 tensor, lr 0.5, 0.2, 0.8"),
+                   _step_case((6,), (0.1, 0.2, 0.3, 0.3), (0.8, 0.05, 0.01, 1e-8), 6, "4 steps of a 6-element tensor in a warmup")],
+    hint="follow the box: the weight-decayed gradient times the trust ratio, folded into the buffer with momentum, "
+    "then the weights move by lr times the new buffer",
     passed="steps with momentum, weight decay and a changing lr, as utils.optim.LARS takes them",
-    mistakes=_named(
-        {
-            "in_place": "it changed its input w in place (or g, or buf), and the caller's tensors change with it. Try: build new tensors with out-of-place arithmetic, no -=, mul_ or add_ on the arguments",
-            "not_pair": "it does not return a pair (new_w, new_buf). Try: return the new weights and the new momentum buffer, in that order",
-            "lr_inside": "lr went into the momentum buffer, as in Algorithm 1 of the LARS paper, whereas this lab follows the PyTorch and apex convention: the buffer holds the scaled updates and lr multiplies it in the weight step. Try: keep lr out of the buffer; the two forms agree while lr is constant, but once a schedule changes lr they differ, and this check follows utils.optim.LARS, which uses the lab's form",
-            "wd_after": "weight decay was added after the trust-ratio scaling, so it escapes the ratio. Try: add weight_decay times w to the gradient first, then scale the sum by the trust ratio",
-            "no_wd": "weight decay is missing from the update. Try: add weight_decay times w to the gradient before scaling it by the trust ratio",
-            "no_trust": "the update was not scaled by the trust ratio. Try: multiply the weight-decayed gradient by your trust_ratio",
-            "no_lr": "the global lr is missing from the weight step. Try: the weights move by lr times the new buffer",
-            "return_d": "the returned buffer is this step's scaled update, not the momentum buffer. Try: return momentum times the old buffer plus this step's scaled update",
-        },
-        _step_variant,
-        in_place=lambda o: o.got["inputs kept"] is False,
-        not_pair=_raised("not a pair"),
-    ),
-)
+    mistakes=_named({
+        "in_place": "it changed its input w in place (or g, or buf), and the caller's tensors change with it. Try: build new tensors with out-of-place arithmetic, no -=, mul_ or add_ on the arguments",
+        "not_pair": "it does not return a pair (new_w, new_buf). Try: return the new weights and the new momentum buffer, in that order",
+        "lr_inside": "lr went into the momentum buffer, as in Algorithm 1 of the LARS paper, whereas this lab follows the PyTorch and apex convention: the buffer holds the scaled updates and lr multiplies it in the weight step. Try: keep lr out of the buffer; the two forms agree while lr is constant, but once a schedule changes lr they differ, and this check follows utils.optim.LARS, which uses the lab's form",
+        "wd_after": "weight decay was added after the trust-ratio scaling, so it escapes the ratio. Try: add weight_decay times w to the gradient first, then scale the sum by the trust ratio",
+        "no_wd": "weight decay is missing from the update. Try: add weight_decay times w to the gradient before scaling it by the trust ratio",
+        "no_trust": "the update was not scaled by the trust ratio. Try: multiply the weight-decayed gradient by your trust_ratio",
+        "no_lr": "the global lr is missing from the weight step. Try: the weights move by lr times the new buffer",
+        "return_d": "the returned buffer is this step's scaled update, not the momentum buffer. Try: return momentum times the old buffer plus this step's scaled update",
+    }, _step_variant, in_place=lambda o: o.got["inputs kept"] is False, not_pair=_raised("not a pair")),
+)  # fmt: skip
 
 
 def _run_lr(f, case):
@@ -219,39 +180,21 @@ def _compare_lr(got, want):  # what an unknown rule raised is a name, which asse
     return difference(got, want)
 
 
-_LR_VARIANTS = {
-    "no_error": lambda b, bb, n, rule: b * (n / bb if rule == "linear" else math.sqrt(n / bb)),
-    "key_error": lambda b, bb, n, rule: b * {"linear": n / bb, "sqrt": math.sqrt(n / bb)}[rule],
-    "upside_down": lambda b, bb, n, rule: b * (bb / n if rule == "linear" else math.sqrt(bb / n)),
-    "int_division": lambda b, bb, n, rule: b * (n // bb if rule == "linear" else math.sqrt(n // bb)),
-}
 LR_FOR_BATCH = Exercise(
-    name="lr_for_batch",
-    cases=lambda: [
-        Case((0.1, 256, 8192, "linear"), label="the linear rule from batch 256 to 8192"),
-        Case((0.1, 256, 1024, "sqrt"), label="the square-root rule from batch 256 to 1024"),
-        Case((0.05, 16, 8, "linear"), label="the linear rule from batch 16 down to 8"),
-        Case((0.05, 16, 12, "sqrt"), label="the square-root rule from batch 16 down to 12"),
-        Case((0.1, 256, 1024, "cubic"), label="an unknown rule"),
-    ],
-    oracle=_lr_reference,
-    run=_run_lr,
-    compare=_compare_lr,
-    refuse=("utils.schedules.lr_for_batch",),
-    hint="linear: the base rate times the batch growth factor (the new batch over the base one); sqrt: times its square root",
-    passed="both rules, up and down, and an unknown rule",
-    mistakes=_named(
-        {
-            "no_error": "an unknown rule gives a rate instead of raising ValueError, so a misspelt rule would train at a wrong rate. Try: for any rule but linear and sqrt, raise ValueError with a message that names the rule",
-            "key_error": "an unknown rule raises another exception than ValueError. Try: for any rule but linear and sqrt, raise ValueError with a message that names the rule",
-            "upside_down": "the ratio is upside down: a bigger batch should get a bigger rate. Try: divide the new batch by the base one",
-            "int_division": "the batch ratio is rounded down by integer division. Try: divide with / so that the ratio keeps its fraction",
-        },
-        _LR_VARIANTS.get,
-        no_error=lambda o: o.want == "ValueError" and not isinstance(o.got, str),
-        key_error=lambda o: o.want == "ValueError" and o.got != "ValueError",
-    ),
-)
+    name="lr_for_batch", oracle=_lr_reference, run=_run_lr, compare=_compare_lr, refuse=("utils.schedules.lr_for_batch",),
+    cases=lambda: [Case((0.1, 256, 8192, "linear"), label="the linear rule from batch 256 to 8192"),
+                   Case((0.1, 256, 1024, "sqrt"), label="the square-root rule from batch 256 to 1024"),
+                   Case((0.05, 16, 8, "linear"), label="the linear rule from batch 16 down to 8"),
+                   Case((0.05, 16, 12, "sqrt"), label="the square-root rule from batch 16 down to 12"),
+                   Case((0.1, 256, 1024, "cubic"), label="an unknown rule")],
+    hint="linear: the base rate times the batch growth factor (the new batch over the base one); sqrt: times its "
+    "square root", passed="both rules, up and down, and an unknown rule",
+    mistakes=_named({
+        "no_value_error": (lambda b, bb, n, rule: b * (n / bb if rule == "linear" else math.sqrt(n / bb)), "an unknown rule does not raise ValueError, so a misspelt rule would train at a wrong rate or stop with an unclear error. Try: for any rule but linear and sqrt, raise ValueError with a message that names the rule"),
+        "upside_down": (lambda b, bb, n, rule: b * (bb / n if rule == "linear" else math.sqrt(bb / n)), "the ratio is upside down: a bigger batch should get a bigger rate. Try: divide the new batch by the base one"),
+        "int_division": (lambda b, bb, n, rule: b * (n // bb if rule == "linear" else math.sqrt(n // bb)), "the batch ratio is rounded down by integer division. Try: divide with / so that the ratio keeps its fraction"),
+    }, no_value_error=lambda o: o.want == "ValueError" and o.got != "ValueError"),
+)  # fmt: skip
 
 
 class _LarsVariant(torch.optim.Optimizer):
@@ -317,67 +260,35 @@ def _run_optimizer(cls, case):
     return out
 
 
-def _lars_variant(kind):
-    if kind in ("not_class", "not_optimizer"):
-        return _plain_class(kind, _LarsVariant)
-    return type("MyLARS", (_LarsVariant,), {"kinds": frozenset([kind])})
-
-
+_HP = ("lr", "momentum", "weight_decay", "trust_coefficient", "eps")
 LARS_OPTIMIZER = Exercise(
-    name="lars_optimizer",
-    answer=("MyLARS",),
-    cases=lambda: [
-        Case(
-            (
-                41,
-                (6, 8, 3),
-                dict(lr=0.4, momentum=0.9, weight_decay=0.01, trust_coefficient=0.02, eps=1e-9),
-                (0.4, 0.4, 0.2, 0.2),
-            ),
-            label="4 steps of a 6-8-3 network with batch norm, lr halved at step 2",
-        ),
-        Case(
-            (
-                7,
-                (5, 4, 2),
-                dict(lr=0.05, momentum=0.8, weight_decay=0.05, trust_coefficient=0.01, eps=1e-8),
-                (0.05, 0.1, 0.15),
-            ),
-            label="3 steps of a 5-4-2 network with batch norm, lr rising in a warmup",
-        ),
-    ],
-    oracle=_LarsOracle,
-    run=_run_optimizer,
-    rtol=1e-7,
-    atol=1e-10,
+    name="lars_optimizer", answer=("MyLARS",), oracle=_LarsOracle, run=_run_optimizer, rtol=1e-7, atol=1e-10,
+    cases=lambda: [Case((41, (6, 8, 3), dict(zip(_HP, (0.4, 0.9, 0.01, 0.02, 1e-9))), (0.4, 0.4, 0.2, 0.2)),
+                        label="4 steps of a 6-8-3 network with batch norm, lr halved at step 2"),
+                   Case((7, (5, 4, 2), dict(zip(_HP, (0.05, 0.8, 0.05, 0.01, 1e-8))), (0.05, 0.1, 0.15)),
+                        label="3 steps of a 5-4-2 network with batch norm, lr rising in a warmup")],
     refuse=("utils.optim.LARS.step",),
     refuse_hint="subclass torch.optim.Optimizer and write the step yourself; your trust_ratio and lars_step may help",
-    hint="per parameter: the weight-decayed gradient times the trust ratio (1 in an excluded group), folded into the buffer with momentum; the parameter moves by lr times the buffer",
+    hint="per parameter: the weight-decayed gradient times the trust ratio (1 in an excluded group), folded into the "
+    "buffer with momentum; the parameter moves by lr times the buffer",
     passed="steps of a network with an excluded group and a schedule, as utils.optim.LARS takes them",
-    mistakes=_named(
-        {
-            "not_class": _NOT_CLASS,
-            "not_optimizer": "your class is not a torch.optim.Optimizer. Try: subclass torch.optim.Optimizer and pass your groups and defaults to its constructor",
-            "grad_on": "an in-place update of a parameter ran with autograd on. Try: update the parameters with autograd off (torch.no_grad, as a context or a decorator of step)",
-            "none_grads": "a parameter without a gradient (its .grad is None) made your step crash. Try: skip parameters whose .grad is None, as torch.optim.SGD does",
-            "rebind": "after a step no parameter has changed. Try: update each parameter in place under torch.no_grad(); assigning p a new value only rebinds a local name",
-            "ignore_exclude": "you applied the trust ratio to the excluded group too. Try: parameters of a group with exclude set get plain SGD with momentum, the trust ratio fixed at 1",
-            "skip_excluded": "the parameters of the excluded group (biases, norm weights) are not updated. Try: an excluded group still gets SGD with momentum, the trust ratio fixed at 1",
-            "forget_buffer": "the momentum buffer is not kept from one step to the next. Try: store each parameter's buffer in its per-parameter state (self.state) and update it there every step",
-            "wd_after": "weight decay was added after the trust ratio. Try: add weight_decay times the parameter to the gradient first, then scale the sum by the trust ratio",
-            "lr_from_init": "your step ignores a changed learning rate, which a schedule sets in group['lr'] each step. Try: read lr from the parameter group inside step, not from a value saved in __init__",
-            "outside_state": "a parameter has no momentum buffer in its per-parameter state. Try: keep each parameter's buffer in self.state, under that parameter, which PyTorch saves with the optimizer",
-            "graph_buffers": "a momentum buffer in self.state is part of the autograd graph. Try: run the update with autograd off (torch.no_grad) so the buffers are plain tensors",
-        },
-        _lars_variant,
-        not_class=_raised("not a class"),
-        not_optimizer=_raised("not a Optimizer class"),
-        grad_on=_raised("leaf Variable"),
-        none_grads=_raised("NoneType"),
-        outside_state=lambda o: o.got["state"] is False,
-        graph_buffers=lambda o: o.got["plain"] is False,
-    ),
-)
+    mistakes=_named({
+        "not_class": _NOT_CLASS,
+        "not_optimizer": "your class is not a torch.optim.Optimizer. Try: subclass torch.optim.Optimizer and pass your groups and defaults to its constructor",
+        "grad_on": "an in-place update of a parameter ran with autograd on. Try: update the parameters with autograd off (torch.no_grad, as a context or a decorator of step)",
+        "none_grads": "a parameter without a gradient (its .grad is None) made your step crash. Try: skip parameters whose .grad is None, as torch.optim.SGD does",
+        "rebind": "after a step no parameter has changed. Try: update each parameter in place under torch.no_grad(); assigning p a new value only rebinds a local name",
+        "ignore_exclude": "you applied the trust ratio to the excluded group too. Try: parameters of a group with exclude set get plain SGD with momentum, the trust ratio fixed at 1",
+        "skip_excluded": "the parameters of the excluded group (biases, norm weights) are not updated. Try: an excluded group still gets SGD with momentum, the trust ratio fixed at 1",
+        "forget_buffer": "the momentum buffer is not kept from one step to the next. Try: store each parameter's buffer in its per-parameter state (self.state) and update it there every step",
+        "wd_after": "weight decay was added after the trust ratio. Try: add weight_decay times the parameter to the gradient first, then scale the sum by the trust ratio",
+        "lr_from_init": "your step ignores a changed learning rate, which a schedule sets in group['lr'] each step. Try: read lr from the parameter group inside step, not from a value saved in __init__",
+        "outside_state": "a parameter has no momentum buffer in its per-parameter state. Try: keep each parameter's buffer in self.state, under that parameter, which PyTorch saves with the optimizer",
+        "graph_buffers": "a momentum buffer in self.state is part of the autograd graph. Try: run the update with autograd off (torch.no_grad) so the buffers are plain tensors",
+    }, _class_variant(_LarsVariant, "MyLARS"), not_class=_raised("not a class"), not_optimizer=_raised("not a Optimizer class"),
+       grad_on=_raised("leaf Variable"), none_grads=_raised("NoneType"), outside_state=lambda o: o.got["state"] is False,
+       graph_buffers=lambda o: o.got["plain"] is False),
+)  # fmt: skip
 
 
 class _GhostVariant(nn.Module):
@@ -451,10 +362,7 @@ def _run_ghost(cls, case):
     return out
 
 
-def _ghost_variant(kind):
-    if kind in ("not_class", "not_module"):
-        return _plain_class(kind, _GhostVariant)
-    return type("MyGhostBatchNorm2d", (_GhostVariant,), {"kinds": frozenset([kind])})
+_ghost_variant = _class_variant(_GhostVariant, "MyGhostBatchNorm2d")
 
 
 def _stage(kind, *keys):
@@ -474,51 +382,38 @@ _GHOST_STAGES |= {"no_affine": ("output",), "detach_stats": ("input grad",), "de
 _GHOST_STAGES |= {"no_running": _RUNNING, "running_whole": _RUNNING, "running_biased": _RUNNING}
 _GHOST_STAGES |= {"eval_batch_stats": ("eval output",), "eval_updates": tuple(f"{k} after eval" for k in _RUNNING)}
 GHOST_BATCH_NORM = Exercise(
-    name="ghost_batch_norm",
-    answer=("MyGhostBatchNorm2d",),
-    cases=lambda: [
-        Case((12, 4, 0), label="a batch of 12 in virtual batches of 4"),
-        Case((10, 4, 1), label="a batch of 10 in virtual batches of 4, the last one smaller"),
-        Case((12, 64, 2), label="a batch of 12 in one virtual batch, which is exactly nn.BatchNorm2d"),
-    ],
-    oracle=GhostBatchNorm2d,
-    run=_run_ghost,
-    rtol=1e-6,
-    atol=1e-8,
+    name="ghost_batch_norm", answer=("MyGhostBatchNorm2d",), oracle=GhostBatchNorm2d, run=_run_ghost, rtol=1e-6, atol=1e-8,
+    cases=lambda: [Case((12, 4, 0), label="a batch of 12 in virtual batches of 4"),
+                   Case((10, 4, 1), label="a batch of 10 in virtual batches of 4, the last one smaller"),
+                   Case((12, 64, 2), label="a batch of 12 in one virtual batch, which is exactly nn.BatchNorm2d")],
     refuse=("torch.nn.functional.batch_norm", "torch.batch_norm", "utils.models.GhostBatchNorm2d.forward"),
-    refuse_hint="subclass nn.Module and compute each virtual batch's mean and variance yourself with Tensor.mean and Tensor.var",
-    hint="per virtual batch and channel: subtract the mean, divide by the square root of the biased variance plus eps, then scale by weight and add bias; in eval mode use the running statistics",
+    refuse_hint="subclass nn.Module and compute each virtual batch's mean and variance yourself with Tensor.mean and "
+    "Tensor.var", hint="per virtual batch and channel: subtract the mean, divide by the square root of the biased "
+    "variance plus eps, then scale by weight and add bias; in eval mode use the running statistics",
     passed="outputs, gradients and running statistics in training, uneven and single virtual batches, and eval mode",
-    mistakes=_named(
-        {
-            "not_class": _NOT_CLASS,
-            "not_module": "your class is not an nn.Module. Try: subclass nn.Module and call super().__init__() first",
-            "rename": "the parameters or buffers are not named as in nn.BatchNorm2d. Try: use weight and bias (nn.Parameter), running_mean and running_var (register_buffer), one value per channel",
-            "whole_batch": "your statistics are over the whole batch, not per virtual batch. Try: split the batch into virtual batches of virtual_batch_size (Tensor.split) and normalise each with its own mean and variance",
-            "unbiased_norm": "you normalise with the unbiased variance (divided by n - 1). Try: normalise with the biased variance (correction=0); the unbiased one is for running_var",
-            "per_pixel": "your mean and variance are per pixel (reduced over N only). Try: reduce over dims (0, 2, 3): N, H and W, one statistic per channel",
-            "per_sample": "your mean and variance are per sample (reduced over H and W only). Try: reduce over dims (0, 2, 3): N, H and W, one statistic per channel",
-            "mix_channels": "your mean and variance mix the channels. Try: reduce over dims (0, 2, 3): N, H and W, one statistic per channel",
-            "no_affine": "the affine weight and bias are not applied. Try: multiply by weight and add bias, per channel",
-            "detach_stats": "the outputs are right but the input gradient is not. Try: let autograd see the mean and variance: no torch.no_grad() or .detach() around them",
-            "detach_weight": "the gradient of weight is wrong. Try: use self.weight, the nn.Parameter itself, in the output",
-            "no_running": "running_mean and running_var were not updated. Try: update them in training, once per virtual batch",
-            "running_whole": "the running statistics were updated with the whole batch. Try: update them once per virtual batch, with that virtual batch's mean and variance",
-            "running_biased": "running_var was updated with the biased variance. Try: use the unbiased variance (divided by n - 1) for running_var, as nn.BatchNorm2d does",
-            "graph_running": "the running statistics are part of the autograd graph. Try: update them under torch.no_grad() or from detached values",
-            "reshape": "a batch that virtual_batch_size does not divide fails, but the last virtual batch may be smaller. Try: split with Tensor.split, which allows a smaller last piece, not with a reshape",
-            "eval_batch_stats": "in eval mode your outputs differ from nn.BatchNorm2d. Try: in eval mode normalise with running_mean and running_var, not the batch's statistics",
-            "eval_updates": "eval mode changed the running statistics. Try: update them only when self.training is True",
-        },
-        _ghost_variant,
-        **{k: _stage(k, *keys) for k, keys in _GHOST_STAGES.items()},
-        not_class=_raised("not a class"),
-        not_module=_raised("not a Module class"),
-        rename=_raised("one value per channel"),
-        graph_running=lambda o: o.got["running stats outside autograd"] is False,
-        reshape=_raised("is invalid for input of size"),
-    ),
-)
+    mistakes=_named({
+        "not_class": _NOT_CLASS,
+        "not_module": "your class is not an nn.Module. Try: subclass nn.Module and call super().__init__() first",
+        "rename": "the parameters or buffers are not named as in nn.BatchNorm2d. Try: use weight and bias (nn.Parameter), running_mean and running_var (register_buffer), one value per channel",
+        "whole_batch": "your statistics are over the whole batch, not per virtual batch. Try: split the batch into virtual batches of virtual_batch_size (Tensor.split) and normalise each with its own mean and variance",
+        "unbiased_norm": "you normalise with the unbiased variance (divided by n - 1). Try: normalise with the biased variance (correction=0); the unbiased one is for running_var",
+        "per_pixel": "your mean and variance are per pixel (reduced over N only). Try: reduce over dims (0, 2, 3): N, H and W, one statistic per channel",
+        "per_sample": "your mean and variance are per sample (reduced over H and W only). Try: reduce over dims (0, 2, 3): N, H and W, one statistic per channel",
+        "mix_channels": "your mean and variance mix the channels. Try: reduce over dims (0, 2, 3): N, H and W, one statistic per channel",
+        "no_affine": "the affine weight and bias are not applied. Try: multiply by weight and add bias, per channel",
+        "detach_stats": "the outputs are right but the input gradient is not. Try: let autograd see the mean and variance: no torch.no_grad() or .detach() around them",
+        "detach_weight": "the gradient of weight is wrong. Try: use self.weight, the nn.Parameter itself, in the output",
+        "no_running": "running_mean and running_var were not updated. Try: update them in training, once per virtual batch",
+        "running_whole": "the running statistics were updated with the whole batch. Try: update them once per virtual batch, with that virtual batch's mean and variance",
+        "running_biased": "running_var was updated with the biased variance. Try: use the unbiased variance (divided by n - 1) for running_var, as nn.BatchNorm2d does",
+        "graph_running": "the running statistics are part of the autograd graph. Try: update them under torch.no_grad() or from detached values",
+        "reshape": "a batch that virtual_batch_size does not divide fails, but the last virtual batch may be smaller. Try: split with Tensor.split, which allows a smaller last piece, not with a reshape",
+        "eval_batch_stats": "in eval mode your outputs differ from nn.BatchNorm2d. Try: in eval mode normalise with running_mean and running_var, not the batch's statistics",
+        "eval_updates": "eval mode changed the running statistics. Try: update them only when self.training is True",
+    }, _ghost_variant, **{k: _stage(k, *keys) for k, keys in _GHOST_STAGES.items()}, not_class=_raised("not a class"),
+       not_module=_raised("not a Module class"), rename=_raised("one value per channel"), reshape=_raised("is invalid for input of size"),
+       graph_running=lambda o: o.got["running stats outside autograd"] is False),
+)  # fmt: skip
 
 check_warmup_lr = WARMUP_LR.checker("``warmup_lr(step, base_lr, peak_lr, warmup_steps)``: the rate of step ``step``.")
 check_trust_ratio = TRUST_RATIO.checker("``trust_ratio(w, g, weight_decay, trust_coefficient, eps)``: the LARS factor.")
@@ -526,3 +421,5 @@ check_lars_step = LARS_STEP.checker("``lars_step(w, g, buf, lr, ...)`` -> (new_w
 check_lr_for_batch = LR_FOR_BATCH.checker("``lr_for_batch(base_lr, base_batch, batch, rule)``: linear or sqrt.")
 check_lars_optimizer = LARS_OPTIMIZER.checker("``MyLARS``, a torch.optim.Optimizer, stepped like utils.optim.LARS.")
 check_ghost_batch_norm = GHOST_BATCH_NORM.checker("``MyGhostBatchNorm2d``: batch norm over virtual batches.")
+
+__all__ = [name for name in dir() if name.startswith("check_")]

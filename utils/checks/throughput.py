@@ -15,6 +15,7 @@ from .engine import Case, Exercise, Mistake, difference
 
 __all__ = ["check_state_bytes", "check_time_step", "check_wait_fraction", "STATE_BYTES", "TIME_STEP", "WAIT_FRACTION"]
 LAB = "lab2_throughput"
+_m = lambda text, variant, **kw: Mistake(*text.split(". Try: "), variant=variant, **kw)  # from "problem. Try: hint"
 _STATE_CASES = [("adam", 0.0, torch.float32, False, "Adam"), ("sgd", 0.9, torch.float32, False, "SGD, momentum 0.9"),
                 ("sgd", 0.0, torch.float32, False, "plain SGD (momentum 0)"), ("adam", 0.0, torch.bfloat16, False,
                 "Adam, in bfloat16"), ("adam", 0.0, torch.float32, True, "Adam, its first layer frozen")]  # fmt: skip
@@ -55,20 +56,20 @@ STATE_BYTES = Exercise(
     refuse=tuple(f"utils.memory.{f}" for f in ("parameter_bytes", "grad_bytes", "optimizer_state_bytes",
                                                 "counted_state_bytes", "predict_memory")),
     mistakes=[
-        Mistake("it does not return a dict with the keys params, grads and optimizer_state", "return such a dict of "
-                "numbers of bytes", variant=lambda *a: tuple(_bytes(*a).values()), when=lambda o: type(o.got) is not dict),
-        Mistake("it returns the number of elements, not bytes", "multiply each tensor's numel() by its element_size()",
-                variant=partial(_bytes, size=lambda p: p.numel())),
-        Mistake("it assumes 4 bytes per number, twice what a bfloat16 model holds", "use p.element_size()",
-                variant=partial(_bytes, size=lambda p: 4 * p.numel())),
-        Mistake("Adam's state is counted once", "Adam keeps TWO tensors per parameter: exp_avg and exp_avg_sq",
-                variant=partial(_bytes, adam=1)),
-        Mistake("plain SGD (momentum 0) is given optimizer state", "only momentum makes a buffer per parameter",
-                variant=partial(_bytes, sgd=1)),
-        Mistake("SGD with momentum is given no optimizer state", "momentum keeps one buffer the size of each parameter",
-                variant=partial(_bytes, sgd=0)),
-        Mistake("frozen parameters are given gradients and optimizer state", "count gradients and optimizer state "
-                "only for parameters with p.requires_grad", variant=partial(_bytes, every=True)),
+        _m("it does not return a dict with the keys params, grads and optimizer_state. Try: return such a dict of "
+           "numbers of bytes", lambda *a: tuple(_bytes(*a).values()), when=lambda o: type(o.got) is not dict),
+        _m("it returns the number of elements, not bytes. Try: multiply each tensor's numel() by its element_size()",
+           partial(_bytes, size=lambda p: p.numel())),
+        _m("it assumes 4 bytes per number, twice what a bfloat16 model holds. Try: use p.element_size()",
+           partial(_bytes, size=lambda p: 4 * p.numel())),
+        _m("Adam's state is counted once. Try: Adam keeps TWO tensors per parameter: exp_avg and exp_avg_sq",
+           partial(_bytes, adam=1)),
+        _m("plain SGD (momentum 0) is given optimizer state. Try: only momentum makes a buffer per parameter",
+           partial(_bytes, sgd=1)),
+        _m("SGD with momentum is given no optimizer state. Try: momentum keeps one buffer the size of each parameter",
+           partial(_bytes, sgd=0)),
+        _m("frozen parameters are given gradients and optimizer state. Try: count those only for parameters with "
+           "p.requires_grad", partial(_bytes, every=True)),
     ],
 )  # fmt: skip
 check_state_bytes = STATE_BYTES.checker("``state_bytes(model, optimizer, momentum=0.0)``: a dict of bytes.")
@@ -155,23 +156,23 @@ TIME_STEP = Exercise(
     "stopping the clock, and return the median of those times in seconds",
     passed="on a simulated GPU with slow first calls and outliers, for two step lengths",
     mistakes=[
-        Mistake("it returns something other than one number of seconds", "return the median of the per-repeat times",
-                variant=partial(_timer, pick=list), when=lambda o: not isinstance(o.got[0], (int, float, torch.Tensor))),
-        Mistake("step() was called fewer than warmup + repeats times, as if the warm-up calls were left out", "run "
-                "`warmup` untimed calls first, then `repeats` timed ones", variant=partial(_timer, warm="skipped"),
-                when=lambda o: o.got[1] < o.want[1]),
-        Mistake("it measured far less than the work each step queues", "the step only QUEUES work, as on a GPU: call "
-                "sync() before reading the clock at the end of each timed repeat (and before starting it)",
-                variant=partial(_timer, synced=False), when=lambda o: o.got[0] < o.want[0] / 4),
-        Mistake("it returns the total of the repeats", "return their median, not the sum", variant=partial(_timer, pick=sum)),
-        Mistake("it returns milliseconds", "return seconds, the difference of two perf_counter readings",
-                variant=partial(_timer, pick=lambda t: 1e3 * statistics.median(t))),
-        Mistake("the slow warm-up calls were timed with the repeats", "keep the `warmup` calls out of the times",
-                variant=partial(_timer, warm="timed")),
-        Mistake("one slow repeat pulled the result up, as it does a mean", "report the MEDIAN of the repeats "
-                "(statistics.median), not the mean or the total / repeats", variant=partial(_timer, pick=statistics.mean)),
-        Mistake("it returns the middle repeat in the order they ran", "sort the times first, or use statistics.median",
-                variant=partial(_timer, pick=lambda t: t[len(t) // 2])),
+        _m("it returns something other than one number of seconds. Try: return the median of the per-repeat times",
+           partial(_timer, pick=list), when=lambda o: not isinstance(o.got[0], (int, float, torch.Tensor))),
+        _m("step() was called fewer than warmup + repeats times, as if the warm-up calls were left out. Try: run "
+           "`warmup` untimed calls first, then `repeats` timed ones", partial(_timer, warm="skipped"),
+           when=lambda o: o.got[1] < o.want[1]),
+        _m("it measured far less than the work each step queues. Try: the step only QUEUES work, as on a GPU: call "
+           "sync() before reading the clock at the end of each timed repeat (and before starting it)",
+           partial(_timer, synced=False), when=lambda o: o.got[0] < o.want[0] / 4),
+        _m("it returns the total of the repeats. Try: return their median, not the sum", partial(_timer, pick=sum)),
+        _m("it returns milliseconds. Try: return seconds, the difference of two perf_counter readings",
+           partial(_timer, pick=lambda t: 1e3 * statistics.median(t))),
+        _m("the slow warm-up calls were timed with the repeats. Try: keep the `warmup` calls out of the times",
+           partial(_timer, warm="timed")),
+        _m("one slow repeat pulled the result up, as it does a mean. Try: report the MEDIAN of the repeats "
+           "(statistics.median), not the mean or the total / repeats", partial(_timer, pick=statistics.mean)),
+        _m("it returns the middle repeat in the order they ran. Try: sort the times first, or use statistics.median",
+           partial(_timer, pick=lambda t: t[len(t) // 2])),
     ],
 )  # fmt: skip
 check_time_step = TIME_STEP.checker("``time_step(step, sync, warmup, repeats)``: the median seconds of one step().")
@@ -210,21 +211,18 @@ WAIT_FRACTION = Exercise(
     hint="time only each request for the next batch (an explicit iterator over the loader), add those times up, "
     "and divide by the time of the whole pass",
     mistakes=[
-        Mistake("the pass never ends, as when a new iterator is made for every batch", "make one iterator over the "
-                "loader before the loop and ask it for each next batch", variant=partial(_fraction, fresh=True),
-                when=lambda o: o.hung, replay=False),
-        Mistake("it returns something other than one fraction", "divide the waiting time by the whole pass's time",
-                variant=partial(_fraction, out=lambda w, t: (w, t)),
-                when=lambda o: not isinstance(o.got[0], (int, float, torch.Tensor))),
-        Mistake("step() did not see each batch exactly once, in order", "call step(batch) once on each batch of "
-                "one pass, and on nothing else", variant=partial(_fraction, warm=True), when=lambda o: o.got[1] != o.want[1]),
-        Mistake("it returns a percentage", "return a fraction between 0 and 1", variant=partial(_fraction, out=lambda w, t: 100 * w / t)),
-        Mistake("it divides the waiting time by the stepping time", "divide by the TOTAL time (waiting + stepping)",
-                variant=partial(_fraction, out=lambda w, t: w / (t - w))),
-        Mistake("it returns the share spent in step()", "time only the wait for the next batch: next(iterator), not "
-                "the step", variant=partial(_fraction, out=lambda w, t: 1 - w / t)),
+        _m("the pass never ends, as when a new iterator is made for every batch. Try: make one iterator over the "
+           "loader before the loop and ask it for each next batch", partial(_fraction, fresh=True),
+           when=lambda o: o.hung, replay=False),
+        _m("it returns something other than one fraction. Try: divide the waiting time by the whole pass's time",
+           partial(_fraction, out=lambda w, t: (w, t)), when=lambda o: not isinstance(o.got[0], (int, float, torch.Tensor))),
+        _m("step() did not see each batch exactly once, in order. Try: call step(batch) once on each batch of one "
+           "pass, and on nothing else", partial(_fraction, warm=True), when=lambda o: o.got[1] != o.want[1]),
+        _m("it returns a percentage. Try: return a fraction between 0 and 1", partial(_fraction, out=lambda w, t: 100 * w / t)),
+        _m("it divides the waiting time by the stepping time. Try: divide by the TOTAL time (waiting + stepping)",
+           partial(_fraction, out=lambda w, t: w / (t - w))),
+        _m("it returns the share spent in step(). Try: time only the wait for the next batch: next(iterator), not "
+           "the step", partial(_fraction, out=lambda w, t: 1 - w / t)),
     ],
 )  # fmt: skip
-check_wait_fraction = WAIT_FRACTION.checker(
-    "``wait_fraction(loader, step)``: the share of one pass spent waiting for data."
-)
+check_wait_fraction = WAIT_FRACTION.checker("``wait_fraction(loader, step)``: the share of a pass waiting for data.")
