@@ -1,25 +1,22 @@
 """The exercise engine: every self-check in the labs is a short spec run by :func:`check`.
 
-An :class:`Exercise` declares what the student writes (``answer``), its ``cases`` (two or more with different
-answers, so no constant passes), an ``oracle`` with the student's signature, how an answer is run on a case
-(``run``) and where (here, or on ``ranks`` spawned processes), its named ``mistakes`` (known-wrong variants, each
-with a one-line problem and hint) and what it forbids (``refuse``: the library's own version of what is built).
-
-An output that differs from the oracle's (``torch.testing.assert_close``) makes the engine replay each mistake's
-variant on that case and name the first the answer matches, or whose ``when`` holds; a ``mechanism`` mistake is
-looked for on every case, right or wrong (a host sync every step). A rank-run answer's source travels to the ranks
-(a notebook's function cannot be imported there); each rank builds its cases on its own device and runs the
-oracle, the replayed mistakes and the answer, and the outputs are compared here.
+An :class:`Exercise` declares what the student writes, two or more ``cases`` with different answers, an ``oracle``
+with the student's signature, how an answer is ``run`` on a case and where (here, or on ``ranks`` spawned processes),
+its named ``mistakes`` (known-wrong variants, each with a one-line problem and hint) and what it ``refuse``s (the
+library's own version). When an output differs from the oracle's (``torch.testing.assert_close``), the mistakes'
+variants are replayed on that case to name the one the answer made, or a mistake's ``when`` recognises it. A
+rank-run answer's source travels to the ranks (a notebook's function cannot be imported there); each rank runs the
+oracle, the replayed mistakes and the answer on cases built on its own device, and the outputs are compared here.
 """
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import functools
 import importlib
 import inspect
-import io
 import math
 import os
 import pkgutil
@@ -29,7 +26,6 @@ import sys
 import textwrap
 import threading
 import time
-import tokenize
 import traceback
 import types
 from collections.abc import Callable, Iterator, Sequence
@@ -81,10 +77,6 @@ class Mistake:
     mechanism: bool = False
 
 
-def _default_run(answer, case: Case):
-    return answer(*case.args, **case.kwargs)
-
-
 @dataclasses.dataclass
 class Exercise:
     name: str
@@ -93,7 +85,7 @@ class Exercise:
     hint: str  # what to do when no named mistake matches
     answer: tuple = ()  # the names of what the student passes; default (name,)
     mistakes: Sequence[Mistake] = ()
-    run: Callable[[Any, Case], Any] = _default_run
+    run: Callable[[Any, Case], Any] = lambda answer, case: answer(*case.args, **case.kwargs)
     compare: Callable[[Any, Any], str | None] | None = None  # None: assert_close with rtol/atol
     rtol: float = 1e-4
     atol: float = 1e-6
@@ -285,20 +277,15 @@ def refusing(ex: Exercise, answer: Sequence, scopes: Sequence[dict] = ()) -> Ite
 
 
 def _strip(source: str) -> str:
-    """The source with comments and strings blanked out: what the code does, not what it says."""
-    lines = source.splitlines(keepends=True)
+    """The code without its comments and strings (as ``ast.unparse`` writes it): what it does, not what it says."""
     try:
-        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
-    except (tokenize.TokenError, IndentationError, SyntaxError):
+        tree = ast.parse(source)
+    except SyntaxError:
         return source
-    for tok in reversed(tokens):
-        if tok.type in (tokenize.COMMENT, tokenize.STRING) and tok.start[0] == tok.end[0]:
-            row, (c0, c1) = tok.start[0] - 1, (tok.start[1], tok.end[1])
-            lines[row] = lines[row][:c0] + " " * (c1 - c0) + lines[row][c1:]
-        elif tok.type == tokenize.STRING:  # a string over several lines (a docstring)
-            for row in range(tok.start[0] - 1, tok.end[0]):
-                lines[row] = "\n"
-    return "".join(lines)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            node.value = ""
+    return ast.unparse(tree)
 
 
 def _source(answer: Sequence) -> str:

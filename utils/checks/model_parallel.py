@@ -4,6 +4,7 @@ torch.optim in the tests) and GPipe's micro-batch loop (against one full-batch s
 row, "problem. Try: hint", then the known-wrong variant that makes it and, when its output is no fingerprint,
 how it is recognised."""
 
+from collections import defaultdict
 from functools import partial
 
 import torch
@@ -57,23 +58,21 @@ TENSOR_PARALLEL = Exercise(
     hint="rank r keeps slice r of the hidden units in both layers, in equal contiguous slices",
     passed="1, 2 and 4 ranks: the partial outputs add up to the whole MLP",
     mistakes=[
-        _m("column_shard must return a (weight, bias) pair of tensors and row_shard one weight tensor. Try: return this "
-           "rank's slice of the weight and of the bias from column_shard, and of the weight from row_shard",
+        _m("column_shard must return a (weight, bias) pair of tensors, row_shard one weight tensor. Try: return this "
+           "rank's slices of the weight and bias from column_shard, of the weight from row_shard",
            (lambda lin, r, n: [t.tolist() for t in _col(lin, r, n)], _row),
            lambda o: "unpack" in o.error or None in (o.got["w1"], o.got["b1"], o.got["w2"])),
-        _m("column_shard's weight is not cut into hidden/N output features by every input feature. Try: a "
-           "column-parallel layer splits the OUTPUT features, each rank computing some hidden units from the whole "
-           "input; nn.Linear stores its weight as [out, in]",
+        _m("column_shard's weight is not cut by output features. Try: a column-parallel layer splits the OUTPUT "
+           "features (nn.Linear's weight is [out, in]), each rank computing some hidden units from the whole input",
            (lambda lin, r, n: (_col(lin, r, n, dim=1)[0], lin.bias.detach()), _row), lambda o: o.got["w1"] != o.want["w1"]),
-        _m("column_shard's bias is not cut like its weight. Try: the bias belongs to the output features: keep the "
-           "entries of the hidden units this rank computes",
-           (lambda lin, r, n: (_col(lin, r, n)[0], lin.bias.detach()), _row), lambda o: o.got["b1"] != o.want["b1"]),
-        _m("row_shard's weight is not cut into every output feature by hidden/N input features. Try: a row-parallel "
-           "layer splits its INPUT features, the hidden units this rank computed, so it returns a partial sum of every output",
+        _m("column_shard's bias is not cut like its weight. Try: keep the bias entries of the hidden units this rank "
+           "computes", (lambda lin, r, n: (_col(lin, r, n)[0], lin.bias.detach()), _row), lambda o: o.got["b1"] != o.want["b1"]),
+        _m("row_shard's weight is not cut by input features. Try: a row-parallel layer splits its INPUT features, the "
+           "hidden units this rank computed, and returns a partial sum of every output",
            (_col, lambda lin, r, n: _row(lin, r, n, dim=0)), lambda o: o.got["w2"] != o.want["w2"]),
-        _m("the shapes are right but the summed partial outputs differ from the whole MLP. Try: rank r must take the SAME "
-           "slice r of the hidden units in both layers: its outputs of the first layer and its inputs of the second",
-           (_col, lambda lin, r, n: _row(lin, n - 1 - r, n)), lambda o: all(o.got[k] == o.want[k] for k in ("w1", "b1", "w2"))),
+        _m("the shapes are right but the summed partial outputs differ from the whole MLP. Try: rank r must take the "
+           "SAME slice r of the hidden units in both layers", (_col, lambda lin, r, n: _row(lin, n - 1 - r, n)),
+           lambda o: all(o.got[k] == o.want[k] for k in ("w1", "b1", "w2"))),
     ],
 )  # fmt: skip
 check_tensor_parallel = TENSOR_PARALLEL.checker(
@@ -119,32 +118,31 @@ def _zero2_cases(ctx):
 
 def _zero2_run(answer, case):
     """3 steps, each on this rank's half of a batch; per step the flat parameters, the bytes the collectives send
-    (a ring's), the other collectives, the gradients left on the model; then the optimizer's state bytes."""
+    (a ring's), the gradients left on the model; then the optimizer's state bytes."""
     (make_optimizer, step), ((d_in, width, d_out), kind, ctx) = answer, case.args
     model = mlp(width, 2, in_features=d_in, out_features=d_out, activation="tanh", seed=d_in + width).to(ctx.device)
+    g, rows, out = torch.Generator().manual_seed(d_in), slice(4 * ctx.rank, 4 * ctx.rank + 4), defaultdict(list)
     try:
         kw = {"lr": 0.1, "momentum": 0.9} if kind == "SGD" else {"lr": 0.01}
         opt = make_optimizer(model, torch.optim.SGD if kind == "SGD" else torch.optim.Adam, **kw)
         if not isinstance(opt, torch.optim.Optimizer):
             raise TypeError(f"zero2_optimizer returned {type(opt).__name__}, not a torch.optim optimizer")
-        g, rows = torch.Generator().manual_seed(d_in), slice(4 * ctx.rank, 4 * ctx.rank + 4)
         held = [p for group in opt.param_groups for p in group["params"]]
-        out = {"numel": sum(p.numel() for p in model.parameters()), "held": sum(p.numel() for p in held)}
-        out |= {"view": sum(p.untyped_storage().nbytes() - p.numel() * p.element_size() for p in held) > 0}
-        out |= {"params": [], "sent": [], "other": [], "grads": []}
-        for x, y in [(torch.randn(8, d_in, generator=g), torch.randn(8, d_out, generator=g)) for _ in range(3)]:
+        for _ in range(3):
+            x, y = torch.randn(8, d_in, generator=g), torch.randn(8, d_out, generator=g)
             model.zero_grad(set_to_none=True)
             F.mse_loss(model(x[rows].to(ctx.device)), y[rows].to(ctx.device)).backward()
             with CommCounter(ctx.world_size) as comm:
                 step(model, opt)
             out["params"].append(torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]))
             out["sent"].append(comm.sent)
-            out["other"].append(sum(v for k, v in comm.calls.items() if k not in ("reduce_scatter", "all_gather")))
             out["grads"].append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None))
     except Exception as e:  # which case: the no-padding mistake raises on the 57-parameter MLP only
         raise RuntimeError(f"on {case.label}: {type(e).__name__}: {e}") from e
     state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-    return out | {"state": sum(v.numel() * v.element_size() for v in state)}
+    view = sum(p.untyped_storage().nbytes() - p.numel() * p.element_size() for p in held) > 0  # a shard that shares
+    return dict(out, numel=sum(p.numel() for p in model.parameters()), held=sum(p.numel() for p in held), view=view,
+                state=sum(v.numel() * v.element_size() for v in state))  # fmt: skip
 
 
 def _flat(tensors, world, pad="end"):
@@ -171,7 +169,7 @@ def _zero2_optimizer(model, optimizer_class, pad="end", copy=True, **kwargs):
     return optimizer_class([(shard.clone() if copy else shard).requires_grad_()], **kwargs)
 
 
-def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=True, copy=True, more=""):
+def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=True, copy=True, bcast=False):
     """The reference (the defaults): reduce-scatter the flat gradient, step the shard, all-gather, copy back.
     Each keyword makes one named mistake."""
     world, params, shard = dist.get_world_size(), list(model.parameters()), opt.param_groups[0]["params"][0]
@@ -180,9 +178,7 @@ def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=
         p.grad = p.grad if keep else None
     shard.grad = torch.empty_like(shard)
     dist.reduce_scatter_tensor(shard.grad, grads)
-    if more == "reduce_scatter":
-        dist.reduce_scatter_tensor(torch.empty_like(shard), grads)
-    elif more == "broadcast":
+    if bcast:
         dist.broadcast(torch.zeros_like(shard), 0)
     shard.grad /= world**power
     if not first:
@@ -238,42 +234,34 @@ ZERO2 = Exercise(
         _m("zero2_optimizer returned something that is not a torch.optim optimizer. Try: return the optimizer class "
            "built over a list holding only your shard, with the keyword arguments",
            (_not_an_optimizer, _zero2_step), lambda o: "not a torch.optim optimizer" in o.error),
-        _m("your code went wrong on the 57-parameter MLP, which does not divide by 2 ranks, where the 44-parameter one "
-           "was right. Try: pad the flat vectors with zeros at the end, to a multiple of the world size, so every "
-           "rank's shard has the same size; leave the padding out when you copy back into the parameters",
+        _m("your code failed on the 57-parameter MLP, which does not divide by 2 ranks. Try: pad the flat vectors with "
+           "zeros at the end to a multiple of the world size, and leave the padding out when you copy back",
            (partial(_REF, pad=""), _step(pad="")), lambda o: "57-parameter" in o.error),
         _m("after a step the two ranks hold different parameters. Try: all-gather the updated shards into one full "
            "flat vector and copy it into every parameter, on every rank",
            (_REF, _step(gather=False)), lambda o: difference(o.got[0]["params"], o.got[1]["params"])),
         _m("the model's parameters never change. Try: after the optimizer's step, all-gather the shards and copy the "
            "full vector back into the parameters in place, without autograd", (_REF, _step(copy=False))),
-        _m("the first step left the parameters as they were, and later steps are one step behind: you gathered before "
-           "stepping. Try: step the optimizer on your shard first, then all-gather the updated shards",
-           (_REF, _step(first=True))),
-        _m("the parameters moved as if the gradients were 2x too large: reduce-scatter sums, it does not average. Try: "
-           "divide your shard's gradient by the world size after the reduce-scatter", (_REF, _step(power=0))),
-        _m("the parameters moved as if the gradients were 2x too small: they were averaged twice. Try: divide once: "
-           "reduce-scatter with its default operation (a sum), then divide by the world size", (_REF, _step(power=2))),
-        _m("the 57-parameter MLP went wrong where the 44-parameter one was right: the padding sits at the front, so "
-           "every parameter is read one element off. Try: pad the flat vectors with zeros at the END, so the "
-           "parameters start at offset 0 and the padding is the tail you leave out when you copy back",
+        _m("the parameters are one step behind: you gathered before stepping. Try: step the optimizer on your shard "
+           "first, then all-gather the updated shards", (_REF, _step(first=True))),
+        _m("the parameters moved as if the gradients were 2x too large: reduce-scatter sums. Try: divide your shard's "
+           "gradient by the world size after the reduce-scatter", (_REF, _step(power=0))),
+        _m("the parameters moved as if the gradients were 2x too small: they were averaged twice. Try: reduce-scatter "
+           "with its default operation (a sum), then divide by the world size once", (_REF, _step(power=2))),
+        _m("the 57-parameter MLP went wrong where the 44-parameter one was right: the padding sits at the front. Try: "
+           "pad at the END, so the parameters start at offset 0 and the padding is the tail you leave out",
            (partial(_REF, pad="front"), _step(pad="front"))),
-        _m("a rank's shard is a view into the whole padded flat vector, so every rank still holds a full copy of the "
-           "parameters. Try: make the shard a tensor of its own: copy your slice, so the full flat vector can be freed",
-           (partial(_REF, copy=False), _zero2_step), lambda o: any(r["view"] for r in o.got)),
-        _m("a rank's optimizer holds the whole model's state: you step the full parameters, not your shard. Try: give "
-           "the optimizer only your shard (a new leaf tensor of 1/N of the padded elements) and step only it; the "
-           "all-gather brings the other ranks' updates",
+        _m("a rank's shard is a view into the whole flat vector, which then stays in memory. Try: copy your slice into "
+           "a tensor of its own", (partial(_REF, copy=False), _zero2_step), lambda o: any(r["view"] for r in o.got)),
+        _m("a rank's optimizer holds the whole model's state. Try: give the optimizer only your shard (a new leaf "
+           "tensor of 1/N of the padded elements); the all-gather brings the other ranks' updates",
            (_whole_optimizer, _whole_step), lambda o: o.got[0]["held"] >= o.got[0]["numel"]),
-        _m("after its step a rank still holds the model's full gradients, where ZeRO-2 keeps only its shard's once the "
-           "step is done. Try: once the gradients are flattened for the reduce-scatter, free each parameter's gradient",
+        _m("after its step a rank still holds the model's full gradients. Try: once the gradients are flattened for "
+           "the reduce-scatter, free each parameter's gradient",
            (_REF, _step(keep=True)), lambda o: any(any(r["grads"]) for r in o.got)),
-        _m("a step called a collective other than the reduce-scatter and the all-gather. Try: ZeRO-2's step needs "
-           "exactly two collectives: a reduce-scatter of the gradients and an all-gather of the parameters",
-           (_REF, _step(more="broadcast")), lambda o: any(any(r["other"]) for r in o.got)),
         _m("a rank sent more or fewer bytes per step than DDP's all-reduce of the padded vector. Try: one "
-           "reduce-scatter of the whole padded flat gradient and one all-gather of your shard, per step, in float32",
-           (_REF, _step(more="reduce_scatter")), lambda o: o.got[0]["sent"] != o.want[0]["sent"]),
+           "reduce-scatter of the whole padded flat gradient and one all-gather of your shard per step, in float32, "
+           "and no other collective", (_REF, _step(bcast=True)), lambda o: o.got[0]["sent"] != o.want[0]["sent"]),
     ],
 )  # fmt: skip
 _SEEN: list = []  # what the answer measured, case by case (the compare sees it): check_zero2 hands back the last
