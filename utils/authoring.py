@@ -19,8 +19,8 @@ removed from labs/ with nothing in its place; a cell left empty is removed.
 
 Outputs and execution counts are cleared everywhere. ``python -m utils.authoring`` writes
 labs/; ``--check`` writes nothing and exits 1 when labs/ differs from what it would write.
-labs/assessment/ is hand-written and left alone. ``solution_namespace`` reads a solution notebook's
-answers for the tests and ``make gpu-check`` to hand to the labs' self-checks.
+labs/assessment/ is hand-written and left alone. ``solution_answer`` reads a solution notebook's answer to an
+exercise of ``utils.checks``, for the tests and ``make gpu-check`` (``utils.checks.engine`` re-exports it).
 
 ``--release DEST`` (``make release DEST=dir``) writes what students get: the repository's
 tracked files without ``solutions/`` (the answers and the assessment's reference), ``tests/``
@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
+import importlib
 import json
 import os
 import re
@@ -192,6 +193,13 @@ def solution_namespace(lab: str) -> dict:
     ns = {"__name__": "__main__"}
     exec(compile(path.read_text(), str(path), "exec"), ns)
     return ns
+
+
+def solution_answer(ex, lab: str | None = None) -> tuple:
+    """What the solution notebook hands to the check of ``ex`` (a ``utils.checks.engine.Exercise``): the objects
+    named in ``ex.answer``, from ``solutions/<lab>.ipynb`` (default: the ``LAB`` of the module that holds the spec)."""
+    ns = solution_namespace(lab or importlib.import_module(ex.module).LAB)
+    return tuple(ns[name] for name in ex.answer)
 
 
 NOT_RELEASED = ("solutions/", "tests/", ".ci/", "CONTRIBUTING.md", "conftest.py")

@@ -387,17 +387,6 @@ def _not_implemented(ex: Exercise) -> None:
     fail(ex.name, "it is not implemented yet", hint)
 
 
-def _raised(ex: Exercise, e: BaseException) -> None:
-    if isinstance(e, CheckFailed):
-        raise e.with_traceback(None) from None
-    if isinstance(e, NotImplementedError):
-        _not_implemented(ex)
-    last = traceback.format_exception_only(type(e), e)[-1].strip()
-    hint = "read the traceback of your code above (the last line in your cell is where it failed), fix it, then rerun both cells"
-    err = CheckFailed(message(ex.name, f"your code raised {last}", hint))
-    raise err from e.with_traceback(student_frames_only(e.__traceback__))
-
-
 class _Hung(BaseException):
     """Raised into the answer by the alarm: it ran past the exercise's timeout."""
 
@@ -451,12 +440,8 @@ def _rank_worker(module: str, name: str, shipment: Shipment) -> dict:
             return [ex.run(fn, case) for case in cases]
 
     try:
-        out = {"oracle": run_all(ex.oracle), "labels": [c.label for c in ex.cases(ctx)], "mistakes": []}
-        for m in _replayed(ex):
-            try:
-                out["mistakes"].append(run_all(m.variant))
-            except Exception:
-                out["mistakes"].append(None)
+        out = {"oracle": run_all(ex.oracle), "labels": [c.label for c in ex.cases(ctx)]}
+        out["mistakes"] = [_try(run_all, m.variant) for m in _replayed(ex)]
         answer, scope = shipment.define()
         return out | {"student": run_all(_one(answer), answer, scope)}
     finally:
@@ -521,18 +506,19 @@ def _on_ranks(ex: Exercise, answer: tuple, source: str) -> list:
     ]
 
 
-def _safe(pred, o: Outcome) -> bool:
+def _try(fn, *args):
+    """``fn(*args)``, or None where it raises (a mistake's variant; a ``when`` on an outcome it does not expect)."""
     try:
-        return bool(pred(o))
+        return fn(*args)
     except Exception:
-        return False
+        return None
 
 
 def _diagnose(ex: Exercise, o: Outcome, replays: list) -> None:
     """Name the first mistake that matches the outcome: by its ``when``, else by its replayed output."""
     replayed = _replayed(ex)
     for m in ex.mistakes:
-        if m.when is not None and _safe(m.when, o):
+        if m.when is not None and _try(m.when, o):
             fail(ex.name, m.problem, m.hint)
         if m.when is None and m in replayed and replays and not (o.error or o.hung):
             other = replays[replayed.index(m)]
@@ -582,41 +568,31 @@ def _student_run(ex: Exercise, answer: tuple, i: int, source: str):
             return ex.run(_one(answer), case)
     except _Hung:
         _hung(ex, source, case)
+    except CheckFailed as e:  # a refusal
+        raise e.with_traceback(None) from None
+    except NotImplementedError:
+        _not_implemented(ex)
     except Exception as e:  # the student's code crashed: a named mistake, else where it failed
-        if not isinstance(e, (CheckFailed, NotImplementedError)):
-            last = traceback.format_exception_only(type(e), e)[-1].strip()
-            _diagnose(ex, Outcome(case, error=last, source=source), [])
-        _raised(ex, e)
+        last = traceback.format_exception_only(type(e), e)[-1].strip()
+        _diagnose(ex, Outcome(case, error=last, source=source), [])
+        hint = "read the traceback of your code above (the last line in your cell is where it failed), fix it, then rerun both cells"
+        err = CheckFailed(message(ex.name, f"your code raised {last}", hint))
+        raise err from e.with_traceback(student_frames_only(e.__traceback__))
 
 
 def _judge(ex: Exercise, o: Outcome, reps, label: str, i: int | None = None) -> None:
     """Fail on a mechanism mistake, or on a difference from the oracle (naming the mistake if one matches)."""
     for m in ex.mistakes:
-        if m.mechanism and m.when is not None and _safe(m.when, o):
+        if m.mechanism and m.when is not None and _try(m.when, o):
             fail(ex.name, m.problem, m.hint)
     diff = ex.differs(o.got, o.want)
     if diff is None:
         return
-    _diagnose(ex, o, [_replay(ex, m, i) for m in _replayed(ex)] if reps is None else reps)
+    _diagnose(ex, o, [_try(ex.run, m.variant, ex.cases()[i]) for m in _replayed(ex)] if reps is None else reps)
     fail(ex.name, f"on {label}, your code {diff}", ex.hint)
 
 
-def _replay(ex: Exercise, m: Mistake, i: int):
-    try:
-        return ex.run(m.variant, ex.cases()[i])
-    except Exception:
-        return None
-
-
-def solution_answer(ex: Exercise, lab: str | None = None) -> tuple:
-    """What the solution notebook hands to ``ex``'s check: the objects named in ``ex.answer``, from
-    ``solutions/<lab>.ipynb`` (default: the ``LAB`` of the module that holds the spec)."""
-    ns = solution_namespace(lab or importlib.import_module(ex.module).LAB)
-    return tuple(ns[name] for name in ex.answer)
-
-
-def solution_namespace(lab: str) -> dict:
-    """``utils.authoring.solution_namespace``, imported when first needed (authoring reads solutions/ with nbformat)."""
-    from ..authoring import solution_namespace
-
-    return solution_namespace(lab)
+def __getattr__(name: str):  # solution_answer, solution_namespace: utils.authoring's, imported when first asked for
+    if name in ("solution_answer", "solution_namespace"):
+        return getattr(importlib.import_module("utils.authoring"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
