@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import ast
 import functools
-import importlib
 import json
 import os
 import re
@@ -198,7 +197,7 @@ def solution_namespace(lab: str) -> dict:
 def solution_answer(ex, lab: str | None = None) -> tuple:
     """What the solution notebook hands to the check of ``ex`` (a ``utils.checks.engine.Exercise``): the objects
     named in ``ex.answer``, from ``solutions/<lab>.ipynb`` (default: the ``LAB`` of the module that holds the spec)."""
-    ns = solution_namespace(lab or importlib.import_module(ex.module).LAB)
+    ns = solution_namespace(lab or sys.modules[ex.module].LAB)  # the spec's module, imported when ex was made
     return tuple(ns[name] for name in ex.answer)
 
 

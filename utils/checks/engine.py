@@ -18,7 +18,6 @@ import functools
 import importlib
 import inspect
 import math
-import os
 import pkgutil
 import re
 import signal
@@ -32,9 +31,6 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 
 from ._common import CheckFailed, fail, message, student_frames_only
 
@@ -205,12 +201,12 @@ def _refused(refuse) -> list:
 
 
 class _RefusedModule(types.ModuleType):
-    def __init__(self, real: types.ModuleType, raise_: Callable[[str], None]):
-        super().__init__(real.__name__)
-        self._real, self._raise = real, raise_
+    def __init__(self, name: str, raise_: Callable[[str], None]):
+        super().__init__(name)
+        self.raise_ = raise_
 
-    def __getattr__(self, attr):
-        self._raise(f"{self._real.__name__}.{attr}")
+    def __getattr__(self, attr):  # every other attribute of a refused module refuses
+        self.raise_(f"{self.__name__}.{attr}")
 
 
 def _functions(obj) -> list:
@@ -237,9 +233,8 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         no = functools.partial(raise_, f"{getattr(holder, '__name__', holder)}.{attr}")
         out += [(holder, attr, no)] + [(s, k, no) for s in scopes for k, v in s.items() if v is obj]
         out += [(c, "cell_contents", no) for c in cells if _cell(c) is obj]
-    return out + [
-        (s, k, _RefusedModule(v, raise_)) for s in scopes for k, v in s.items() if any(v is m for m in modules)
-    ]
+    mods = [(s, k, v) for s in scopes for k, v in s.items() if any(v is m for m in modules)]
+    return out + [(s, k, _RefusedModule(v.__name__, raise_)) for s, k, v in mods]
 
 
 def _cell(cell):
@@ -318,7 +313,8 @@ class Shipment:
 
     def define(self) -> tuple[tuple, dict]:
         """In the rank: define everything again; return the answer and its scope."""
-        scope = {"torch": torch, "dist": dist, "nn": nn, "F": F, "math": math, "os": os, "__name__": "__main__"}
+        scope = {"torch": torch, "dist": torch.distributed, "nn": torch.nn, "F": torch.nn.functional, "math": math}
+        scope["__name__"] = "__main__"
         for name, target in self.imports.items():
             with contextlib.suppress(ImportError, AttributeError):
                 module = importlib.import_module(target if isinstance(target, str) else target[0])
