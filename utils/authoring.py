@@ -20,7 +20,8 @@ removed from labs/ with nothing in its place; a cell left empty is removed.
 
 Outputs and execution counts are cleared everywhere. ``python -m utils.authoring`` writes
 labs/; ``--check`` writes nothing and exits 1 when labs/ differs from what it would write.
-labs/assessment/ is hand-written and left alone.
+labs/assessment/ is hand-written and left alone. ``solution_answer`` reads a solution notebook's answer to an
+exercise of ``utils.checks``, for the tests and ``make gpu-check`` (``utils.checks.engine`` re-exports it).
 
 ``--release DEST`` (``make release DEST=dir``) writes what students get: the repository's
 tracked files without ``solutions/`` (the answers and the assessment's reference), ``tests/``
@@ -32,11 +33,15 @@ and their checks refuse it.
 from __future__ import annotations
 
 import argparse
+import ast
+import functools
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import nbformat
@@ -185,6 +190,51 @@ def plan(root: Path = ROOT) -> dict[Path, str]:
         nb = nbformat.read(src, as_version=4)
         out[root / "labs" / src.name] = render(student_copy(nb, src.name))
     return out
+
+
+def _kept(node: ast.stmt) -> bool:
+    """An import, a function, a class, or names bound to a literal."""
+    if isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef)):
+        return True
+    if not isinstance(node, ast.Assign) or not all(isinstance(t, ast.Name) for t in node.targets):
+        return False
+    try:
+        ast.literal_eval(node.value)
+    except ValueError:
+        return False
+    return True
+
+
+@functools.cache
+def solution_namespace(lab: str) -> dict:
+    """The imports, literal constants, functions and classes of ``solutions/<lab>.ipynb``, defined from a file
+    (so ``inspect.getsource`` works, as in a notebook) in a module named ``__main__``. Nothing else of the
+    notebook runs: no training, no check calls."""
+    kept = []
+    for cell in json.loads((ROOT / "solutions" / f"{lab}.ipynb").read_text())["cells"]:
+        src = "".join(cell["source"])
+        if cell["cell_type"] != "code" or src.startswith("%%"):
+            continue
+        src = "\n".join(line for line in src.splitlines() if not line.lstrip().startswith(("%", "!")))
+        try:
+            tree = ast.parse(src)
+        except SyntaxError:
+            continue
+        for node in filter(_kept, tree.body):
+            start = node.decorator_list[0].lineno if getattr(node, "decorator_list", None) else node.lineno
+            kept.append("\n".join(src.splitlines()[start - 1 : node.end_lineno]))
+    path = Path(tempfile.mkdtemp(prefix=f"{lab}-")) / f"{lab}_answers.py"
+    path.write_text("\n\n".join(kept) + "\n")
+    ns = {"__name__": "__main__"}
+    exec(compile(path.read_text(), str(path), "exec"), ns)
+    return ns
+
+
+def solution_answer(ex, lab: str | None = None) -> tuple:
+    """What the solution notebook hands to the check of ``ex`` (a ``utils.checks.engine.Exercise``): the objects
+    named in ``ex.answer``, from ``solutions/<lab>.ipynb`` (default: the ``LAB`` of the module that holds the spec)."""
+    ns = solution_namespace(lab or sys.modules[ex.module].LAB)  # the spec's module, imported when ex was made
+    return tuple(ns[name] for name in ex.answer)
 
 
 NOT_RELEASED = ("solutions/", "tests/", ".ci/", "CONTRIBUTING.md", "conftest.py")

@@ -1,15 +1,7 @@
-"""Students' self-checks: each runs the student's code on a case with a known answer and, when
-it is wrong, says what is wrong and where to look, not just "failed".
-
-Usage in a lab, right after an exercise cell::
-
-    utils.checks.check_accuracy(accuracy)
-
-Each ``check_*`` prints one line starting with a tick when everything passes and raises
-:class:`CheckFailed` (an AssertionError) with the diagnosis otherwise. Each lab's module here
-declares its exercises as specs that the engine (engine.py) runs; this module holds what they
-share: the exception, the one message form, Jupyter's short tracebacks, check_prediction.
-"""
+"""What the labs' self-checks share: :class:`CheckFailed` (an AssertionError), the one message form ("name: what
+is wrong. Try: what to do."), tracebacks without the checks' own frames in Jupyter, and ``check_prediction``.
+Each lab's module declares its exercises as specs that the engine (engine.py) runs; a ``check_*`` prints one line
+starting with a tick when everything passes."""
 
 from __future__ import annotations
 
@@ -22,8 +14,7 @@ class CheckFailed(AssertionError):
 
 
 def student_frames_only(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """The traceback without the frames of utils.checks: a student needs the line that called the
-    check, and the check's one-line diagnosis, not the check's internals."""
+    """The traceback without the frames of utils.checks: the line that called the check is what a student needs."""
     kept = []
     while tb is not None:
         if not tb.tb_frame.f_globals.get("__name__", "").startswith(__name__.rsplit(".", 1)[0]):
@@ -35,19 +26,19 @@ def student_frames_only(tb: types.TracebackType | None) -> types.TracebackType |
     return new
 
 
-def _show_check_failed(shell, etype, value, tb, tb_offset=None):
-    """IPython's handler for CheckFailed: the usual traceback, minus the checks' own frames."""
-    shell.showtraceback((etype, value, student_frames_only(tb)), tb_offset=tb_offset)
-
-
 def _install_ipython_handler() -> None:
+    """In IPython, a CheckFailed shows the usual traceback minus the checks' own frames."""
     try:
         from IPython import get_ipython
     except ImportError:
         return
     shell = get_ipython()
     if shell is not None and not shell.custom_exceptions:
-        shell.set_custom_exc((CheckFailed,), _show_check_failed)
+        shell.set_custom_exc((CheckFailed,), _show)
+
+
+def _show(shell, etype, value, tb, tb_offset=None):
+    shell.showtraceback((etype, value, student_frames_only(tb)), tb_offset=tb_offset)
 
 
 _install_ipython_handler()
@@ -58,38 +49,30 @@ def message(name: str, problem: str, hint: str) -> str:
     return f"{name}: {problem.strip().rstrip('.')}. Try: {hint.strip().rstrip('.')}."
 
 
-def _fail(name: str, problem: str, hint: str):
+def fail(name: str, problem: str, hint: str):
     raise CheckFailed(message(name, problem, hint)) from None
 
 
 def check_prediction(
     prediction: object, measured: float, what: str, *, unit: str = "", rel_tol: float = 0.25, if_off: str = ""
 ) -> float:
-    """Compare a number the student wrote BEFORE measuring with the measurement.
-
-    A missing prediction fails (the point is to commit to a number first); a wrong one does not:
-    it prints how far off it was and, when it is off by more than ``rel_tol``, ``if_off``: the
-    likely slip in one line. Returns measured / prediction."""
+    """Compare a number the student wrote BEFORE measuring with the measurement. A missing prediction fails (the
+    point is to commit to a number first); a wrong one prints how far off it was and, off by more than ``rel_tol``,
+    ``if_off``: the likely slip. Returns measured / prediction."""
     name = f"prediction of {what}"
     if prediction is None:
-        _fail(
-            name,
-            "you have not written a prediction yet",
-            "write your number in the cell above (replace None), run it, then run this cell",
-        )
+        hint = "write your number in the cell above (replace None), run it, then run this cell"
+        fail(name, "you have not written a prediction yet", hint)
     try:
         p = float(prediction)
     except (TypeError, ValueError):
-        _fail(name, f"your prediction {prediction!r} is not a number", "write a plain number, e.g. 4 or 0.25")
+        fail(name, f"your prediction {prediction!r} is not a number", "write a plain number, e.g. 4 or 0.25")
     if not math.isfinite(p) or p == 0:
-        _fail(name, f"your prediction {p} cannot be compared", "write a finite, non-zero number")
-    ratio = float(measured) / p
-    u = f" {unit}" if unit else ""
+        fail(name, f"your prediction {p} cannot be compared", "write a finite, non-zero number")
+    ratio, u = float(measured) / p, f" {unit}" if unit else ""
+    said = f"{name}: you predicted {p:.4g}{u}, measured {float(measured):.4g}{u}"
     if abs(ratio - 1) <= rel_tol:
-        print(f"\u2714 {name}: you predicted {p:.4g}{u}, measured {float(measured):.4g}{u} (within {rel_tol:.0%})")
+        print(f"\u2714 {said} (within {rel_tol:.0%})")
     else:
-        print(
-            f"\u2717 {name}: you predicted {p:.4g}{u}, measured {float(measured):.4g}{u}, "
-            f"{ratio:.3g} x your number." + (f" Likely: {if_off}" if if_off else "")
-        )
+        print(f"\u2717 {said}, {ratio:.3g} x your number." + (f" Likely: {if_off}" if if_off else ""))
     return ratio
