@@ -1,13 +1,16 @@
 """utils.diagrams: the data each figure is drawn from, against outside oracles (a simulation of the
 ring on numbers, the real ``ring_all_reduce`` run on threads, PyTorch's own bucket assignment,
 hand-computed timelines, the ZeRO paper's Figure 1, the Megatron block run whole, the bubble
-formula), and each figure built headless with the artists that data says it has."""
+formula, gloo's own collectives on threads, ``DistributedSampler``, SLURM's and torchrun's rank
+arithmetic, autograd's saved tensors and the measured peak, ``FlopCounterMode``, Amdahl's and
+Gustafson's closed forms), and each figure built headless with the artists that data says it has."""
 
 from __future__ import annotations
 
 import queue
 import threading
 import warnings
+from datetime import timedelta
 from types import SimpleNamespace
 
 import matplotlib
@@ -21,8 +24,10 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from matplotlib.patches import FancyArrowPatch, Rectangle  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.utils.data import DistributedSampler  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from utils import diagrams, models  # noqa: E402
+from utils import diagrams, memory, models  # noqa: E402
 from utils.parallel import collectives, pipeline, tensor_parallel  # noqa: E402
 
 MIB = 1024 * 1024
@@ -356,3 +361,415 @@ def test_pipeline_figure_draws_every_cell():
         assert sorted(g for g in gids if g != "idle") == sorted(
             [f"F{i}" for i in range(m)] * p + [f"B{i}" for i in range(m)] * p
         )
+
+
+# ---------------------------------------------------------------------------------------
+# 6. The five collectives
+# ---------------------------------------------------------------------------------------
+
+
+def _gloo_collectives(n: int) -> dict[int, dict[str, list]]:
+    """PyTorch's own collectives (gloo), one thread per rank of one process, on the inputs
+    ``collective_states`` says each rank starts with."""
+    store, out, errors = dist.HashStore(), {}, []
+    x = torch.arange(1, n * n + 1, dtype=torch.float32).reshape(n, n)
+
+    def rank(r):
+        try:
+            pg = dist.ProcessGroupGloo(dist.PrefixStore("diagrams", store), r, n, timedelta(seconds=30))
+            res = {}
+            t = x[r].clone()
+            opts = dist.BroadcastOptions()
+            opts.rootRank = 0
+            pg.broadcast([t], opts).wait()
+            res["broadcast"] = t.tolist()
+            t = x[r].clone()
+            opts = dist.ReduceOptions()
+            opts.rootRank = 0
+            pg.reduce([t], opts).wait()
+            res["reduce"] = t.tolist()
+            t = x[r].clone()
+            pg.allreduce([t]).wait()
+            res["all_reduce"] = t.tolist()
+            parts = [torch.zeros(1) for _ in range(n)]
+            pg.allgather([parts], [x[r, r : r + 1].clone()]).wait()
+            res["all_gather"] = [p.item() for p in parts]
+            mine = torch.zeros(1)
+            pg.reduce_scatter([mine], [[x[r, c : c + 1].clone() for c in range(n)]]).wait()
+            res["reduce_scatter"] = mine.item()
+            out[r] = res
+        except Exception as e:  # pragma: no cover - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(out) == n, errors
+    return out
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_collective_states_are_what_gloo_computes(n):
+    states, theirs = diagrams.collective_states(n), _gloo_collectives(n)
+    for r in range(n):
+        assert states["broadcast"]["after"][r] == theirs[r]["broadcast"]
+        assert states["all_reduce"]["after"][r] == theirs[r]["all_reduce"]
+        assert states["all_gather"]["after"][r] == theirs[r]["all_gather"]
+        assert states["reduce_scatter"]["after"][r] == [
+            theirs[r]["reduce_scatter"] if c == r else None for c in range(n)
+        ]
+    assert states["reduce"]["after"][0] == theirs[0]["reduce"]  # only the root's buffer is defined
+    assert all(v is None for r in range(1, n) for v in states["reduce"]["after"][r])
+
+
+def test_collective_states_by_hand():
+    s = diagrams.collective_states(2)  # rank 0 holds [1, 2], rank 1 [3, 4]
+    assert s["all_reduce"]["after"] == [[4, 6], [4, 6]]
+    assert s["reduce"]["after"] == [[4, 6], [None, None]]
+    assert s["broadcast"]["after"] == [[1, 2], [1, 2]]
+    assert s["all_gather"]["before"] == [[1, None], [None, 4]] and s["all_gather"]["after"] == [[1, 4], [1, 4]]
+    assert s["reduce_scatter"]["after"] == [[4, None], [None, 6]]
+
+
+def test_collectives_figure_draws_every_held_cell():
+    n = 4
+    fig = _quiet(diagrams.collectives_figure, n)
+    states = diagrams.collective_states(n)
+    assert len(fig.axes) == 2 * len(diagrams.COLLECTIVES)
+    want = sorted(
+        f"{name}:{phase}:{r}:{c}"
+        for name, st in states.items()
+        for phase, grid in st.items()
+        for r, row in enumerate(grid)
+        for c, v in enumerate(row)
+        if v is not None
+    )
+    assert sorted(g for g in _gids(fig) if g) == want
+    assert all(ax.get_title() for ax in fig.axes)
+
+
+# ---------------------------------------------------------------------------------------
+# 7. Data, tensor and pipeline parallelism
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,depth,width,batch", [(2, 4, 8, 6), (4, 4, 8, 8), (4, 8, 4, 10)])
+def test_parallel_split_against_sampler_and_by_hand(n, depth, width, batch):
+    split = diagrams.parallel_split(n, depth, width, batch)
+    hidden = 4 * width
+    for r in range(n):
+        sampler = list(DistributedSampler(range(batch), num_replicas=n, rank=r, shuffle=False))
+        assert split["data"][r] == {"blocks": list(range(depth)), "hidden": (0, hidden), "rows": sampler}
+        per = hidden // n
+        assert split["tensor"][r] == {
+            "blocks": list(range(depth)),
+            "hidden": (r * per, (r + 1) * per),
+            "rows": list(range(batch)),
+        }
+        per_stage = depth // n
+        assert split["pipeline"][r]["blocks"] == list(range(r * per_stage, (r + 1) * per_stage))
+        assert split["pipeline"][r]["hidden"] == (0, hidden) and split["pipeline"][r]["rows"] == list(range(batch))
+
+
+def test_parallel_split_figure_fills_what_each_rank_holds():
+    n, depth, width, batch = 4, 4, 8, 8
+    fig = _quiet(diagrams.parallel_split_figure, n, depth, width, batch)
+    split = diagrams.parallel_split(n, depth, width, batch)
+    assert len(fig.axes) == 3
+    for ax, kind in zip(fig.axes, diagrams.SPLITS):
+        patches = {p.get_gid(): p for p in ax.patches if p.get_gid()}
+        for r, held in enumerate(split[kind]):
+            assert {g for g in patches if g.startswith(f"{kind}:{r}:block:")} == {
+                f"{kind}:{r}:block:{b}" for b in held["blocks"]
+            }
+            assert {g for g in patches if g.startswith(f"{kind}:{r}:row:")} == {
+                f"{kind}:{r}:row:{i}" for i in held["rows"]
+            }
+            lo, hi = held["hidden"]
+            height = patches[f"{kind}:{r}:block:{held['blocks'][0]}"].get_height()
+            assert height == pytest.approx(0.7 * (hi - lo) / (4 * width))
+
+
+# ---------------------------------------------------------------------------------------
+# 8. Ranks, local ranks and nodes
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes,gpus", [(2, 4), (3, 2), (1, 8)])
+def test_rank_layout_by_hand(nodes, gpus):
+    tasks = diagrams.rank_layout(nodes, gpus, job_id=123456)
+    assert len(tasks) == nodes * gpus
+    for t in tasks:
+        assert t["rank"] == t["node"] * gpus + t["local_rank"]  # torchrun's group_rank x nproc + local_rank
+        assert t["host"] == f"node{t['node'] + 1:02d}" and t["gpu"] == t["local_rank"] < gpus
+        assert (t["world_size"], t["local_world_size"]) == (nodes * gpus, gpus)
+        assert (t["master_addr"], t["master_port"]) == ("node01", 23456)  # 20000 + 123456 % 10000
+    assert sorted(t["rank"] for t in tasks) == list(range(nodes * gpus))
+
+
+def test_rank_layout_figure_has_a_box_per_gpu():
+    fig = _quiet(diagrams.rank_layout_figure, 2, 4)
+    assert sorted(_gids(fig, "gpu:")) == sorted(f"gpu:{r}" for r in range(8))
+    assert sorted(_gids(fig, "node:")) == ["node:0", "node:1"]
+    texts = [t.get_text() for t in fig.axes[0].texts]
+    assert any("RANK 5\nLOCAL_RANK 1" in t for t in texts)  # node 1's second GPU
+    assert "WORLD_SIZE = 8" in fig.axes[0].get_title()
+
+
+# ---------------------------------------------------------------------------------------
+# 9. Memory over one training step
+# ---------------------------------------------------------------------------------------
+
+
+def test_step_memory_by_hand():
+    """Width 2, 2 blocks, batch 1, SGD: a block has 2x8 + 8 + 8x2 + 2 = 42 parameters (168 bytes)
+    and saves 9 floats per row per width (72 bytes); the loss keeps the output (8 bytes)."""
+    totals = [sum(st.values()) for _, st in diagrams.step_memory(2, 2, 1)]
+    assert totals == [336, 408, 480, 488, 480, 648, 576, 744, 672, 672, 336]
+    ckpt = diagrams.step_memory(2, 2, 1, segment=1)  # keeps each block's input (8 bytes) instead
+    assert [label for label, _ in ckpt][:5] == ["start", "F0", "F1", "loss", "loss'"]
+    assert [sum(st.values()) for _, st in ckpt] == [336, 344, 352, 360, 352, 416, 584, 512, 576, 744, 672, 672, 336]
+
+
+@pytest.mark.parametrize("segment", [None, 2, 4])
+def test_step_memory_against_autograd_and_the_measured_peak(segment):
+    """After forward the activations held are what autograd saved (counted by hooks), and the
+    timeline's peak is the measured peak of a real step, less the temporaries backward makes."""
+    w, depth, batch = 64, 8, 256
+    ev = diagrams.step_memory(w, depth, batch, segment=segment)
+    fwd = memory.activation_checkpointed_forward(segment)
+    x = torch.randn(batch, w)
+    saved = memory.saved_bytes(memory.block_mlp(w, depth), x, forward=lambda m, inp: fwd(m, inp).pow(2).mean())
+    assert dict(ev)["loss"]["activations"] == saved
+    assert ev[0][1] == ev[-1][1] and ev[-1][1]["grads"] == 0  # the step ends where it started
+    assert min(st["activations"] for _, st in ev) == 0
+    measured = memory.measure_step(w, depth, batch, "sgd", forward=fwd, steps=1)["peak"]
+    assert 1.0 <= measured / max(sum(st.values()) for _, st in ev) < 1.25
+
+
+def test_step_memory_figure_peaks():
+    fig = _quiet(diagrams.step_memory_figure, 64, 8, 256, segment=2)
+    assert len(fig.axes) == 2
+    for ax, seg in zip(fig.axes, (None, 2)):
+        peak = max(sum(st.values()) for _, st in diagrams.step_memory(64, 8, 256, segment=seg))
+        (line,) = [ln for ln in ax.lines if ln.get_gid() == "peak"]
+        assert line.get_ydata()[0] == pytest.approx(peak / 2**20)
+        assert len(ax.collections) == 4  # params, optimizer, grads, activations
+        assert ax.get_xlabel() and ax.get_title()
+    assert "MiB" in fig.axes[0].get_ylabel()
+
+
+# ---------------------------------------------------------------------------------------
+# 10. FSDP
+# ---------------------------------------------------------------------------------------
+
+
+def _fsdp_hand(prefetch):
+    """3 blocks on 4 ranks, no latency: a block's all-gather and reduce-scatter take 1 s (the
+    ring sends 3/4 of its 4 MB at 3 MB/s), forward 2 s, backward 4 s."""
+    return diagrams.fsdp_timeline(3, 4e6, 4, t_forward=2, t_backward=4, alpha_s=0, bandwidth=3e6, prefetch=prefetch)
+
+
+def test_fsdp_timeline_without_prefetch_by_hand():
+    tl = _fsdp_hand(False)
+    got = {name: (round(start, 9), round(end, 9)) for _, name, start, end in tl["ops"] if not name.startswith("AG")}
+    assert got == (
+        {
+            "F0": (1, 3),
+            "F1": (4, 6),
+            "F2": (7, 9),
+            "B2": (10, 14),
+            "RS2": (14, 15),
+            "B1": (15, 19),
+            "RS1": (19, 20),
+            "B0": (20, 24),
+            "RS0": (24, 25),
+        }
+    )
+    ags = [(s, e) for lane, _, s, e in tl["ops"] if lane == "all-gather"]
+    assert ags == [pytest.approx(x) for x in [(0, 1), (3, 4), (6, 7), (9, 10), (14, 15), (19, 20)]]
+    assert tl["t_end"] == pytest.approx(25)  # nothing overlaps but a reduce-scatter with the next all-gather
+
+
+def test_fsdp_timeline_with_prefetch_by_hand():
+    tl = _fsdp_hand(True)
+    got = {name: (round(start, 9), round(end, 9)) for _, name, start, end in tl["ops"]}  # AGi: backward's
+    assert got == (
+        {
+            "AG0": (12, 13),
+            "F0": (1, 3),
+            "AG1": (8, 9),
+            "F1": (3, 5),
+            "AG2": (7, 8),
+            "F2": (5, 7),
+            "B2": (8, 12),
+            "RS2": (12, 13),
+            "B1": (12, 16),
+            "RS1": (16, 17),
+            "B0": (16, 20),
+            "RS0": (20, 21),
+        }
+    )
+    ags = [(s, e) for lane, _, s, e in tl["ops"] if lane == "all-gather"]
+    assert ags == [pytest.approx(x) for x in [(0, 1), (1, 2), (3, 4), (7, 8), (8, 9), (12, 13)]]  # each under a compute
+    assert tl["t_end"] == pytest.approx(21)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_fsdp_sends_the_zero_papers_one_and_a_half_all_reduces(n):
+    """ZeRO-3 (Rajbhandari et al. 2019, section 7): 1.5x the 2(N-1)/N of the model a ring all-reduce sends."""
+    blocks, block_bytes = 5, 3e6
+    tl = diagrams.fsdp_timeline(blocks, block_bytes, n, t_forward=1e-3, t_backward=2e-3)
+    assert tl["sent"] == pytest.approx(1.5 * 2 * (n - 1) / n * blocks * block_bytes)
+    for prefetch in (False, True):
+        ops = diagrams.fsdp_timeline(blocks, block_bytes, n, t_forward=1e-3, t_backward=2e-3, prefetch=prefetch)["ops"]
+        names = [name for _, name, _, _ in ops]
+        assert sum(x.startswith("AG") for x in names) == 2 * blocks and sum(x.startswith("RS") for x in names) == blocks
+        for lane in ("compute", "all-gather", "reduce-scatter"):  # one stream each: no two ops at once
+            spans = sorted((s, e) for ln, _, s, e in ops if ln == lane)
+            assert all(a[1] <= b[0] + 1e-15 for a, b in zip(spans, spans[1:]))
+
+
+def test_fsdp_figure_draws_every_op():
+    model = memory.block_mlp(256, 4)
+    fig = _quiet(diagrams.fsdp_figure, model, 4)
+    assert len(fig.axes) == 2
+    for ax in fig.axes:
+        names = sorted(p.get_gid() for p in ax.patches if p.get_gid())
+        want = [f"{k}{b}" for k in ("F", "B", "RS") for b in range(4)] + [f"AG{b}" for b in range(4)] * 2
+        assert names == sorted(want)
+
+
+# ---------------------------------------------------------------------------------------
+# 11. The rendezvous
+# ---------------------------------------------------------------------------------------
+
+
+def test_rendezvous_numbers_nodes_as_torchs_rendezvous_sorts_them():
+    hosts = ("nodeB", "nodeA", "nodeC")
+    seq = diagrams.rendezvous_sequence(hosts, 2, arrival=("nodeC", "nodeA", "nodeB"))
+    try:
+        from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+    except ImportError:  # pragma: no cover - torch's private class moved
+        pytest.skip("torch's _NodeDesc is gone")
+    theirs = sorted(_NodeDesc(h, 1000, 0) for h in hosts)  # torch assigns ranks over sorted participants
+    assert [seq["node_rank"][d.addr] for d in theirs] == [0, 1, 2]
+    assert seq["ranks"] == {
+        0: {"host": "nodeA", "local_rank": 0, "world_size": 6},
+        1: {"host": "nodeA", "local_rank": 1, "world_size": 6},
+        2: {"host": "nodeB", "local_rank": 0, "world_size": 6},
+        3: {"host": "nodeB", "local_rank": 1, "world_size": 6},
+        4: {"host": "nodeC", "local_rank": 0, "world_size": 6},
+        5: {"host": "nodeC", "local_rank": 1, "world_size": 6},
+    }
+
+
+def test_rendezvous_message_order():
+    seq = diagrams.rendezvous_sequence(("node01", "node02"), 2, arrival=("node02", "node01"))
+    msgs = seq["messages"]
+    assert len(msgs) == 2 * 2 + 4 * 4
+    assert msgs[:2] == [("agent node02", "store", "join (1 of 2)"), ("agent node01", "store", "join (2 of 2)")]
+    assert msgs[2:4] == [
+        ("store", "agent node02", "complete: node rank 1"),
+        ("store", "agent node01", "complete: node rank 0"),
+    ]
+    index = {m: k for k, m in enumerate(msgs)}
+    for r in range(4):
+        start = next(k for k, (src, dst, _) in enumerate(msgs) if dst == f"rank {r}" and src.startswith("agent"))
+        assert msgs[start][0] == f"agent node0{r // 2 + 1}"  # ranks 0, 1 on node01
+        assert start < index[(f"rank {r}", "store", "init_process_group: my address")]
+        assert index[("store", f"rank {r}", "all 4 ranks in")] > max(
+            k for k, (src, dst, _) in enumerate(msgs) if dst == "store" and src.startswith("rank")
+        )  # the store answers once every rank is in
+    with pytest.raises(ValueError):
+        diagrams.rendezvous_sequence(("a", "b"), 1, arrival=("a", "c"))
+
+
+def test_rendezvous_figure_has_an_arrow_per_message():
+    fig = _quiet(diagrams.rendezvous_figure, ("node01", "node02"), 2)
+    seq = diagrams.rendezvous_sequence(("node01", "node02"), 2)
+    arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+    assert [a.get_gid() for a in arrows] == [f"msg:{s}->{d}" for s, d, _ in seq["messages"]]
+    assert len(fig.axes[0].lines) == len(seq["lifelines"])
+
+
+# ---------------------------------------------------------------------------------------
+# 12. The roofline
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n", [8, 64])
+def test_kernel_costs_against_flop_counter(n):
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    with FlopCounterMode(display=False) as counter:
+        torch.mm(a, b)
+    fl, nbytes = diagrams.matmul_cost(n)
+    assert fl == counter.get_total_flops() and fl / nbytes == pytest.approx(n / 6)
+    fl, nbytes = diagrams.vector_add_cost(n)
+    assert (fl, fl / nbytes) == (n, pytest.approx(1 / 12))  # notebook 02: one FLOP per 12 bytes
+
+
+def test_roofline_by_hand():
+    rl = diagrams.roofline(100.0, 10.0, {"slow": (50, 100, None), "fast": (2000, 10, 40.0)})
+    assert rl["ridge"] == 10
+    slow, fast = rl["points"]
+    assert (slow["intensity"], slow["attainable"], slow["achieved"], slow["bound"]) == (0.5, 5.0, None, "memory")
+    assert (fast["intensity"], fast["attainable"], fast["achieved"], fast["bound"]) == (200, 100.0, 50.0, "compute")
+    with pytest.raises(ValueError):
+        diagrams.roofline(0, 1, {})
+
+
+def test_roofline_figure_points_and_roof():
+    kernels = {"add": (*diagrams.vector_add_cost(1000), 1e-6), "mm": (*diagrams.matmul_cost(512), None)}
+    fig = _quiet(diagrams.roofline_figure, 1e12, 50e9, kernels, "test")
+    ax = fig.axes[0]
+    lines = {ln.get_gid(): ln for ln in ax.lines if ln.get_gid()}
+    roof = lines["roof"]
+    assert np.allclose(roof.get_ydata(), np.minimum(1e12, roof.get_xdata() * 50e9) / 1e9)
+    assert lines["point:add"].get_ydata()[0] == pytest.approx(1000 / 1e-6 / 1e9)  # measured: filled
+    assert lines["point:mm"].get_ydata()[0] == pytest.approx(1e3) and lines["point:mm"].get_markerfacecolor() == "none"
+    assert ax.get_xscale() == ax.get_yscale() == "log" and "GFLOP/s" in ax.get_ylabel()
+
+
+# ---------------------------------------------------------------------------------------
+# 13. Strong and weak scaling
+# ---------------------------------------------------------------------------------------
+
+
+def _simulated_speedups(n, f, work=1000.0):
+    """One worker takes ``work`` seconds, ``f`` of it serial. Strong: the same work on n workers.
+    Weak: n workers for the same time as one; the parallel part of the work grows n-fold."""
+    strong = work / (f * work + (1 - f) * work / n)
+    weak = (f * work + n * (1 - f) * work) / work
+    return strong, weak
+
+
+@pytest.mark.parametrize("f", [0.0, 0.05, 0.25, 1.0])
+def test_scaling_speedup_against_a_simulation(f):
+    workers = [1, 2, 3, 8, 100]
+    got = diagrams.scaling_speedup(workers, f)
+    for n, s, w in zip(workers, got["strong"], got["weak"]):
+        assert (s, w) == pytest.approx(_simulated_speedups(n, f))
+    assert got["strong"][0] == got["weak"][0] == pytest.approx(1)
+
+
+def test_scaling_speedup_by_hand():
+    got = diagrams.scaling_speedup([10, 10**9], 0.1)
+    assert got["strong"][0] == pytest.approx(1 / 0.19) and got["weak"][0] == pytest.approx(9.1)
+    assert got["strong"][1] == pytest.approx(10, rel=1e-6)  # Amdahl's ceiling, 1/f
+    with pytest.raises(ValueError):
+        diagrams.scaling_speedup([1, 2], 1.5)
+
+
+def test_scaling_figure_curves():
+    workers, fractions = (1, 2, 4, 8, 16), (0.05, 0.2)
+    fig = _quiet(diagrams.scaling_figure, workers, fractions)
+    assert len(fig.axes) == 2
+    for ax, kind in zip(fig.axes, ("strong", "weak")):
+        lines = {ln.get_gid(): ln for ln in ax.lines if ln.get_gid()}
+        for f in fractions:
+            assert list(lines[f"{kind}:{f:g}"].get_ydata()) == pytest.approx(diagrams.scaling_speedup(workers, f)[kind])
+        assert ax.get_xlabel() == "workers N"
+    assert sum(ln.get_linestyle() == ":" for ln in fig.axes[0].lines) == len(fractions)  # Amdahl's ceilings

@@ -14,6 +14,23 @@ Each figure has a pure function that computes what is drawn, so the picture stay
 * :func:`megatron_shapes`: the shards of ``parallel.tensor_parallel.column_shard`` and
   ``row_shard`` on a real block; :func:`megatron_split_figure`.
 * :func:`pipeline_schedule_figure`: GPipe and 1F1B from ``parallel.pipeline.schedule``.
+* :func:`collective_states`: broadcast, reduce, all-reduce, all-gather and reduce-scatter run on
+  numbers, what each rank holds before and after; :func:`collectives_figure`.
+* :func:`parallel_split`: which blocks, hidden units and batch rows each rank holds under data
+  (``data.shard_indices``), tensor (``tensor_parallel.column_shard``/``row_shard``) and pipeline
+  (``pipeline.split_stages``) parallelism; :func:`parallel_split_figure`.
+* :func:`rank_layout`: RANK, LOCAL_RANK and WORLD_SIZE of every task on a few nodes, as
+  ``parallel.rendezvous_env`` reads them from SLURM's variables; :func:`rank_layout_figure`.
+* :func:`step_memory`: the bytes held through one training step of ``memory.block_mlp``, with
+  and without activation checkpointing, from ``memory.budget`` and ``memory.mlp_activation_bytes``;
+  :func:`step_memory_figure`.
+* :func:`fsdp_timeline`: FSDP's per-block all-gather, compute and reduce-scatter, with and without
+  prefetch, costed by ``parallel.shard.ring_bytes``; :func:`fsdp_figure`.
+* :func:`rendezvous_sequence`: torchrun's agents meeting in the c10d store, the node ranks and
+  RANKs they hand out, then ``init_process_group``; :func:`rendezvous_figure`.
+* :func:`roofline`: attainable FLOP/s against arithmetic intensity, with kernels' points
+  (:func:`vector_add_cost`, :func:`matmul_cost`); :func:`roofline_figure`.
+* :func:`scaling_speedup`: strong (Amdahl) and weak (Gustafson) scaling; :func:`scaling_figure`.
 
 Every figure function returns its ``Figure`` and never calls ``plt.show()``.
 """
@@ -24,14 +41,16 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import matplotlib.pyplot as plt
+import numpy as np
 import torch
 import torch.nn.functional as F
 from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 from torch import nn
 
-from utils import models
+from utils import data, memory, models, plots
 from utils.parallel import collectives, pipeline, shard, tensor_parallel
+from utils.parallel import env as parallel_env
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -49,6 +68,24 @@ __all__ = [
     "megatron_split_figure",
     "pipeline_cells",
     "pipeline_schedule_figure",
+    "collective_states",
+    "collectives_figure",
+    "parallel_split",
+    "parallel_split_figure",
+    "rank_layout",
+    "rank_layout_figure",
+    "step_memory",
+    "step_memory_figure",
+    "fsdp_timeline",
+    "fsdp_figure",
+    "rendezvous_sequence",
+    "rendezvous_figure",
+    "vector_add_cost",
+    "matmul_cost",
+    "roofline",
+    "roofline_figure",
+    "scaling_speedup",
+    "scaling_figure",
 ]
 
 _MB = 1024 * 1024  # DDP's bucket_cap_mb is in MiB
@@ -636,4 +673,701 @@ def pipeline_schedule_figure(stages: int = 4, micro_batches: int = 8) -> Figure:
     )
     fig.suptitle(f"Pipeline schedules: p = {p} stages, m = {m} micro-batches", fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# 6. The five collectives
+# ----------------------------------------------------------------------------------------
+
+COLLECTIVES = ("broadcast", "reduce", "all_reduce", "all_gather", "reduce_scatter")
+
+
+def collective_states(n_ranks: int = 4) -> dict[str, dict[str, list[list[int | None]]]]:
+    """What each rank holds before and after each collective, on numbers: ``out[name]["before"]``
+    and ``["after"]`` are ``[rank][chunk]`` grids of ints, None where the rank holds nothing there.
+
+    Rank r starts with the vector ``r * N + 1 ... r * N + N`` (one number per chunk). Broadcast and
+    reduce use rank 0 as root. After a reduce only the root's buffer is defined (``dist.reduce``
+    leaves the others' as scratch). All-gather's input is rank r's chunk r alone; reduce-scatter
+    leaves rank r the sum of chunk r only."""
+    if n_ranks < 2:
+        raise ValueError(f"a collective needs at least 2 ranks, got {n_ranks}")
+    n = n_ranks
+    x = torch.arange(1, n * n + 1).reshape(n, n)  # x[r]: rank r's vector
+    total = x.sum(0).tolist()
+    full = x.tolist()
+    own = [[x[r, c].item() if c == r else None for c in range(n)] for r in range(n)]
+    return {
+        "broadcast": {"before": full, "after": [full[0]] * n},
+        "reduce": {"before": full, "after": [total] + [[None] * n] * (n - 1)},
+        "all_reduce": {"before": full, "after": [total] * n},
+        "all_gather": {"before": own, "after": [[x[c, c].item() for c in range(n)]] * n},
+        "reduce_scatter": {
+            "before": full,
+            "after": [[total[c] if c == r else None for c in range(n)] for r in range(n)],
+        },
+    }
+
+
+def collectives_figure(n_ranks: int = 4) -> Figure:
+    """The five collectives side by side (columns), before (top row) and after (bottom row): a row
+    of cells per rank, one cell per chunk, numbers from :func:`collective_states`. A cell is
+    coloured by the rank its number came from, dark grey where it is a sum over all ranks, and
+    left empty where the rank holds nothing (or, after a reduce, nothing defined)."""
+    states, n = collective_states(n_ranks), n_ranks
+    sums = set(states["all_reduce"]["after"][0])
+    fig, axes = plt.subplots(2, len(COLLECTIVES), figsize=(3.0 * len(COLLECTIVES), 2 * (0.45 * n + 1.0) + 0.8))
+    for col, name in enumerate(COLLECTIVES):
+        for row, phase in enumerate(("before", "after")):
+            ax = axes[row][col]
+            for r, cells in enumerate(states[name][phase]):
+                for c, v in enumerate(cells):
+                    if v is None:
+                        ax.add_patch(Rectangle((c, r - 0.4), 0.9, 0.8, facecolor="none", edgecolor="0.8", lw=0.5))
+                        continue
+                    summed = phase == "after" and v in sums and name not in ("broadcast", "all_gather")
+                    colour = "0.3" if summed else _colour((v - 1) // n)
+                    ax.add_patch(
+                        Rectangle(
+                            (c, r - 0.4), 0.9, 0.8, facecolor=colour, alpha=0.8, edgecolor="black", lw=0.5,
+                            gid=f"{name}:{phase}:{r}:{c}",
+                        )
+                    )  # fmt: skip
+                    ax.text(c + 0.45, r, str(v), ha="center", va="center", fontsize=8, color="white")
+            ax.set_xlim(-0.1, n)
+            ax.set_ylim(n - 0.5, -0.5)
+            ax.set_xticks([c + 0.45 for c in range(n)], [str(c) for c in range(n)], fontsize=7)
+            ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=8)
+            ax.tick_params(length=0)
+            ax.set_xlabel("chunk", fontsize=8)
+            for side in ax.spines.values():
+                side.set_visible(False)
+            ax.set_title(f"{name.replace('_', '-')}: {phase}", fontsize=10)
+    handles = [Patch(color=_colour(r), alpha=0.8, label=f"rank {r}'s number") for r in range(n)]
+    handles.append(Patch(color="0.3", alpha=0.8, label="a sum over all ranks"))
+    handles.append(Patch(facecolor="none", edgecolor="0.7", label="nothing (defined) held"))
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8, frameon=False)
+    fig.suptitle(f"The five collectives on {n} ranks (root: rank 0): what each rank holds", fontsize=11)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# 7. Data, tensor and pipeline parallelism: who holds what
+# ----------------------------------------------------------------------------------------
+
+SPLITS = ("data", "tensor", "pipeline")
+
+
+def parallel_split(n_ranks: int = 4, depth: int = 4, width: int = 8, batch_size: int = 8) -> dict[str, list[dict]]:
+    """What each rank holds of a :func:`utils.memory.block_mlp` of ``depth`` blocks and of a batch,
+    under each way of splitting the work: ``out[kind][rank]`` is ``{"blocks": [block indices],
+    "hidden": (lo, hi), "rows": [batch rows]}``, hidden units ``lo:hi`` of each block held.
+
+    * data: every block whole, the rows ``data.shard_indices`` gives the rank (as
+      ``DistributedSampler`` without shuffling);
+    * tensor: every block, hidden units where ``tensor_parallel.column_shard`` and ``row_shard``
+      put the rank's shard (found by matching the shard to the whole weight), all rows;
+    * pipeline: the blocks of the rank's stage in ``pipeline.split_stages``, all rows."""
+    model = memory.block_mlp(width, depth)
+    hidden = model[0][0].out_features
+    index = {id(b): i for i, b in enumerate(model)}
+    all_rows, all_blocks = list(range(batch_size)), list(range(depth))
+    stages = pipeline.split_stages(model, n_ranks)
+    out = {kind: [] for kind in SPLITS}
+    for r in range(n_ranks):
+        rows = data.shard_indices(batch_size, shuffle=False, rank=r, world_size=n_ranks).tolist()
+        out["data"].append({"blocks": all_blocks, "hidden": (0, hidden), "rows": rows})
+        w1, _ = tensor_parallel.column_shard(model[0][0], r, n_ranks)
+        full = model[0][0].weight.detach()
+        lo = next(i for i in range(hidden) if torch.equal(full[i : i + len(w1)], w1))
+        w2 = tensor_parallel.row_shard(model[0][2], r, n_ranks)
+        if not torch.equal(model[0][2].weight.detach()[:, lo : lo + len(w1)], w2):
+            raise AssertionError("row_shard and column_shard must cut the same hidden units")
+        out["tensor"].append({"blocks": all_blocks, "hidden": (lo, lo + len(w1)), "rows": all_rows})
+        out["pipeline"].append({"blocks": [index[id(b)] for b in stages[r]], "hidden": (0, hidden), "rows": all_rows})
+    return out
+
+
+def parallel_split_figure(n_ranks: int = 4, depth: int = 4, width: int = 8, batch_size: int = 8) -> Figure:
+    """Data, tensor and pipeline parallelism side by side, from :func:`parallel_split`: a row per
+    rank; on the left the model's blocks (a block's hidden units run top to bottom, the part the
+    rank holds filled), on the right the batch's rows (the ones the rank computes filled)."""
+    split = parallel_split(n_ranks, depth, width, batch_size)
+    hidden = split["data"][0]["hidden"][1]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 1.0 + 0.75 * n_ranks + 0.6))
+    titles = {
+        "data": "Data parallel: whole model, a slice of the batch",
+        "tensor": "Tensor parallel: a slice of every layer, whole batch",
+        "pipeline": "Pipeline parallel: some whole layers, whole batch",
+    }
+    gap = 1.0
+    for ax, kind in zip(axes, SPLITS):
+        for r, held in enumerate(split[kind]):
+            y = r - 0.35
+            for b in range(depth):
+                ax.add_patch(Rectangle((b, y), 0.8, 0.7, facecolor="none", edgecolor="0.7", lw=0.5))
+                if b in held["blocks"]:
+                    lo, hi = held["hidden"]
+                    ax.add_patch(
+                        Rectangle(
+                            (b, y + 0.7 * lo / hidden), 0.8, 0.7 * (hi - lo) / hidden, facecolor=_colour(r), alpha=0.8,
+                            gid=f"{kind}:{r}:block:{b}",
+                        )
+                    )  # fmt: skip
+            for i in range(batch_size):
+                x0 = depth + gap + i * 0.5
+                held_row = i in held["rows"]
+                ax.add_patch(
+                    Rectangle(
+                        (x0, y), 0.4, 0.7, facecolor=_colour(r) if held_row else "none", alpha=0.8 if held_row else 1,
+                        edgecolor="0.7", lw=0.5, gid=f"{kind}:{r}:row:{i}" if held_row else None,
+                    )
+                )  # fmt: skip
+        ax.set_xlim(-0.2, depth + gap + 0.5 * batch_size)
+        ax.set_ylim(n_ranks - 0.5, -0.5)
+        ax.set_yticks(range(n_ranks), [f"rank {r}" for r in range(n_ranks)], fontsize=8)
+        ax.set_xticks(
+            [b + 0.4 for b in range(depth)] + [depth + gap + 0.5 * i + 0.2 for i in range(batch_size)],
+            [f"B{b}" for b in range(depth)] + [str(i) for i in range(batch_size)],
+            fontsize=7,
+        )
+        ax.tick_params(length=0)
+        ax.set_xlabel("model blocks (hidden units top to bottom)  |  batch rows", fontsize=8)
+        ax.set_title(titles[kind], fontsize=10)
+        for side in ax.spines.values():
+            side.set_visible(False)
+    fig.suptitle(
+        f"Three ways to split training over {n_ranks} ranks: a {depth}-block MLP (hidden {hidden}), "
+        f"a batch of {batch_size}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# 8. Ranks, local ranks and nodes
+# ----------------------------------------------------------------------------------------
+
+
+def rank_layout(nodes: int = 2, gpus_per_node: int = 4, *, job_id: int = 123456) -> list[dict[str, Any]]:
+    """Every task of ``srun --nodes=nodes --ntasks-per-node=gpus_per_node`` (SLURM's default block
+    distribution: tasks fill node 0 first), with what ``parallel.rendezvous_env`` reads from the
+    variables SLURM gives it: ``node``, ``host``, ``gpu`` and the env's ``rank``, ``local_rank``,
+    ``world_size``, ``local_world_size``, ``master_addr``, ``master_port``."""
+    hostlist = f"node[01-{nodes:02d}]"
+    hosts = parallel_env.expand_hostlist(hostlist)
+    out = []
+    for task in range(nodes * gpus_per_node):
+        node, local = divmod(task, gpus_per_node)
+        env = {
+            "SLURM_JOB_ID": str(job_id),
+            "SLURM_STEP_ID": "0",
+            "SLURM_PROCID": str(task),
+            "SLURM_NTASKS": str(nodes * gpus_per_node),
+            "SLURM_LOCALID": str(local),
+            "SLURM_NODEID": str(node),
+            "SLURM_TASKS_PER_NODE": f"{gpus_per_node}(x{nodes})",
+            "SLURM_JOB_NODELIST": hostlist,
+        }
+        e = parallel_env.rendezvous_env(env)
+        out.append(
+            {
+                "node": node,
+                "host": hosts[node],
+                "gpu": e.local_rank,
+                "rank": e.rank,
+                "local_rank": e.local_rank,
+                "world_size": e.world_size,
+                "local_world_size": e.local_world_size,
+                "master_addr": e.master_addr,
+                "master_port": e.master_port,
+            }
+        )
+    return out
+
+
+def rank_layout_figure(nodes: int = 2, gpus_per_node: int = 4) -> Figure:
+    """Nodes as boxes, their GPUs inside, each GPU labelled with its process's RANK and LOCAL_RANK
+    from :func:`rank_layout`; the title gives WORLD_SIZE, and the first node is marked as
+    MASTER_ADDR."""
+    tasks = rank_layout(nodes, gpus_per_node)
+    first = tasks[0]
+    fig, ax = plt.subplots(figsize=(1.5 + 1.45 * gpus_per_node * nodes, 3.0))
+    node_w = gpus_per_node * 1.2 + 0.4
+    for n in range(nodes):
+        x0 = n * (node_w + 0.6)
+        host = tasks[n * gpus_per_node]["host"]
+        ax.add_patch(Rectangle((x0, 0), node_w, 2.2, facecolor="0.95", edgecolor="black", gid=f"node:{n}"))
+        master = " = MASTER_ADDR" if host == first["master_addr"] else ""
+        ax.text(x0 + node_w / 2, 2.05, f"{host} (node {n}){master}", ha="center", va="top", fontsize=9, weight="bold")
+    for t in tasks:
+        x0 = t["node"] * (node_w + 0.6) + 0.3 + t["gpu"] * 1.2
+        ax.add_patch(
+            Rectangle(
+                (x0, 0.2),
+                1.0,
+                1.45,
+                facecolor=_colour(t["node"]),
+                alpha=0.35,
+                edgecolor="black",
+                gid=f"gpu:{t['rank']}",
+            )
+        )
+        ax.text(
+            x0 + 0.5, 0.92, f"GPU {t['gpu']}\n\nRANK {t['rank']}\nLOCAL_RANK {t['local_rank']}",
+            ha="center", va="center", fontsize=8,
+        )  # fmt: skip
+    ax.set_xlim(-0.2, nodes * (node_w + 0.6) - 0.4)
+    ax.set_ylim(0, 2.3)
+    ax.set_aspect("equal")
+    ax.axis("off")
+    ax.set_title(
+        f"{nodes} nodes x {gpus_per_node} GPUs: WORLD_SIZE = {first['world_size']}, "
+        f"LOCAL_WORLD_SIZE = {first['local_world_size']}, MASTER_ADDR:PORT = "
+        f"{first['master_addr']}:{first['master_port']}\nRANK = node x GPUs per node + LOCAL_RANK",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# 9. Memory over one training step, with and without activation checkpointing
+# ----------------------------------------------------------------------------------------
+
+_PARTS = ("params", "optimizer", "grads", "activations")
+
+
+def step_memory(
+    width: int, depth: int, batch_size: int, *, segment: int | None = None, optimizer: str = "sgd"
+) -> list[tuple[str, dict[str, int]]]:
+    """Bytes held through one training step of ``memory.block_mlp(width, depth)``, event by event:
+    ``[(label, {"params", "optimizer", "grads", "activations"}), ...]``, each the state after the
+    event. Sizes from the lesson's own formulas: ``memory.budget`` of one block (parameters,
+    gradients, optimizer state) and ``memory.mlp_activation_bytes`` (what a block saves, what the
+    loss saves, what checkpointing keeps).
+
+    The step: the optimizer state is resident from the step before. Forward saves each block's
+    activations (with ``segment``: only each segment's input), then the loss saves the output.
+    Backward frees the loss's, then per block (from the last) writes the block's gradients and
+    frees its activations; with checkpointing each segment first runs its forward again. Then the
+    optimizer steps and ``zero_grad`` frees the gradients."""
+    one = memory.budget(width, 1, batch_size, optimizer)
+    act_out = memory.mlp_activation_bytes(width, 0, batch_size)  # what the loss keeps
+    act_block = memory.mlp_activation_bytes(width, 1, batch_size) - act_out
+    act_in = 4 * batch_size * width  # a segment's input: what checkpointing keeps of it
+    seg = segment or 0
+    s = {"params": depth * one["params"], "optimizer": depth * one["optimizer"], "grads": 0, "activations": 0}
+    events = [("start", dict(s))]
+
+    def event(label, **change):
+        for k, v in change.items():
+            s[k] += v
+        events.append((label, dict(s)))
+
+    for b in range(depth):
+        if not seg:
+            event(f"F{b}", activations=act_block)
+        elif b % seg == 0:
+            event(f"F{b}", activations=act_in)
+        else:
+            event(f"F{b}")
+    event("loss", activations=act_out)
+    event("loss'", activations=-act_out)
+    for b in reversed(range(depth)):
+        first = b - b % seg if seg else b
+        if seg and b == min(first + seg, depth) - 1:  # the segment's last block: run its forward again
+            event(f"R{first}-{b}", activations=(b - first + 1) * act_block - act_in)
+        event(f"B{b}", grads=one["grads"])
+        event("", activations=-act_block)
+    event("opt")
+    event("zero_grad", grads=-s["grads"])
+    return events
+
+
+def step_memory_figure(
+    width: int = 1024, depth: int = 8, batch_size: int = 4096, *, segment: int = 2, optimizer: str = "sgd"
+) -> Figure:
+    """One training step's memory, stacked by part, without (left) and with activation
+    checkpointing every ``segment`` blocks (right), from :func:`step_memory`: F forward of a block,
+    R a segment's forward run again, B a block's backward (its gradients written; the point after
+    it frees its activations)."""
+    mib = 2**20
+    colours = {"params": "tab:blue", "optimizer": "tab:green", "grads": "tab:orange", "activations": "tab:red"}
+    runs = {"no checkpointing": step_memory(width, depth, batch_size, optimizer=optimizer)}
+    runs[f"checkpoint every {segment} blocks"] = step_memory(
+        width, depth, batch_size, segment=segment, optimizer=optimizer
+    )
+    top = max(sum(st.values()) for ev in runs.values() for _, st in ev) / mib
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), sharey=True)
+    for ax, (title, ev) in zip(axes, runs.items()):
+        xs = range(len(ev))
+        ax.stackplot(
+            xs, *[[st[p] / mib for _, st in ev] for p in _PARTS], step="post",
+            colors=[colours[p] for p in _PARTS], alpha=0.75, labels=[p for p in _PARTS],
+        )  # fmt: skip
+        totals = [sum(st.values()) for _, st in ev]
+        k = max(range(len(ev)), key=totals.__getitem__)
+        ax.axhline(totals[k] / mib, color="black", lw=0.8, ls="--", gid="peak")
+        ax.text(0, totals[k] / mib, f" peak {totals[k] / mib:.0f} MiB at {ev[k][0]}", va="bottom", fontsize=8)
+        ticks = [i for i, (label, _) in enumerate(ev) if label]
+        ax.set_xticks([i + 0.5 for i in ticks], [ev[i][0] for i in ticks], rotation=90, fontsize=7)
+        ax.set_xlim(0, len(ev))
+        ax.set_ylim(0, top * 1.15)
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel("event of the step (F forward, R recompute, B backward)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].set_ylabel("bytes held (MiB)")
+    axes[0].legend(loc="upper right", fontsize=8)
+    fig.suptitle(
+        f"Memory through one training step: block MLP d = {width}, {depth} blocks, batch {batch_size}, {optimizer}",
+        fontsize=11,
+    )
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# 10. FSDP: all-gather, compute, reduce-scatter per block
+# ----------------------------------------------------------------------------------------
+
+
+def fsdp_timeline(
+    n_blocks: int,
+    block_bytes: float,
+    world_size: int,
+    *,
+    t_forward: float,
+    t_backward: float,
+    alpha_s: float = 5e-6,
+    bandwidth: float = 100e9,
+    prefetch: bool = True,
+) -> dict[str, Any]:
+    """One FSDP (ZeRO-3) training step of ``n_blocks`` equal blocks on three lanes: compute, the
+    all-gather stream and the reduce-scatter stream (FSDP2 gives each collective its own).
+
+    Each block's parameters (``block_bytes``, unsharded) are all-gathered before its forward and
+    again before its backward (they are freed in between), and its gradients reduce-scattered
+    after its backward. A collective costs ``(N-1) alpha`` plus the bytes a ring sends per rank
+    (``parallel.shard.ring_bytes``) over ``bandwidth``. A block's compute starts when its
+    all-gather is done and the previous compute is. Without ``prefetch`` the all-gather of a
+    block is issued when the previous block's compute ends; with it, when that compute starts
+    (one block ahead), so it runs under it. Returns ``ops`` (lane, name, start, end), ``t_end``
+    and ``sent`` (bytes each rank sends)."""
+    n = world_size
+    t_ag = (n - 1) * alpha_s + shard.ring_bytes("all_gather", block_bytes, n) / bandwidth
+    t_rs = (n - 1) * alpha_s + shard.ring_bytes("reduce_scatter", block_bytes, n) / bandwidth
+    ops, free = [], {"compute": 0.0, "all-gather": 0.0, "reduce-scatter": 0.0}
+
+    def run(lane, name, start, dt):
+        start = max(start, free[lane])
+        free[lane] = start + dt
+        ops.append((lane, name, start, start + dt))
+        return start, start + dt
+
+    for phase, order, dt, tag in (
+        ("forward", range(n_blocks), t_forward, "F"),
+        ("backward", reversed(range(n_blocks)), t_backward, "B"),
+    ):
+        issue = free["compute"]  # the pass starts when the compute before it ends
+        for b in order:
+            _, ag_end = run("all-gather", f"AG{b}", issue, t_ag)
+            c_start, c_end = run("compute", f"{tag}{b}", ag_end, dt)
+            issue = c_start if prefetch else c_end
+            if phase == "backward":
+                run("reduce-scatter", f"RS{b}", c_end, t_rs)
+    sent = n_blocks * (
+        2 * shard.ring_bytes("all_gather", block_bytes, n) + shard.ring_bytes("reduce_scatter", block_bytes, n)
+    )
+    return {"ops": ops, "t_end": max(free.values()), "sent": sent, "t_ag": t_ag, "t_rs": t_rs}
+
+
+def fsdp_figure(
+    model: nn.Module | None = None,
+    world_size: int = 8,
+    *,
+    batch_size: int = 2048,
+    flops: float = 50e12,
+    alpha_s: float = 5e-6,
+    bandwidth: float = 50e9,
+) -> Figure:
+    """FSDP's step on three lanes, without (top) and with prefetch (bottom), from
+    :func:`fsdp_timeline`. ``model``: a Sequential of equal blocks, default
+    ``memory.block_mlp(2048, 6)``; a block's forward costs ``2 x batch_size x its parameters``
+    FLOPs, its backward twice that, at ``flops`` per second."""
+    if model is None:
+        model = memory.block_mlp(2048, 6)
+    block_params = sum(p.numel() for p in model[0].parameters())
+    block_bytes = memory.parameter_bytes(model[0])
+    t_f = 2 * batch_size * block_params / flops
+    kw = {"t_forward": t_f, "t_backward": 2 * t_f, "alpha_s": alpha_s, "bandwidth": bandwidth}
+    us = 1e6
+    lanes = {"compute": 2, "all-gather": 1, "reduce-scatter": 0}
+    fig, axes = plt.subplots(2, 1, figsize=(12, 5.2), sharex=True)
+    ends = {}
+    for ax, prefetch in zip(axes, (False, True)):
+        tl = fsdp_timeline(len(model), block_bytes, world_size, prefetch=prefetch, **kw)
+        ends[prefetch] = tl["t_end"]
+        for lane, name, start, end in tl["ops"]:
+            colour = {"F": "tab:blue", "B": "tab:orange", "A": "tab:green", "R": "tab:red"}[name[0]]
+            ax.barh(
+                lanes[lane], (end - start) * us, left=start * us, height=0.6, color=colour, edgecolor="white", gid=name
+            )
+            ax.text((start + end) / 2 * us, lanes[lane], name, ha="center", va="center", fontsize=6, color="white")
+        ax.axvline(tl["t_end"] * us, color="black", lw=1)
+        ax.text(tl["t_end"] * us, 2.55, f" end {tl['t_end'] * us:.0f} µs", fontsize=8, va="center")
+        ax.set_yticks(list(lanes.values()), list(lanes))
+        ax.set_ylim(-0.5, 2.8)
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_title(
+            "prefetch: the next block's all-gather is issued when this block's compute starts"
+            if prefetch
+            else "no prefetch: each all-gather waits for the compute before it",
+            fontsize=10,
+        )
+    axes[-1].set_xlabel("time since the step started (µs)")
+    fig.legend(
+        handles=[
+            Patch(color="tab:blue", label="forward of block i (Fi)"),
+            Patch(color="tab:orange", label="backward (Bi)"),
+            Patch(color="tab:green", label="all-gather of its parameters (AGi)"),
+            Patch(color="tab:red", label="reduce-scatter of its gradients (RSi)"),
+        ],
+        loc="lower center",
+        ncol=4,
+        fontsize=8,
+        frameon=False,
+    )
+    fig.suptitle(
+        f"FSDP on {world_size} ranks: {len(model)} blocks of {block_bytes / 2**20:.0f} MiB, batch {batch_size}; "
+        f"prefetch: {ends[False] * us:.0f} -> {ends[True] * us:.0f} µs",
+        fontsize=11,
+    )
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# 11. The rendezvous
+# ----------------------------------------------------------------------------------------
+
+
+def rendezvous_sequence(
+    hosts: Sequence[str] = ("node01", "node02"),
+    nproc_per_node: int = 2,
+    *,
+    arrival: Sequence[str] | None = None,
+    port: int = 29400,
+) -> dict[str, Any]:
+    """The messages of a torchrun start on ``hosts`` (``--nnodes=len(hosts)
+    --nproc-per-node=nproc_per_node --rdzv-backend=c10d --rdzv-endpoint=hosts[0]:port``), in order:
+    ``messages`` is ``[(src, dst, text), ...]`` between the lifelines ``"store"`` (the c10d store
+    at the endpoint), ``"agent <host>"`` and ``"rank <r>"``.
+
+    The agents join in ``arrival`` order (default: ``hosts``). When the last one has joined,
+    torch's c10d rendezvous numbers the nodes by their sorted descriptors (host name first), so
+    node ranks follow the host names, not the arrival. Each agent starts its ranks with
+    ``RANK = node_rank * nproc_per_node + LOCAL_RANK`` and the store's address as
+    MASTER_ADDR:MASTER_PORT; the ranks' fields here are what ``parallel.rendezvous_env`` reads
+    from those variables. Then every rank's ``init_process_group`` publishes its address in the
+    store and waits for all; the backend connects the ranks directly."""
+    arrival = list(hosts if arrival is None else arrival)
+    if sorted(arrival) != sorted(hosts) or len(set(hosts)) != len(hosts):
+        raise ValueError(f"arrival must be the hosts {list(hosts)} in some order, each once; got {arrival}")
+    nnodes, world = len(hosts), len(hosts) * nproc_per_node
+    node_rank = {h: i for i, h in enumerate(sorted(hosts))}
+    msgs = [(f"agent {h}", "store", f"join ({k + 1} of {nnodes})") for k, h in enumerate(arrival)]
+    msgs += [("store", f"agent {h}", f"complete: node rank {node_rank[h]}") for h in arrival]
+    ranks = {}
+    for h in sorted(hosts, key=node_rank.get):
+        for local in range(nproc_per_node):
+            env = {
+                "RANK": str(node_rank[h] * nproc_per_node + local),
+                "WORLD_SIZE": str(world),
+                "LOCAL_RANK": str(local),
+                "LOCAL_WORLD_SIZE": str(nproc_per_node),
+                "MASTER_ADDR": hosts[0],
+                "MASTER_PORT": str(port),
+            }
+            e = parallel_env.rendezvous_env(env)
+            ranks[e.rank] = {"host": h, "local_rank": e.local_rank, "world_size": e.world_size}
+            msgs.append((f"agent {h}", f"rank {e.rank}", f"start: RANK={e.rank} LOCAL_RANK={e.local_rank}"))
+    msgs += [(f"rank {r}", "store", "init_process_group: my address") for r in range(world)]
+    msgs += [("store", f"rank {r}", f"all {world} ranks in") for r in range(world)]
+    msgs += [(f"rank {r}", f"rank {(r + 1) % world}", "backend connects") for r in range(world)]
+    lifelines = ["store"] + [f"agent {h}" for h in sorted(hosts)] + [f"rank {r}" for r in range(world)]
+    return {"lifelines": lifelines, "messages": msgs, "ranks": ranks, "node_rank": node_rank}
+
+
+def rendezvous_figure(
+    hosts: Sequence[str] = ("node01", "node02"), nproc_per_node: int = 2, *, arrival: Sequence[str] | None = None
+) -> Figure:
+    """The torchrun start of :func:`rendezvous_sequence` as a sequence diagram: a vertical
+    lifeline per participant, time running down, an arrow per message."""
+    seq = rendezvous_sequence(hosts, nproc_per_node, arrival=arrival)
+    x = {name: i for i, name in enumerate(seq["lifelines"])}
+    msgs = seq["messages"]
+    fig, ax = plt.subplots(figsize=(1.6 * len(x) + 1, 0.36 * len(msgs) + 1.6))
+    for name, i in x.items():
+        ax.plot([i, i], [0, len(msgs) + 0.2], color="0.6", lw=0.8, ls="--")
+        kind = "tab:purple" if name == "store" else "tab:blue" if name.startswith("agent") else "tab:green"
+        label = f"c10d store\n{hosts[0]}" if name == "store" else name.replace("agent ", "agent\n")
+        ax.text(i, -0.6, label, ha="center", va="center", fontsize=8, weight="bold", color=kind)
+    for k, (src, dst, text) in enumerate(msgs):
+        y = k + 0.6
+        colour = "tab:purple" if "store" in (src, dst) else "tab:blue" if src.startswith("agent") else "tab:green"
+        ax.add_patch(
+            FancyArrowPatch(
+                (x[src], y), (x[dst], y), arrowstyle="-|>", mutation_scale=9, color=colour, lw=1,
+                gid=f"msg:{src}->{dst}",
+            )
+        )  # fmt: skip
+        ax.text((x[src] + x[dst]) / 2, y - 0.1, text, ha="center", va="bottom", fontsize=7.5)
+    ax.set_xlim(-0.8, len(x) - 0.2)
+    ax.set_ylim(len(msgs) + 0.4, -1.2)
+    ax.set_yticks([0.6, len(msgs) - 0.4], ["start", "ready"], fontsize=8)
+    ax.set_xticks([])
+    ax.set_ylabel("time (messages in order)", fontsize=8)
+    for side in ax.spines.values():
+        side.set_visible(False)
+    world = len(seq["ranks"])
+    ax.set_title(
+        f"torchrun on {len(hosts)} nodes x {nproc_per_node}: agents meet in the c10d store, nodes numbered by "
+        f"host name,\nranks started with RANK = node rank x {nproc_per_node} + LOCAL_RANK, then "
+        f"init_process_group ({world} ranks)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# 12. The roofline
+# ----------------------------------------------------------------------------------------
+
+
+def vector_add_cost(n: int, element_size: int = 4) -> tuple[int, int]:
+    """(FLOPs, bytes moved) of ``x + y`` on ``n`` elements: one add per element; read x and y,
+    write the result (notebook 02's 12 bytes per FLOP in fp32)."""
+    return n, 3 * element_size * n
+
+
+def matmul_cost(n: int, element_size: int = 4) -> tuple[int, int]:
+    """(FLOPs, bytes moved at least) of an ``n x n`` by ``n x n`` matrix multiply: ``2 n^3``
+    (``bench.matmul_flops_per_s``'s count); read both inputs and write the output once each."""
+    return 2 * n**3, 3 * element_size * n * n
+
+
+def roofline(
+    peak_flops: float, bandwidth: float, kernels: dict[str, tuple[float, float, float | None]]
+) -> dict[str, Any]:
+    """The roofline of a device with ``peak_flops`` (FLOP/s) and memory ``bandwidth`` (bytes/s):
+    a kernel of arithmetic intensity I (FLOPs per byte moved) can reach at most
+    ``min(peak_flops, I x bandwidth)``. ``kernels``: name -> (FLOPs, bytes, seconds measured or
+    None). Returns ``ridge`` (the intensity where the two limits meet) and per kernel its
+    ``intensity``, ``attainable``, ``achieved`` (FLOPs / seconds, or None) and ``bound``
+    ("memory" left of the ridge, else "compute")."""
+    if peak_flops <= 0 or bandwidth <= 0:
+        raise ValueError(f"peak and bandwidth must be > 0, got {peak_flops}, {bandwidth}")
+    ridge = peak_flops / bandwidth
+    points = []
+    for name, (fl, nbytes, seconds) in kernels.items():
+        i = fl / nbytes
+        points.append(
+            {
+                "name": name,
+                "intensity": i,
+                "attainable": min(peak_flops, i * bandwidth),
+                "achieved": None if seconds is None else fl / seconds,
+                "bound": "memory" if i < ridge else "compute",
+            }
+        )
+    return {"peak": peak_flops, "bandwidth": bandwidth, "ridge": ridge, "points": points}
+
+
+def roofline_figure(
+    peak_flops: float, bandwidth: float, kernels: dict[str, tuple[float, float, float | None]], device: str = ""
+) -> Figure:
+    """The roofline of :func:`roofline` on log axes: the bandwidth slope, the peak, the ridge
+    between them, and a point per kernel at its intensity: filled at the FLOP/s measured, hollow at
+    the roof where no time was measured."""
+    rl = roofline(peak_flops, bandwidth, kernels)
+    giga = 1e9
+    xs = [p["intensity"] for p in rl["points"]] + [rl["ridge"]]
+    lo, hi = min(xs) / 4, max(xs) * 4
+    grid = np.geomspace(lo, hi, 200)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    ax.plot(grid, np.minimum(peak_flops, grid * bandwidth) / giga, color="black", lw=2, gid="roof", label="roof")
+    ax.axvline(rl["ridge"], color="0.5", ls=":", lw=1)
+    ax.text(rl["ridge"], peak_flops / giga * 1.15, f"ridge {rl['ridge']:.1f} FLOP/byte", ha="center", fontsize=8)
+    for k, p in enumerate(rl["points"]):
+        y = p["achieved"] if p["achieved"] is not None else p["attainable"]
+        ax.plot(
+            [p["intensity"]], [y / giga], "o", ms=8, color=_colour(k), gid=f"point:{p['name']}",
+            mfc=_colour(k) if p["achieved"] is not None else "none", label=f"{p['name']} ({p['bound']}-bound)",
+        )  # fmt: skip
+    ax.set(xscale="log", yscale="log", xlim=(lo, hi))
+    ax.set_ylim(top=peak_flops / giga * 2)
+    ax.set_xlabel("arithmetic intensity (FLOPs per byte moved)")
+    ax.set_ylabel("GFLOP/s")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8, loc="lower right")
+    ax.set_title(
+        f"Roofline{' of ' + device if device else ''}: peak {peak_flops / giga:,.0f} GFLOP/s, "
+        f"bandwidth {bandwidth / giga:,.1f} GB/s",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# 13. Strong and weak scaling
+# ----------------------------------------------------------------------------------------
+
+
+def scaling_speedup(workers: Sequence[int], serial_fraction: float) -> dict[str, list[float]]:
+    """Speed-up on each number of ``workers`` when a share ``serial_fraction`` of one worker's time
+    cannot be split. ``strong`` (the same problem on N workers, Amdahl 1967):
+    ``1 / (f + (1 - f) / N)``, never above ``1 / f``. ``weak`` (the problem grown with N, the
+    serial part not; Gustafson 1988): the work done in the same time, ``f + (1 - f) N``."""
+    f = serial_fraction
+    if not 0 <= f <= 1 or min(workers) < 1:
+        raise ValueError(f"need 0 <= serial_fraction <= 1 and workers >= 1, got {f}, {list(workers)}")
+    return {"strong": [1 / (f + (1 - f) / n) for n in workers], "weak": [f + (1 - f) * n for n in workers]}
+
+
+def scaling_figure(
+    workers: Sequence[int] = tuple(2**k for k in range(11)), fractions: Sequence[float] = (0.01, 0.05, 0.1, 0.25)
+) -> Figure:
+    """Strong scaling (left: Amdahl, its ceiling ``1/f`` dashed) against weak scaling (right:
+    Gustafson), one curve per serial fraction, from :func:`scaling_speedup`; log axes."""
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
+    for ax, kind in zip(axes, ("strong", "weak")):
+        ax.plot(workers, workers, color="black", lw=1, ls="--", label="ideal: N")
+        for k, f in enumerate(fractions):
+            ax.plot(
+                workers,
+                scaling_speedup(workers, f)[kind],
+                "o-",
+                ms=3,
+                color=_colour(k),
+                label=f"f = {f:g}",
+                gid=f"{kind}:{f:g}",
+            )
+            if kind == "strong":
+                ax.axhline(1 / f, color=_colour(k), ls=":", lw=1)
+        ax.set(xscale="log", yscale="log")
+        plots.plain_ticks(ax, "x", workers)
+        ax.set_xlabel("workers N")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("speed-up over one worker")
+    axes[0].set_title("Strong scaling: a fixed problem, 1 / (f + (1-f)/N); dotted: the ceiling 1/f", fontsize=9)
+    axes[1].set_title("Weak scaling: the problem grows with N, f + (1-f) N", fontsize=9)
+    fig.suptitle("Amdahl against Gustafson: f is the share of one worker's time that cannot be split", fontsize=11)
+    fig.tight_layout()
     return fig
