@@ -4,6 +4,7 @@ the same with sequence parallelism, each against one process. The known-wrong an
 reference ones here, one keyword per mistake."""
 
 import ast
+import contextlib
 import copy
 import functools
 import inspect
@@ -46,27 +47,34 @@ def _class_source(cls) -> str:
     raise OSError(f"no source for {cls.__name__}")
 
 
+@contextlib.contextmanager
+def notebook_classes():
+    """While inside, ``inspect.getsource`` finds a class defined in a notebook cell (or an exec'd file)."""
+    real = inspect.getsource
+
+    def getsource(obj):
+        try:
+            return real(obj)
+        except (OSError, TypeError):
+            if inspect.isclass(obj):
+                return _class_source(obj)
+            raise
+
+    inspect.getsource = getsource
+    try:
+        yield
+    finally:
+        inspect.getsource = real
+
+
 def _checker(ex: Exercise, doc: str):
     """``ex``'s check, able to send classes defined in a notebook to the ranks."""
     check = ex.checker(doc)
 
     @functools.wraps(check)
     def check_fn(*answer):
-        real = inspect.getsource
-
-        def getsource(obj):
-            try:
-                return real(obj)
-            except (OSError, TypeError):
-                if inspect.isclass(obj):
-                    return _class_source(obj)
-                raise
-
-        inspect.getsource = getsource
-        try:
+        with notebook_classes():
             return check(*answer)
-        finally:
-            inspect.getsource = real
 
     return check_fn
 
