@@ -5,6 +5,8 @@ placeholders and the mistakes a predicate sees need a launch each, extended). Th
 process's Block."""
 
 import linecache
+import sys
+import types
 
 import exercise_harness as harness
 import pytest
@@ -24,8 +26,12 @@ test_ranked_solution, test_replayed_mistake = map(pytest.mark.slow, harness.repl
 
 
 @pytest.fixture(autouse=True)
-def _classes_from_files():
-    """The solutions' classes are defined from a file as ``__main__``'s, as a notebook's are: the checks read them so."""
+def _solution_as_main(monkeypatch):
+    """The solution's classes live in ``__main__`` with the names they use, as a notebook's do: a check reads a
+    class's source and the names it uses from there (a function carries its own globals, a class does not)."""
+    main = types.ModuleType("__main__")
+    main.__dict__.update(engine.solution_namespace(LAB))
+    monkeypatch.setitem(sys.modules, "__main__", main)
     with tr.notebook_classes():
         yield
 

@@ -86,6 +86,7 @@ def _op(fwd, bwd):
     def apply(kind, t):
         t, n = t.contiguous(), dist.get_world_size()
         if kind == "all_reduce":
+            t = t.clone()  # not the caller's tensor, in place
             dist.all_reduce(t)
         elif kind == "gather":
             out = t.new_empty(n * t.shape[0], *t.shape[1:])  # the ranks' tensors stacked along dim 0
