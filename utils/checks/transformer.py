@@ -125,40 +125,20 @@ def _ops_run(answer, case):
     return {"y": y.detach(), "x_grad": x.grad}
 
 
+# fmt: off
 TP_OPERATORS = Exercise(
-    name="tp_operators",
-    answer=("CopyToTP", "ReduceFromTP"),
-    oracle=(COPY, REDUCE),
-    ranks=2,
-    cases=_ops_cases,
-    run=_ops_run,
-    refuse=REFUSE,
-    refuse_hint=REFUSE_HINT,
+    name="tp_operators", answer=("CopyToTP", "ReduceFromTP"), oracle=(COPY, REDUCE), ranks=2, cases=_ops_cases,
+    run=_ops_run, refuse=REFUSE, refuse_hint=REFUSE_HINT,
     hint="f is the identity forward and sums the gradient over the ranks backward; g is the mirror image",
     passed="2 processes: the partial products summed forward, the input's gradient summed backward",
     mistakes=[
-        Mistake(
-            "the output is this rank's partial product, not the sum over the ranks: g's forward does not all-reduce",
-            "g's forward must all-reduce (sum) its input across the ranks and return the sum",
-            variant=(COPY, _op("id", "id")),
-        ),
-        Mistake(
-            "the output is N times too large: f's forward all-reduces, so each rank multiplies the sum of N copies of x",
-            "f's forward is the identity (every rank already holds the whole input); only its backward all-reduces",
-            variant=(_op("all_reduce", "all_reduce"), REDUCE),
-        ),
-        Mistake(
-            "the input's gradient is this rank's part only: f's backward does not all-reduce",
-            "each rank's gradient covers only its own slice of the layer; f's backward must sum it over the ranks",
-            variant=(_op("id", "id"), REDUCE),
-        ),
-        Mistake(
-            "the input's gradient is N times too large: g's backward all-reduces a gradient every rank already holds whole",
-            "g's backward is the identity: the output's gradient is the same on every rank",
-            variant=(COPY, _op("all_reduce", "all_reduce")),
-        ),
+        Mistake("the output is this rank's partial product, not the sum over the ranks: g's forward does not all-reduce", "g's forward must all-reduce (sum) its input across the ranks and return the sum", variant=(COPY, _op("id", "id"))),
+        Mistake("the output is N times too large: f's forward all-reduces, so each rank multiplies the sum of N copies of x", "f's forward is the identity (every rank already holds the whole input); only its backward all-reduces", variant=(_op("all_reduce", "all_reduce"), REDUCE)),
+        Mistake("the input's gradient is this rank's part only: f's backward does not all-reduce", "each rank's gradient covers only its own slice of the layer; f's backward must sum it over the ranks", variant=(_op("id", "id"), REDUCE)),
+        Mistake("the input's gradient is N times too large: g's backward all-reduces a gradient every rank already holds whole", "g's backward is the identity: the output's gradient is the same on every rank", variant=(COPY, _op("all_reduce", "all_reduce"))),
     ],
 )
+# fmt: on
 check_tp_operators = _checker(
     TP_OPERATORS, "``CopyToTP`` (f) and ``ReduceFromTP`` (g), autograd Functions, on 2 processes."
 )
@@ -222,31 +202,22 @@ def _differs(got, want):
     )
 
 
+# fmt: off
 SHARD_BLOCK = Exercise(
-    name="shard_block",
-    oracle=_shard,
+    name="shard_block", oracle=_shard,
     cases=lambda: [
         Case((d, h, n, d), label=f"width {d}, {h} heads on {n} ranks")
         for d, h, n in ((8, 2, 2), (12, 6, 3), (16, 4, 4))
     ],  # fmt: skip
-    run=_shard_run,
-    compare=_differs,
-    refuse=REFUSE,
+    run=_shard_run, compare=_differs, refuse=REFUSE,
     hint="rank r keeps the q, k and v rows of heads r*H/N to (r+1)*H/N, fc's hidden units r*4d/N to (r+1)*4d/N, and the same slices of the projections' inputs",
     passed="2, 3 and 4 ranks: the partial outputs add up to the block's attention and MLP",
     mistakes=[
-        Mistake(
-            "a shard has the wrong shape: a weight was cut along the wrong dimension",
-            "nn.Linear stores its weight as [out, in]: the column-parallel qkv and fc keep a slice of the OUTPUT features (dim 0), the row-parallel projections a slice of the INPUT features (dim 1)",
-            variant=lambda b, r, n: _shard(b, r, n, dims=(1, 0)),
-        ),
-        Mistake(
-            "the shapes are right but the attention differs: the fused qkv weight was cut in plain slices, so a rank holds the queries of some heads and the keys of others",
-            "the qkv weight is [q; k; v] stacked: view it as 3 parts of d rows each, take this rank's heads' rows of every part, then stack them back",
-            variant=lambda b, r, n: _shard(b, r, n, qkv="chunk"),
-        ),
+        Mistake("a shard has the wrong shape: a weight was cut along the wrong dimension", "nn.Linear stores its weight as [out, in]: the column-parallel qkv and fc keep a slice of the OUTPUT features (dim 0), the row-parallel projections a slice of the INPUT features (dim 1)", variant=lambda b, r, n: _shard(b, r, n, dims=(1, 0))),
+        Mistake("the shapes are right but the attention differs: the fused qkv weight was cut in plain slices, so a rank holds the queries of some heads and the keys of others", "the qkv weight is [q; k; v] stacked: view it as 3 parts of d rows each, take this rank's heads' rows of every part, then stack them back", variant=lambda b, r, n: _shard(b, r, n, qkv="chunk")),
     ],
 )
+# fmt: on
 check_shard_block = SHARD_BLOCK.checker(
     "``shard_block(block, rank, world_size)``: one rank's shards of a Block's Linears."
 )
@@ -350,37 +321,19 @@ def _sp_full_norm(block, rank, world_size):
     return _SPBlock(block, rank, world_size, "full norm")
 
 
+# fmt: off
 TP_BLOCK = Exercise(
-    name="tp_block",
-    answer=("TPBlock",),
-    oracle=_TPBlock,
-    ranks=2,
-    cases=_block_cases,
-    run=_block_run,
-    compare=_same_numbers,
-    timeout_s=120,
-    refuse=REFUSE,
-    refuse_hint=REFUSE_HINT,
+    name="tp_block", answer=("TPBlock",), oracle=_TPBlock, ranks=2, cases=_block_cases, run=_block_run,
+    compare=_same_numbers, timeout_s=120, refuse=REFUSE, refuse_hint=REFUSE_HINT,
     hint="per branch: LayerNorm, f, the column-parallel layer, the rank's heads (or GELU), the row-parallel layer, g, then the bias once and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block",
     mistakes=[
-        Mistake(
-            "the output is off by (N - 1) times the projections' biases: the bias of a row-parallel layer was added on every rank before the all-reduce",
-            "add a row-parallel layer's bias once, after g has summed the partial outputs",
-            variant=_bias_every_rank,
-        ),
-        Mistake(
-            "the output is a partial sum: g is missing after a row-parallel layer",
-            "each rank's projection output is a partial sum over its heads (or hidden units): pass it through g before the bias and the residual",
-            variant=_no_g,
-        ),
-        Mistake(
-            "the output is right but the gradients are one rank's part: f is missing before a column-parallel layer",
-            "pass each LayerNorm's output through f before the qkv and fc layers, so backward sums their input gradients over the ranks",
-            variant=_no_f,
-        ),
+        Mistake("the output is off by (N - 1) times the projections' biases: the bias of a row-parallel layer was added on every rank before the all-reduce", "add a row-parallel layer's bias once, after g has summed the partial outputs", variant=_bias_every_rank),
+        Mistake("the output is a partial sum: g is missing after a row-parallel layer", "each rank's projection output is a partial sum over its heads (or hidden units): pass it through g before the bias and the residual", variant=_no_g),
+        Mistake("the output is right but the gradients are one rank's part: f is missing before a column-parallel layer", "pass each LayerNorm's output through f before the qkv and fc layers, so backward sums their input gradients over the ranks", variant=_no_f),
     ],
 )
+# fmt: on
 check_tp_block = _checker(
     TP_BLOCK, "``TPBlock(block, rank, world_size)``: a Block's tensor-parallel forward on 2 processes."
 )
@@ -390,36 +343,18 @@ def _sp_run(answer, case):
     return _block_run(answer, case, sp=True)
 
 
+# fmt: off
 SP_BLOCK = Exercise(
-    name="sp_block",
-    answer=("SPBlock",),
-    oracle=_SPBlock,
-    ranks=2,
-    cases=_block_cases,
-    run=_sp_run,
-    compare=_same_numbers,
-    timeout_s=120,
-    refuse=REFUSE,
-    refuse_hint=REFUSE_HINT,
+    name="sp_block", answer=("SPBlock",), oracle=_SPBlock, ranks=2, cases=_block_cases, run=_sp_run,
+    compare=_same_numbers, timeout_s=120, refuse=REFUSE, refuse_hint=REFUSE_HINT,
     hint="per branch: LayerNorm on your sequence shard, all-gather the sequence, the column- and row-parallel layers, reduce-scatter back to your shard, then the bias and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block, with no all-reduce",
     mistakes=[
-        Mistake(
-            "your block called an all-reduce: sequence parallelism replaces g's all-reduce with a reduce-scatter",
-            "after a row-parallel layer, reduce-scatter the partial sums along the sequence: each rank gets the summed rows of its own shard, for half the traffic of an all-reduce and no copy of the whole sequence",
-            variant=_sp_all_reduce,
-            when=lambda o: any(r["all_reduce"] for r in o.got),
-            mechanism=True,
-        ),
-        Mistake(
-            "a LayerNorm ran on the whole sequence: the numbers are right, but every rank normalised (and kept for backward) all the rows",
-            "run each LayerNorm on your own sequence shard first, then all-gather its output for the column-parallel layer",
-            variant=_sp_full_norm,
-            when=lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]),
-            mechanism=True,
-        ),
+        Mistake("your block called an all-reduce: sequence parallelism replaces g's all-reduce with a reduce-scatter", "after a row-parallel layer, reduce-scatter the partial sums along the sequence: each rank gets the summed rows of its own shard, for half the traffic of an all-reduce and no copy of the whole sequence", variant=_sp_all_reduce, when=lambda o: any(r["all_reduce"] for r in o.got), mechanism=True),
+        Mistake("a LayerNorm ran on the whole sequence: the numbers are right, but every rank normalised (and kept for backward) all the rows", "run each LayerNorm on your own sequence shard first, then all-gather its output for the column-parallel layer", variant=_sp_full_norm, when=lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]), mechanism=True),
     ],
 )
+# fmt: on
 check_sp_block = _checker(
     SP_BLOCK, "``SPBlock(block, rank, world_size)``: a Block with sequence parallelism on 2 processes."
 )
