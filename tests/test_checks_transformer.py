@@ -5,8 +5,6 @@ placeholders and the mistakes a predicate sees need a launch each, extended). Th
 process's Block."""
 
 import linecache
-import sys
-import types
 
 import exercise_harness as harness
 import pytest
@@ -26,12 +24,8 @@ test_ranked_solution, test_replayed_mistake = map(pytest.mark.slow, harness.repl
 
 
 @pytest.fixture(autouse=True)
-def _solution_as_main(monkeypatch):
-    """The solution's classes live in ``__main__`` with the names they use, as a notebook's do: a check reads a
-    class's source and the names it uses from there (a function carries its own globals, a class does not)."""
-    main = types.ModuleType("__main__")
-    main.__dict__.update(engine.solution_namespace(LAB))
-    monkeypatch.setitem(sys.modules, "__main__", main)
+def _classes_as_in_a_notebook():
+    """The checks the lab calls read a class answer's source and names as a notebook's; the engine's own here too."""
     with tr.notebook_classes():
         yield
 

@@ -9,6 +9,7 @@ import copy
 import functools
 import inspect
 import linecache
+import types
 
 import torch
 import torch.distributed as dist
@@ -47,10 +48,27 @@ def _class_source(cls) -> str:
     raise OSError(f"no source for {cls.__name__}")
 
 
+def _class_globals(cls):
+    """The names a notebook class's methods see: a module made of their globals (the notebook's namespace)."""
+    for value in vars(cls).values():
+        scope = getattr(getattr(value, "__func__", value), "__globals__", None)
+        if scope is not None:
+            module = types.ModuleType(cls.__module__)
+            module.__dict__.update(scope)
+            return module
+    return None
+
+
 @contextlib.contextmanager
 def notebook_classes():
-    """While inside, ``inspect.getsource`` finds a class defined in a notebook cell (or an exec'd file)."""
-    real = inspect.getsource
+    """While inside, ``inspect.getsource`` finds a class defined in a notebook cell (or an exec'd file), and
+    ``inspect.getmodule`` gives such a class the namespace its methods were defined in."""
+    real, real_module = inspect.getsource, inspect.getmodule
+
+    def getmodule(obj, *args):
+        if inspect.isclass(obj) and obj.__module__ in ("__main__", "__mp_main__"):
+            return _class_globals(obj) or real_module(obj, *args)
+        return real_module(obj, *args)
 
     def getsource(obj):
         try:
@@ -60,11 +78,11 @@ def notebook_classes():
                 return _class_source(obj)
             raise
 
-    inspect.getsource = getsource
+    inspect.getsource, inspect.getmodule = getsource, getmodule
     try:
         yield
     finally:
-        inspect.getsource = real
+        inspect.getsource, inspect.getmodule = real, real_module
 
 
 def _checker(ex: Exercise, doc: str):
@@ -120,7 +138,7 @@ def _ops_run(answer, case):
     gen = torch.Generator().manual_seed(seed)
     x, w, probe = (torch.randn(*s, generator=gen).to(ctx.device) for s in ((rows, d), (2, d, d), (rows, d)))
     x.requires_grad_()
-    y = g.apply(f.apply(x) @ w[ctx.rank])
+    y = getattr(g, "apply", g)(getattr(f, "apply", f)(x) @ w[ctx.rank])
     (y * probe).sum().backward()
     return {"y": y.detach(), "x_grad": x.grad}
 
