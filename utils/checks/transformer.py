@@ -106,13 +106,13 @@ def _op(fwd, bwd):
         if kind == "all_reduce":
             t = t.clone()  # not the caller's tensor, in place
             dist.all_reduce(t)
-        elif kind == "gather":
-            out = t.new_empty(n * t.shape[0], *t.shape[1:])  # the ranks' tensors stacked along dim 0
-            dist.all_gather_into_tensor(out, t)
-            t = out.unflatten(0, (n, -1)).movedim(0, 1).flatten(1, 2)  # their sequence shards side by side
-        elif kind == "scatter":  # rank r gets the sum of every rank's rows of sequence shard r
+        elif kind == "gather":  # every rank's sequence shard, side by side in rank order
+            parts = [torch.empty_like(t) for _ in range(n)]
+            dist.all_gather(parts, t)
+            t = torch.cat(parts, 1)
+        elif kind == "scatter":  # rank r gets the sum over the ranks of sequence shard r
             out = t.new_empty(t.shape[0], t.shape[1] // n, *t.shape[2:])
-            dist.reduce_scatter_tensor(out, t.unflatten(1, (n, -1)).movedim(1, 0).flatten(0, 1).contiguous())
+            dist.reduce_scatter_tensor(out, torch.cat(t.chunk(n, 1), 0).contiguous())
             t = out
         return t.view_as(t) if kind == "id" else t
 
