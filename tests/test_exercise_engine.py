@@ -295,11 +295,20 @@ def fake_nccl_rank_worker(*args):
 
 
 _real_rank_worker = engine._rank_worker
-RANKED = [ex for ex in EXERCISES if ex.ranks]
+# The fake GPU cannot run scaled_dot_product_attention's CPU decomposition: it makes its causal mask as a plain
+# CPU tensor beside the fake-GPU ones. On a real GPU, make gpu-check runs this exercise on its solution.
+_FAKE_CANNOT = {"sp_block": "SDPA's CPU decomposition mixes a CPU mask with fake-GPU tensors"}
+RANKED = [
+    pytest.param(ex, marks=pytest.mark.xfail(strict=True, reason=_FAKE_CANNOT[ex.name]))
+    if ex.name in _FAKE_CANNOT
+    else ex
+    for ex in EXERCISES
+    if ex.ranks
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ex", RANKED, ids=[ex.name for ex in RANKED])
+@pytest.mark.parametrize("ex", RANKED, ids=[ex.name for ex in EXERCISES if ex.ranks])
 def test_rank_run_exercises_pass_their_solution_under_nccl(ex, monkeypatch, capsys):
     from fake_gpu import FakeCuda
 
