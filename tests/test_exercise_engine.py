@@ -7,6 +7,7 @@ that read as sentences, and, for rank-run exercises, the solution passing with e
 the fake NCCL device rule (tests/fake_gpu.py), as on a GPU server.
 """
 
+import functools
 import importlib
 import re
 
@@ -294,17 +295,27 @@ def fake_nccl_rank_worker(*args):
 
 
 _real_rank_worker = engine._rank_worker
-RANKED = [ex for ex in EXERCISES if ex.ranks]
+# The fake GPU cannot run scaled_dot_product_attention's CPU decomposition: it makes its causal mask as a plain
+# CPU tensor beside the fake-GPU ones. On a real GPU, make gpu-check runs this exercise on its solution.
+_FAKE_CANNOT = {"sp_block": "SDPA's CPU decomposition mixes a CPU mask with fake-GPU tensors"}
+RANKED = [
+    pytest.param(ex, marks=pytest.mark.xfail(strict=True, reason=_FAKE_CANNOT[ex.name]))
+    if ex.name in _FAKE_CANNOT
+    else ex
+    for ex in EXERCISES
+    if ex.ranks
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ex", RANKED, ids=[ex.name for ex in RANKED])
+@pytest.mark.parametrize("ex", RANKED, ids=[ex.name for ex in EXERCISES if ex.ranks])
 def test_rank_run_exercises_pass_their_solution_under_nccl(ex, monkeypatch, capsys):
     from fake_gpu import FakeCuda
 
     FakeCuda(3).install(monkeypatch.setattr, nccl_on_gloo=True)  # the notebook sees 3 GPUs: launch picks NCCL
     monkeypatch.setattr(engine, "_rank_worker", fake_nccl_rank_worker)
-    engine.check(ex, *harness.answer(_lab_of(ex), ex))
+    check = getattr(checks, f"check_{ex.name}", None) or functools.partial(engine.check, ex)  # what the lab calls
+    check(*harness.answer(_lab_of(ex), ex))
     assert "correct" in capsys.readouterr().out
 
 

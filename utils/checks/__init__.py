@@ -9,3 +9,4 @@ from .large_batch import *  # noqa: F401,F403
 from .model_parallel import *  # noqa: F401,F403
 from .profiling import *  # noqa: F401,F403
 from .throughput import *  # noqa: F401,F403
+from .transformer import *  # noqa: F401,F403
