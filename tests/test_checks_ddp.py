@@ -9,6 +9,7 @@ import re
 import exercise_harness as harness
 import pytest
 import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 
 from utils import checks
 from utils.checks import CheckFailed, ddp, engine
@@ -54,6 +55,18 @@ def overlap_blocking(model, bucket_numel=0):
     for p in model.parameters():
         p.register_post_accumulate_grad_hook(hook)
     return lambda: None
+
+
+def shard_everything(n, batch_size, rank, world_size, epoch, seed):
+    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, seed=seed)
+    sampler.set_epoch(epoch)
+    idx = list(sampler)
+    return [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
+
+
+def test_every_rank_on_the_whole_dataset_is_named_as_not_dealt_out_by_rank():
+    with pytest.raises(CheckFailed, match="every rank got the same batches: the data is not dealt out by rank"):
+        checks.check_shard_batches(shard_everything)
 
 
 @pytest.mark.slow

@@ -20,8 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from ._common import CheckFailed
-from .engine import Case, Exercise, Mistake, check, difference
+from .engine import Case, Exercise, Mistake, check, difference, fail
 
 __all__ = [f"check_{n}" for n in ("ring_all_reduce", "average_gradients", "shard_batches", "save_on_rank0", "overlap_ddp", "overlap_trace")]  # fmt: skip
 LAB = "lab3_ddp"
@@ -69,11 +68,6 @@ def _ring_cases(ctx):
     return [Case((x.to(ctx.device),), label=f"{len(x)} elements") for x in xs]
 
 
-def _ring_oracle(tensor):
-    dist.all_reduce(tensor)
-    return tensor
-
-
 def _ring(tensor, *, copies=False, reduce_add=True, gather=True, gather_add=False, gather_shift=0, wait=True):
     """The ring by hand; each keyword set away from its default makes one named mistake."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -94,15 +88,11 @@ def _ring(tensor, *, copies=False, reduce_add=True, gather=True, gather_add=Fals
     return tensor
 
 
-def _ring_blocking(tensor):
-    world, rank = dist.get_world_size(), dist.get_rank()
-    chunks = tensor.view(-1).tensor_split(world)
-    for s in range(2 * (world - 1)):
-        buf = torch.empty_like(chunks[(rank - s - 1) % world])
-        dist.send(chunks[(rank - s) % world], (rank + 1) % world)  # the mistake under test
-        dist.recv(buf, (rank - 1) % world)  # the mistake under test
-        chunks[(rank - s - 1) % world].add_(buf)
-    return tensor
+def _ring_blocking(tensor):  # its first step: every rank sends before any receives
+    world, rank, buf = dist.get_world_size(), dist.get_rank(), torch.empty_like(tensor)
+    dist.send(tensor, (rank + 1) % world)  # the mistake under test
+    dist.recv(buf, (rank - 1) % world)  # the mistake under test
+    return tensor.add_(buf)
 
 
 def _ring_no_wait(tensor):
@@ -135,23 +125,14 @@ def _ring_compare(got, want):
     return None
 
 
-def _blocking_sends(o):
-    blocking = "dist.send(" in o.source.replace(" ", "")  # the mistake under test
-    return bool(o.hung or o.error) and blocking and "batch_isend_irecv" not in o.source
-
-
-def _unwaited(o):
-    if o.got:
-        return any(g[2] for g in o.got)
-    return (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source
-
-
 # fmt: off
 _RING_MISTAKES = [
     Mistake("deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank has posted yet",
-            "post each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), then wait on every request it returns", _ring_blocking, _blocking_sends),
+            "post each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), then wait on every request it returns", _ring_blocking,
+            lambda o: bool(o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source),  # the mistake under test
     Mistake("the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before it has arrived (and a rank may wait forever)",
-            "call wait() on every request the batch returns before you read the received buffer", _ring_no_wait, _unwaited, mechanism=True),
+            "call wait() on every request the batch returns before you read the received buffer", _ring_no_wait,
+            lambda o: any(g[2] for g in o.got) if o.got else (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source, mechanism=True),
     Mistake("the returned tensor is right but the tensor passed in was not changed",
             "work in place, like dist.all_reduce: cut the tensor into views and add into them, then return it", _ring_out_of_place,
             lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want))),
@@ -170,11 +151,10 @@ _RING_MISTAKES = [
 RING_ALL_REDUCE = Exercise(
     name="ring_all_reduce",
     cases=_ring_cases,
-    oracle=_ring_oracle,
+    oracle=lambda tensor: dist.all_reduce(tensor) or tensor,  # all_reduce returns None
     run=_ring_run,
     compare=_ring_compare,
-    hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last "
-    "received, and cut the tensor with tensor_split(N) so sizes that do not divide by N work too",
+    hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last received, and cut the tensor with tensor_split(N) so sizes that do not divide by N work too",
     mistakes=_RING_MISTAKES,
     refuse=_LIBRARY + tuple(f"torch.distributed.{c}" for c in ("all_reduce", "all_gather", "reduce_scatter", "reduce")),
     refuse_hint="build it from point-to-point sends and receives (dist.P2POp, dist.batch_isend_irecv)",
@@ -183,8 +163,7 @@ RING_ALL_REDUCE = Exercise(
     passed="3 processes, 3 tensor sizes, equal to all_reduce",
 )
 check_ring_all_reduce = RING_ALL_REDUCE.checker(
-    "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 "
-    "all-gather steps of one batched send and receive each; run on 3 processes for tensors of 12, 7 and 2 elements."
+    "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 all-gather steps of one batched send and receive each; run on 3 processes for tensors of 12, 7 and 2 elements."
 )
 
 # ---------------------------------------------------------------------------- gradient averaging
@@ -246,7 +225,6 @@ AVERAGE_GRADIENTS = Exercise(
     cases=_grad_cases,
     oracle=_average,
     run=_grads_run,
-    atol=1e-6,
     hint="sum every parameter's gradient over the ranks with an all-reduce, then divide it in place by the world size",
     mistakes=_AVERAGE_MISTAKES,
     refuse=_LIBRARY,
@@ -257,8 +235,7 @@ AVERAGE_GRADIENTS = Exercise(
 )
 check_average_gradients = _at_world_sizes(
     AVERAGE_GRADIENTS,
-    "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; "
-    "run on 2, then 3 processes.",
+    "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run on 2, then 3 processes.",
 )
 
 # ---------------------------------------------------------------------------- overlapped DDP by hand
@@ -279,9 +256,9 @@ def _trace_cases(ctx):
 
 
 def _overlap_run(fn, case):
-    """SGD steps with the answer's hooks and finish(), noting every dist.all_reduce: its step, async or
-    not, launched in backward or not, how many gradients were ready, its size, and whether its handle
-    was waited for before backward ended. A trace profiles the last step (the first warms up)."""
+    """SGD steps with the answer's hooks and finish(), noting of every dist.all_reduce its step, size, whether it was
+    async, launched in backward, waited for before backward ended, and how many gradients were ready then. A trace
+    profiles the last step (the first warms up)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     (model, cap), batches, trace = case.args, case.kwargs["batches"], case.kwargs.get("trace", False)
@@ -343,14 +320,12 @@ def _trace_compare(got, want):
     return _overlap_compare(got, want)
 
 
-def _overlap(
-    model, bucket_numel, *, order=reversed, divide=True, clear=True, copy=True, wait=False, hold=False, in_finish=False
-):
+def _overlap(model, cap, *, order=reversed, divide=True, clear=True, copy=True, wait=False, hold=False, after=False):
     """Buckets by hand; each keyword set away from its default makes one named mistake."""
     world, params = dist.get_world_size(), [p for p in model.parameters() if p.requires_grad]
     buckets, size = [[]], 0
     for p in order(params):
-        if buckets[-1] and size + p.numel() > bucket_numel:
+        if buckets[-1] and size + p.numel() > cap:
             buckets, size = buckets + [[]], 0
         buckets[-1].append(p)
         size += p.numel()
@@ -365,14 +340,14 @@ def _overlap(
         ready[bucket_of[p]] += 1
         if hold and sum(ready) == len(params):
             [launch(j) for j in range(len(buckets))]
-        elif not (hold or in_finish) and ready[bucket_of[p]] == len(buckets[bucket_of[p]]):
+        elif not (hold or after) and ready[bucket_of[p]] == len(buckets[bucket_of[p]]):
             launch(bucket_of[p])
 
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
 
     def finish():
-        _ = [launch(i) for i in range(len(buckets))] if in_finish else None
+        _ = [launch(i) for i in range(len(buckets))] if after else None
         for i, flat, work in pending:
             work.wait()
             flat /= world if divide else 1
@@ -394,7 +369,7 @@ def _overlap_silent(model, bucket_numel=0):
 
 
 def _overlap_after_backward(model, bucket_numel=0):
-    return _overlap(model, bucket_numel, in_finish=True)
+    return _overlap(model, bucket_numel, after=True)
 
 
 def _overlap_waits_in_hook(model, bucket_numel=0):
@@ -442,15 +417,13 @@ OVERLAP_DDP = Exercise(
     oracle=_overlap,
     run=_overlap_run,
     compare=_overlap_compare,
-    hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, "
-    "then in finish() wait, divide by the world size and copy each slice back to its gradient",
+    hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, then in finish() wait, divide by the world size and copy each slice back to its gradient",
     mistakes=_OVERLAP_MISTAKES,
     refuse=_LIBRARY,
     refuse_hint="write the hooks, the buckets and finish() yourself with dist.all_reduce",
     ranks=3,
     timeout_s=90,
-    passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while "
-    "all-reduces were outstanding",
+    passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while all-reduces were outstanding",
 )
 OVERLAP_TRACE = Exercise(
     name="overlap_trace",
@@ -468,8 +441,7 @@ OVERLAP_TRACE = Exercise(
 )
 check_overlap_ddp = _at_world_sizes(
     OVERLAP_DDP,
-    "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and "
-    "``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.",
+    "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.",
 )
 
 
@@ -477,7 +449,7 @@ def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) 
     """Trace one step of ``overlap_ddp`` with torch.profiler on 2 processes (a 5-layer MLP) and print
     rank 0's backward, finish and all-reduce events; returns them as (name, start_us, end_us), by start."""
     if bucket_numel not in TRACE_CAPS:
-        raise CheckFailed(f"overlap_trace: the check traces bucket_numel in {TRACE_CAPS}. Try: pass one of those.")
+        fail(OVERLAP_TRACE.name, f"the check traces bucket_numel in {TRACE_CAPS}", "pass one of those")
     check(OVERLAP_TRACE, overlap_ddp)
     events = _TRACED.pop(bucket_numel, None) or []
     t0 = min((e[1] for e in events), default=0)
@@ -490,14 +462,12 @@ def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) 
 # ---------------------------------------------------------------------------- sharding
 
 
-def _shard(
-    n, batch_size, rank, world, epoch, seed, *, replicas=None, reshuffle=True, drop_last=False, whole=False, rng=False
-):
+def _shard(n, b, rank, world, epoch, seed, *, replicas=None, reshuffle=True, drop_last=False, whole=False, rng=False):
     """DistributedSampler's batches; each keyword set away from its default makes one named mistake."""
     s = DistributedSampler(range(n), num_replicas=replicas or world, rank=rank, seed=seed, drop_last=drop_last)
     _ = s.set_epoch(epoch) if reshuffle else None
     idx = torch.randperm(n).tolist()[rank::world] if rng else list(s)
-    return [idx] if whole else [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
+    return [idx] if whole else [idx[i : i + b] for i in range(0, len(idx), b)]
 
 
 def _shard_run(fn, case):
@@ -520,10 +490,9 @@ _SHARD_MISTAKES = [
     Mistake("two calls with the same arguments gave different batches",
             "give the sampler the seed argument instead of drawing from the global random state", lambda *a: _shard(*a, rng=True), lambda o: not o.got[1]),
     Mistake("a batch has more than batch_size indices", "cut each rank's indices into batches of batch_size", lambda *a: _shard(*a, whole=True)),
-    Mistake("every rank got all the examples: the data is not sharded",
-            "tell DistributedSampler the world size and this rank (num_replicas, rank)", lambda n, b, r, w, e, s: _shard(n, b, 0, w, e, s, replicas=1)),
-    Mistake("every rank got the same indices",
-            "give DistributedSampler this rank's number, so each rank takes its own share", lambda n, b, r, w, e, s: _shard(n, b, 0, w, e, s)),
+    Mistake("every rank got the same batches: the data is not dealt out by rank",
+            "tell DistributedSampler the world size and this rank (num_replicas, rank), so that each rank takes its own share",
+            lambda n, b, r, w, e, s: _shard(n, b, 0, w, e, s), lambda o: o.got[1] and all(g == o.got[0][0] for g in o.got[0])),
     Mistake("the ranks share examples in the same epoch",
             "every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank", lambda n, b, r, w, e, s: _shard(n, b, r, w, e, s + r)),
     Mistake("together the ranks do not cover the dataset",
@@ -542,14 +511,12 @@ SHARD_BATCHES = Exercise(
     oracle=_shard,
     run=_shard_run,
     compare=_shard_compare,
-    hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this "
-    "rank and the seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
+    hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this rank and the seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
     mistakes=_SHARD_MISTAKES,
     passed="3 cases of sizes, ranks, epochs and seeds, equal to DistributedSampler",
 )
 check_shard_batches = SHARD_BATCHES.checker(
-    "``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that "
-    "``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them."
+    "``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that ``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them."
 )
 
 # ---------------------------------------------------------------------------- rank-0 checkpoint
@@ -558,8 +525,7 @@ check_shard_batches = SHARD_BATCHES.checker(
 def _save_cases():
     out = []
     for width, epoch in ((3, 3), (5, 7)):
-        torch.manual_seed(width)
-        model = nn.Linear(width, 2)
+        model = _mlp((width, 2), "cpu", width)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model(torch.ones(1, width)).sum().backward()
         opt.step()
@@ -570,19 +536,14 @@ def _save_cases():
 def _save_run(fn, case):
     """What rank 1 and then rank 0 wrote, and what a restart can load from it."""
     model, opt, epoch = case.args
-    replaced, real = [], os.replace
-
-    def spy(src, dst, *a, **k):
-        replaced.append(os.fspath(dst))
-        return real(src, dst, *a, **k)
-
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "ckpt.pt")
         fn(path, model, opt, epoch, 1)
         out = {"rank 1 wrote": sorted(os.listdir(d))}
-        with mock.patch("os.replace", spy), mock.patch("os.rename", spy):
+        with mock.patch("os.replace", wraps=os.replace) as moves, mock.patch("os.rename", wraps=os.rename) as renames:
             fn(path, model, opt, epoch, 0)
-        out.update(written=os.path.exists(path), atomic=path in replaced, left=sorted(set(os.listdir(d)) - {"ckpt.pt"}))
+        atomic = path in [os.fspath(c.args[1]) for c in moves.call_args_list + renames.call_args_list]
+        out.update(written=os.path.exists(path), atomic=atomic, left=sorted(set(os.listdir(d)) - {"ckpt.pt"}))
         try:
             ck = torch.load(path, weights_only=True)
         except Exception:  # noqa: BLE001
@@ -596,8 +557,7 @@ def _save_run(fn, case):
 
 
 def _save(path, model, optimizer, epoch, rank, /, *, every_rank=False, in_place=False, leave_tmp=False, **change):
-    """Rank 0's atomic save; each keyword set away from its default (``change``: a key of the saved
-    dict replaced, or dropped when None) makes one named mistake."""
+    """Rank 0's atomic save; each keyword away from its default (``change``: a saved key replaced, None drops it) makes a mistake."""
     if rank != 0 and not every_rank:
         return
     state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch} | change
@@ -632,12 +592,10 @@ SAVE_ON_RANK0 = Exercise(
     compare=lambda got, want: next(
         (f"gave {k}={got[k]!r} where {w!r} was expected" for k, w in want.items() if got[k] != w), None
     ),
-    hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then "
-    "os.replace it onto path",
+    hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then os.replace it onto path",
     mistakes=_SAVE_MISTAKES,
     passed="2 models and epochs: rank 0 alone writes, atomically, everything a restart needs",
 )
 check_save_on_rank0 = SAVE_ON_RANK0.checker(
-    "``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch "
-    "to ``path`` atomically (a temporary file, then os.replace)."
+    "``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch to ``path`` atomically (a temporary file, then os.replace)."
 )

@@ -79,10 +79,8 @@ if __name__ == "__main__":
 
 
 def _simulate(nproc=1, epochs=3, batch_size=32, lr=0.1, seed=0, *, reshuffle=True, divide=True):
-    """The serial script's training as ``nproc`` DDP ranks do it: one shuffle per epoch (seeded
-    ``seed + epoch``, or ``seed`` unless ``reshuffle``), padded and dealt out as DistributedSampler
-    does, ``batch_size // nproc`` examples per rank and step (``batch_size`` unless ``divide``),
-    gradients averaged over the ranks. Returns the state dict."""
+    """The serial script's training as ``nproc`` DDP ranks do it (DistributedSampler's shards, ``batch_size //
+    nproc`` examples per rank and step, gradients averaged), or with one named mistake. Returns the state dict."""
     ns = {"__name__": "lab3_serial"}
     exec(compile(SERIAL_SCRIPT, "train_serial.py", "exec"), ns)
     (x, y), model = ns["make_data"]().tensors, ns["make_model"]()
@@ -161,9 +159,8 @@ def _read(path: str, load=json.load):
 
 
 class Script:
-    """A script as the exercise's answer. The engine takes callables: this one, called with a case,
-    runs the file (or ``text``, written to one) under torchrun and returns rank 0's checkpoint and
-    each rank's record. Its module is ``__main__``, as the student's own code."""
+    """A script as the exercise's answer: called with a case, it runs the file (or ``text``, written to one)
+    under torchrun and returns rank 0's checkpoint and each rank's record. Its module is ``__main__``."""
 
     def __init__(self, path: str | os.PathLike = "", text: str = ""):
         self.path, self.text, self.__module__ = str(path), text, "__main__"
@@ -178,11 +175,10 @@ class Script:
                     f.write(self.text)
             env = dict(os.environ, LAB3_PROBE_DIR=d, CUDA_VISIBLE_DEVICES="", PYTHONPATH=_ROOT)
             argv = [s for k, v in args.items() for s in (f"--{k.replace('_', '-')}", v)] + ["--ckpt", ckpt]
+            argv = ["--nproc-per-node", nproc, *_PROBE, path, *argv]
             got = dict(run=f"!python -m torch.distributed.run --nproc-per-node 2 {path}", hung=False, failed=False)
             try:
-                proc = parallel.torchrun(
-                    ["--nproc-per-node", nproc, *_PROBE, path, *argv], timeout=SCRIPT_TIMEOUT, env=env
-                )
+                proc = parallel.torchrun(argv, timeout=SCRIPT_TIMEOUT, env=env)
             except subprocess.TimeoutExpired:
                 return got | {"hung": True}
             recs = [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]
@@ -209,9 +205,8 @@ def _compare(got: dict, want: dict) -> str | None:
         r, tb = got["first"] or ("", got["out"][-3000:])
         who, shown = (f"rank {r} failed first", f"Traceback from rank {r}") if r != "" else ("a rank failed", "Output")
         hint = f"read the traceback below (its last line in your script is where it failed), then run the script yourself: {got['run']}"
-        raise CheckFailed(
-            f"{message(SCRIPT.name, f'{who}, with {tb.strip().splitlines()[-1]}', hint)}\n\n{shown}:\n{tb}"
-        )
+        text = message(SCRIPT.name, f"{who}, with {tb.strip().splitlines()[-1]}", hint)
+        raise CheckFailed(f"{text}\n\n{shown}:\n{tb}")
     if set(got["weights"] or ()) != set(want["weights"]):
         return "saved a checkpoint whose weights are named differently from the serial model's"
     if difference(got["weights"], want["weights"], 1e-4, 1e-5):
@@ -235,9 +230,7 @@ def _variant(**edit) -> Script:
     text = SERIAL_SCRIPT
     # fmt: off
     for old, new in (
-        ("import argparse\n", "import argparse\nimport torch.distributed as dist\n"),
-        ("import argparse\n", "import argparse\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"),
-        ("import argparse\n", "import argparse\nfrom torch.utils.data import DistributedSampler\n"),
+        ("import argparse\n", "import argparse\nimport torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\nfrom torch.utils.data import DistributedSampler\n"),
         ("    data = make_data()\n", f"    {p['init']}\n    rank, world = map(int, (os.environ['RANK'], os.environ['WORLD_SIZE']))\n"),
         ("    model = make_model()\n", f"    data, model = make_data(), ({p['wrap']})(make_model())\n"),
         ("momentum=0.9)\n", f"momentum=0.9)\n    sampler = {p['sampler']}\n"),
@@ -265,8 +258,8 @@ def _matches(**change):
     return lambda o: difference(o.got["weights"], _simulate(**o.case.kwargs | change), 1e-4, 1e-5) is None
 
 
-_HANG = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=int(os.environ["RANK"]), '
-_HANG += "world_size=int(os.environ['WORLD_SIZE']))"  # under torchrun nobody serves that address: the ranks wait
+# under torchrun nobody serves that address: the ranks wait
+_HANG = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))'
 # One row per named mistake: its problem; its hint, the variant's edit of the right script, how the
 # run shows it, and whether that is looked for on every case (a run can be right for a wrong reason).
 # fmt: off
@@ -275,13 +268,11 @@ _MISTAKES = [
      "write it with torch.distributed and torch.nn.parallel only", {"init": "import utils.ddp_train"}, _crashed_with("No module named 'utils'"), True),
     ("DistributedDataParallel got device_ids for a model on the CPU",
      "pass device_ids only when the model is on a GPU", {"wrap": "lambda m: DDP(m, device_ids=[rank])"}, _crashed_with("device_ids"), True),
-    ("a rank used torch.distributed before joining the process group",
-     "join the group first, calling init_process_group with the backend alone: torchrun's environment variables give the rest", {"init": "pass"}, _crashed_with("has not been initialized"), True),
+    ("the script does not join the process group (init_process_group) before it uses torch.distributed or trains",
+     "call init_process_group with the backend alone (gloo on the CPU, nccl on GPUs) at the start of main: torchrun's environment variables give the rest",
+     {"init": "pass"}, lambda o: _crashed_with("has not been initialized")(o) or (_ran(o) and not any(r["init"] for r in _ran(o))), True),
     ("the script hung under torchrun: either the ranks never met, because the group was not joined from the environment (an address, port, rank or world size written in the script), or some ranks wait in a collective that the others never reach",
      "join with init_process_group given the backend alone, and make every rank call every collective (a barrier, the backward of DDP) the same number of times", {"init": _HANG}, lambda o: o.got["hung"], True),
-    ("the script never joins the process group, so every process trained alone",
-     "call init_process_group with the backend (gloo on the CPU, nccl on GPUs) at the start of main",
-     {"init": "pass", "wrap": "lambda m: m", "inner": "model", "leave": "pass"}, lambda o: _ran(o) and not any(r["init"] for r in _ran(o)), True),
     ("the model is never wrapped in DistributedDataParallel, so the gradients are not averaged and the ranks drift apart",
      "wrap the model in DistributedDataParallel once it is on its device", {"wrap": "lambda m: m", "inner": "model"}, lambda o: any(not r["ddp"] for r in _ran(o)), True),
     ("every rank trained on the whole dataset every epoch: the loader it iterates deals out no shards, so the processes repeat each other's work instead of sharing it",
@@ -310,8 +301,7 @@ SCRIPT = Exercise(
     oracle=lambda **case: {"weights": _simulate(**case)},
     compare=_compare,
     timeout_s=SCRIPT_TIMEOUT + 120,
-    hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a "
-    "DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
+    hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
     passed="rank 0's weights match one process on the same global batches, on 2 and on 3 CPU processes",
     mistakes=[Mistake(p, h, _variant(**edit), when, mechanism=m) for p, h, edit, when, m in _MISTAKES],
 )
