@@ -8,10 +8,11 @@ import re
 
 import exercise_harness as harness
 import pytest
+import torch.distributed as dist
+from torch.utils.data import DistributedSampler
 
 from utils import checks
 from utils.checks import CheckFailed, ddp, engine
-from utils.checks import ddp_variants as v
 
 LAB = "lab3_ddp"
 IN_NOTEBOOK = [ddp.SHARD_BATCHES, ddp.SAVE_ON_RANK0]
@@ -40,10 +41,46 @@ def test_ranked_mistake_is_named(ex, mistake):
     assert mistake.problem.rstrip(".") in str(e.value), str(e.value)
 
 
+def average_by_two(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= 2
+
+
+def overlap_blocking(model, bucket_numel=0):
+    def hook(p):
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(hook)
+    return lambda: None
+
+
+def shard_everything(n, batch_size, rank, world_size, epoch, seed):
+    sampler = DistributedSampler(range(n), num_replicas=1, rank=0, seed=seed)
+    sampler.set_epoch(epoch)
+    idx = list(sampler)
+    return [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
+
+
+def test_every_rank_on_the_whole_dataset_is_named_as_not_dealt_out_by_rank():
+    with pytest.raises(CheckFailed, match="every rank got the same batches: the data is not dealt out by rank"):
+        checks.check_shard_batches(shard_everything)
+
+
 @pytest.mark.slow
 def test_a_fixed_divisor_passes_on_2_processes_and_is_named_on_3():
     with pytest.raises(CheckFailed, match="divided by 2, not by the number of processes"):
-        checks.check_average_gradients(v._average_by_two)
+        checks.check_average_gradients(average_by_two)
+
+
+@pytest.mark.slow
+@pytest.mark.extended
+def test_a_blocking_all_reduce_in_the_hook_is_named_as_no_overlap():
+    """Right gradients, but each hook's all-reduce is blocking (no async_op): nothing overlaps."""
+    with pytest.raises(CheckFailed, match="finished inside its hook .blocking, or waited for there."):
+        engine.check(ddp.OVERLAP_DDP, overlap_blocking)
 
 
 @pytest.mark.slow

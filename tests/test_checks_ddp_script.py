@@ -5,6 +5,7 @@ a FILE, not a function of the notebook, so the harness's solution lookup is repl
 notebook's %%writefile cell. Every check runs torchrun (2 and 3 processes): slow."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,6 +68,15 @@ def test_a_script_without_sharding_trains_the_oracle_weights_and_is_still_named(
     assert engine.difference(got["weights"], want["weights"], 1e-4, 1e-5) is None
     assert no_shards.when(engine.Outcome(CASE, got, want))
     assert all(r["examples"] == 512 * CASE.kwargs["epochs"] for r in got["recs"])
+
+
+@pytest.mark.extended
+def test_a_script_that_never_joins_and_trains_alone_is_named():
+    """No process group at all (no DDP, no collective): every rank runs to its end, alone."""
+    alone = ddp_script._variant(init="pass", wrap="lambda m: m", inner="model", leave="pass")
+    (joins,) = [m for m in SCRIPT.mistakes if "does not join the process group" in m.problem]
+    with pytest.raises(CheckFailed, match=re.escape(joins.problem)):
+        engine.check(SCRIPT, alone)
 
 
 @pytest.mark.extended

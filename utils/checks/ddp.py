@@ -1,16 +1,13 @@
-"""Lab 3's exercises (solutions/lab3_ddp.ipynb) as engine specs: the ring all-reduce, gradient
-averaging and DDP overlapped with backward run on real ranks (every tensor on the rank's device:
-NCCL takes GPU tensors only); sharding batches and saving on rank 0 run in the notebook.
-
-Gradient averaging and overlapped DDP run on 2 processes, then on 3, so a fixed divisor fails.
-``run`` measures how an answer communicates: each async all-reduce's handle records whether it
-was waited for before backward ended (waited inside the hook: nothing overlaps).
-"""
+"""Lab 3's exercises (solutions/lab3_ddp.ipynb) as engine specs, with their reference answers and
+known-wrong variants. The ring all-reduce, gradient averaging and overlapped DDP run on ranks that
+import this module (a variant a test submits there is a def, so that its source can be shipped),
+every tensor on the rank's device; gradient averaging and overlapped DDP on 2, then 3 processes,
+so that a fixed divisor fails. Sharding batches and saving on rank 0 run in the notebook."""
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
+import functools
 import io
 import os
 import tempfile
@@ -21,22 +18,45 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils.data import DistributedSampler
 
-from . import ddp_variants as v
-from ._common import CheckFailed  # noqa: F401
-from .engine import Case, Exercise, Mistake, check, difference
+from .engine import Case, Exercise, Mistake, check, difference, fail
 
-__all__ = [
-    "check_ring_all_reduce",
-    "check_average_gradients",
-    "check_shard_batches",
-    "check_save_on_rank0",
-    "check_overlap_ddp",
-    "check_overlap_trace",
-]
-
+__all__ = [f"check_{n}" for n in ("ring_all_reduce", "average_gradients", "shard_batches", "save_on_rank0", "overlap_ddp", "overlap_trace")]  # fmt: skip
 LAB = "lab3_ddp"
 _LIBRARY = ("utils.parallel", "torch.nn.parallel.DistributedDataParallel")
+# The mistake tables below keep one named mistake to two lines: its problem, then its hint, its
+# variant and, when it is recognised by a predicate rather than by replaying the variant, that.
+
+
+class _Watched:
+    """A work handle that records being waited for (and calls ``note`` then), else the real one."""
+
+    def __init__(self, work, note=lambda: None):
+        self._work, self._note, self.waited = work, note, False
+
+    def __getattr__(self, attr):
+        if attr in ("wait", "get_future"):
+            self._note()
+            self.waited = True
+        return getattr(self._work, attr)
+
+
+def _at_world_sizes(ex: Exercise, doc: str):
+    """The check of ``ex`` on 2, then on 3 processes; only the last run's tick is shown."""
+
+    @functools.wraps(ex.checker(doc))
+    def check_fn(answer):
+        try:
+            for n in (2, 3):
+                ex.ranks = n
+                with contextlib.redirect_stdout(io.StringIO()) if n == 2 else contextlib.nullcontext():
+                    check(ex, answer)
+        finally:
+            ex.ranks = 3
+
+    return check_fn
+
 
 # ---------------------------------------------------------------------------- ring all-reduce
 
@@ -44,37 +64,52 @@ RING_SIZES = (12, 7, 2)  # divisible by 3 ranks, not divisible, fewer elements t
 
 
 def _ring_cases(ctx):
-    return [
-        Case(((torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device),), label=f"{n} elements")
-        for n in RING_SIZES
-    ]
+    xs = [torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1) for n in RING_SIZES]
+    return [Case((x.to(ctx.device),), label=f"{len(x)} elements") for x in xs]
 
 
-class _Watched:
-    """A work handle that notes when it is waited for (``note(handle)``), then behaves as the real one."""
+def _ring(tensor, *, copies=False, reduce_add=True, gather=True, gather_add=False, gather_shift=0, wait=True):
+    """The ring by hand; each keyword set away from its default makes one named mistake."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    right, left = (rank + 1) % world, (rank - 1) % world
+    chunks = [c.clone() if copies else c for c in tensor.view(-1).tensor_split(world)]
 
-    def __init__(self, work, note):
-        self._work, self._note, self.waited = work, note, False
+    def step(send_i, recv_i, add):
+        buf = torch.empty_like(chunks[recv_i])
+        ops = [dist.P2POp(dist.isend, chunks[send_i], right), dist.P2POp(dist.irecv, buf, left)]
+        for req in dist.batch_isend_irecv(ops):
+            _ = req.wait() if wait else None
+        chunks[recv_i].add_(buf) if add else chunks[recv_i].copy_(buf)
 
-    def wait(self, *a, **k):
-        self._note(self)
-        self.waited = True
-        return self._work.wait(*a, **k)
+    for s in range(world - 1):
+        step((rank - s) % world, (rank - s - 1) % world, reduce_add)
+    for s in range(world - 1 if gather else 0):
+        step((rank + 1 + gather_shift - s) % world, (rank + gather_shift - s) % world, gather_add)
+    return tensor
 
-    def get_future(self):
-        self._note(self)
-        return self._work.get_future()
 
-    def __getattr__(self, attr):
-        return getattr(self._work, attr)
+def _ring_blocking(tensor):  # its first step: every rank sends before any receives
+    world, rank, buf = dist.get_world_size(), dist.get_rank(), torch.empty_like(tensor)
+    dist.send(tensor, (rank + 1) % world)  # the mistake under test
+    dist.recv(buf, (rank - 1) % world)  # the mistake under test
+    return tensor.add_(buf)
+
+
+def _ring_no_wait(tensor):
+    return _ring(tensor, wait=False)
+
+
+def _ring_out_of_place(tensor):
+    return _ring(tensor.clone())
 
 
 def _ring_run(fn, case):
+    """The tensor passed in, the one returned, and how many requests of the batches were never waited for."""
     (x,) = case.args
     real, reqs = dist.batch_isend_irecv, []
 
     def batch(ops, *a, **k):
-        reqs.extend(_Watched(w, lambda h: None) for w in real(ops, *a, **k))
+        reqs.extend(_Watched(w) for w in real(ops, *a, **k))
         return reqs[len(reqs) - len(ops) :]
 
     with mock.patch.object(dist, "batch_isend_irecv", batch):
@@ -85,101 +120,74 @@ def _ring_run(fn, case):
 
 def _ring_compare(got, want):
     for r, (g, w) in enumerate(zip(got, want)):
-        d = difference(g[0], w[0])
-        if d:
+        if d := difference(g[0], w[0]):
             return f"{d.replace('returned', 'left', 1)} in the tensor on rank {r}"
     return None
 
 
-def _blocking_sends(o):
-    blocking = "dist.send(" in o.source.replace(" ", "")  # the mistake under test
-    return bool(o.hung or o.error) and blocking and "batch_isend_irecv" not in o.source
-
-
-def _unwaited(o):
-    if o.got:
-        return any(g[2] for g in o.got)
-    return (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source
-
-
+# fmt: off
+_RING_MISTAKES = [
+    Mistake("deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank has posted yet",
+            "post each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), then wait on every request it returns", _ring_blocking,
+            lambda o: bool(o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source),  # the mistake under test
+    Mistake("the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before it has arrived (and a rank may wait forever)",
+            "call wait() on every request the batch returns before you read the received buffer", _ring_no_wait,
+            lambda o: any(g[2] for g in o.got) if o.got else (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source, mechanism=True),
+    Mistake("the returned tensor is right but the tensor passed in was not changed",
+            "work in place, like dist.all_reduce: cut the tensor into views and add into them, then return it", _ring_out_of_place,
+            lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want))),
+    Mistake("every rank still holds its own tensor: your chunks are copies or were rebound, not views of `tensor` changed in place",
+            "cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy in place into them", lambda t: _ring(t, copies=True)),
+    Mistake("reduce-scatter is right but the all-gather is wrong: it does not pass on the chunk each rank finished",
+            "in the all-gather a rank first sends the chunk it finished, then passes on the chunk it just received", lambda t: _ring(t, gather_shift=1)),
+    Mistake("reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it",
+            "in reduce-scatter add what you receive into the same-numbered chunk; only the all-gather copies", lambda t: _ring(t, reduce_add=False)),
+    Mistake("each rank has exactly one fully summed chunk: the reduce-scatter works but the all-gather is missing",
+            "after N-1 reduce-scatter steps, run N-1 more steps that pass the finished chunks on and copy them", lambda t: _ring(t, gather=False)),
+    Mistake("some values were added twice: the all-gather adds what it receives",
+            "in the all-gather copy the received chunk into place (copy_); only reduce-scatter adds", lambda t: _ring(t, gather_add=True)),
+]
+# fmt: on
 RING_ALL_REDUCE = Exercise(
     name="ring_all_reduce",
     cases=_ring_cases,
-    oracle=v._ring_oracle,
+    oracle=lambda tensor: dist.all_reduce(tensor) or tensor,  # all_reduce returns None
     run=_ring_run,
     compare=_ring_compare,
-    hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last "
-    "received, and cut the tensor with tensor_split(N) so sizes that do not divide by N work too",
-    mistakes=[
-        Mistake(
-            "deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank has posted yet",
-            "post each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), "
-            "then wait on every request it returns",
-            variant=v._ring_blocking,
-            when=_blocking_sends,
-            replay=False,
-        ),
-        Mistake(
-            "the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before "
-            "it has arrived (and a rank may wait forever)",
-            "call wait() on every request the batch returns before you read the received buffer",
-            variant=v._ring_no_wait,
-            when=_unwaited,
-            replay=False,
-            mechanism=True,
-        ),
-        Mistake(
-            "the returned tensor is right but the tensor passed in was not changed",
-            "work in place, like dist.all_reduce: cut the tensor into views and add into them, then return it",
-            variant=v._ring_out_of_place,
-            when=lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want)),
-        ),
-        Mistake(
-            "every rank still holds its own tensor: your chunks are copies or were rebound, not views of `tensor` "
-            "changed in place",
-            "cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy in place into them",
-            variant=v._ring_copies,
-        ),
-        Mistake(
-            "reduce-scatter is right but the all-gather is wrong: it does not pass on the chunk each rank finished",
-            "in the all-gather a rank first sends the chunk it finished, then passes on the chunk it just received",
-            variant=v._ring_gather_shifted,
-        ),
-        Mistake(
-            "reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it",
-            "in reduce-scatter add what you receive into the same-numbered chunk; only the all-gather copies",
-            variant=v._ring_reduce_copies,
-        ),
-        Mistake(
-            "each rank has exactly one fully summed chunk: the reduce-scatter works but the all-gather is missing",
-            "after N-1 reduce-scatter steps, run N-1 more steps that pass the finished chunks on and copy them",
-            variant=v._ring_no_gather,
-        ),
-        Mistake(
-            "some values were added twice: the all-gather adds what it receives",
-            "in the all-gather copy the received chunk into place (copy_); only reduce-scatter adds",
-            variant=v._ring_gather_adds,
-        ),
-    ],
+    hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last received, and cut the tensor with tensor_split(N) so sizes that do not divide by N work too",
+    mistakes=_RING_MISTAKES,
     refuse=_LIBRARY + tuple(f"torch.distributed.{c}" for c in ("all_reduce", "all_gather", "reduce_scatter", "reduce")),
     refuse_hint="build it from point-to-point sends and receives (dist.P2POp, dist.batch_isend_irecv)",
     ranks=3,
     timeout_s=90,
     passed="3 processes, 3 tensor sizes, equal to all_reduce",
 )
+check_ring_all_reduce = RING_ALL_REDUCE.checker(
+    "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 all-gather steps of one batched send and receive each; run on 3 processes for tensors of 12, 7 and 2 elements."
+)
 
 # ---------------------------------------------------------------------------- gradient averaging
 
 
+def _mlp(widths, device, seed=0):
+    torch.manual_seed(seed)
+    layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())]
+    return nn.Sequential(*layers[:-1]).to(device)
+
+
+def _batch(ctx, seed, width, classes, rows, shard=True):
+    """A batch that every rank draws alike; with ``shard``, this rank's rows of it."""
+    g, r, n = torch.Generator().manual_seed(seed), (ctx.rank if shard else 0), (ctx.world_size if shard else 1)
+    x, y = torch.randn(rows, width, generator=g), torch.randint(0, classes, (rows,), generator=g)
+    return x[r::n].to(ctx.device), y[r::n].to(ctx.device)
+
+
 def _grad_cases(ctx):
-    cases, r, n = [], ctx.rank, ctx.world_size
+    cases = []
     for seed, width in ((1, 5), (2, 7)):
-        g = torch.Generator().manual_seed(seed)
-        x, y = torch.randn(4 * n, width, generator=g), torch.randint(0, 3, (4 * n,), generator=g)
-        torch.manual_seed(seed)
-        model = nn.Sequential(nn.Linear(width, 4), nn.Tanh(), nn.Linear(4, 3)).to(ctx.device)
-        nn.functional.cross_entropy(model(x[r::n].to(ctx.device)), y[r::n].to(ctx.device)).backward()
-        cases.append(Case((model,), label=f"a model with {width} inputs on {n} ranks"))
+        model, (x, y) = _mlp((width, 4, 3), ctx.device, seed), _batch(ctx, seed, width, 3, 4 * ctx.world_size)
+        nn.functional.cross_entropy(model(x), y).backward()
+        cases.append(Case((model,), label=f"a model with {width} inputs on {ctx.world_size} ranks"))
     return cases
 
 
@@ -188,76 +196,46 @@ def _grads_run(fn, case):
     return [None if p.grad is None else p.grad.detach().cpu() for p in case.args[0].parameters()]
 
 
-_WORLD_SIZES = (2, 3)
+def _average(model, *, reduce=True, divide=True, by=None):
+    for p in model.parameters():
+        if reduce:
+            dist.all_reduce(p.grad)
+        if divide:
+            p.grad /= by or dist.get_world_size()
 
 
-def _at_world_sizes(ex: Exercise, doc: str):
-    """The check runs ``ex`` on each of _WORLD_SIZES processes; only the last run's tick is shown."""
-
-    def check_fn(answer):
-        try:
-            for n in _WORLD_SIZES:
-                ex.ranks = n
-                with contextlib.redirect_stdout(io.StringIO()) if n != _WORLD_SIZES[-1] else contextlib.nullcontext():
-                    check(ex, answer)
-        finally:
-            ex.ranks = _WORLD_SIZES[-1]
-
-    check_fn.__name__ = check_fn.__qualname__ = f"check_{ex.name}"
-    check_fn.__doc__, check_fn.__module__ = doc, "utils.checks"
-    return check_fn
+def _average_none(model):
+    for p in model.parameters():
+        p.grad = dist.all_reduce(p.grad)
 
 
+# fmt: off
+_AVERAGE_MISTAKES = [
+    Mistake("a gradient is None after your function",
+            "dist.all_reduce works in place and returns None: average p.grad in place, never assign that result to it", _average_none, lambda o: any(g is None for r in o.got for g in r)),
+    Mistake("the gradients were summed, not averaged", "divide each one by the world size after the all-reduce", lambda m: _average(m, divide=False)),
+    Mistake("each rank still has its own local gradient: nothing was exchanged", "all-reduce every parameter's gradient, on every rank", lambda m: None),
+    Mistake("each gradient was divided by the world size but not all-reduced", "all-reduce first, then divide", lambda m: _average(m, reduce=False)),
+    Mistake("the gradients were divided by 2, not by the number of processes",
+            "divide by the number of processes, the world size: the check runs on 2 and on 3 processes", lambda m: _average(m, by=2)),
+]
+# fmt: on
 AVERAGE_GRADIENTS = Exercise(
     name="average_gradients",
     cases=_grad_cases,
-    oracle=v._average_oracle,
+    oracle=_average,
     run=_grads_run,
-    atol=1e-6,
     hint="sum every parameter's gradient over the ranks with an all-reduce, then divide it in place by the world size",
-    mistakes=[
-        Mistake(
-            "a gradient is None after your function",
-            "average p.grad in place; do not set it to None",
-            variant=v._average_none,
-            when=lambda o: any(g is None for r in o.got for g in r),
-        ),
-        Mistake(
-            "the gradients were summed, not averaged",
-            "divide each one by the world size after the all-reduce",
-            variant=v._average_sums,
-        ),
-        Mistake(
-            "each rank still has its own local gradient: nothing was exchanged",
-            "all-reduce every parameter's gradient, on every rank",
-            variant=v._average_nothing,
-        ),
-        Mistake(
-            "each gradient was divided by the world size but not all-reduced",
-            "all-reduce first, then divide",
-            variant=v._average_unreduced,
-        ),
-        Mistake(
-            "the gradients were divided by 2, not by the number of processes",
-            "divide by the number of processes, the world size: the check runs on 2 and on 3 processes",
-            variant=v._average_by_two,
-        ),
-    ],
+    mistakes=_AVERAGE_MISTAKES,
     refuse=_LIBRARY,
     refuse_hint="write the loop over the parameters yourself with dist.all_reduce",
-    ranks=_WORLD_SIZES[-1],
+    ranks=3,
     timeout_s=90,
     passed="2 and 3 processes, equal to the mean over ranks",
 )
-
-check_ring_all_reduce = RING_ALL_REDUCE.checker(
-    "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 "
-    "all-gather steps of one batched send and receive each; run on 3 processes for tensors of 12, 7 and 2 elements."
-)
 check_average_gradients = _at_world_sizes(
     AVERAGE_GRADIENTS,
-    "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; "
-    "run on 2, then 3 processes.",
+    "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run on 2, then 3 processes.",
 )
 
 # ---------------------------------------------------------------------------- overlapped DDP by hand
@@ -267,85 +245,56 @@ OVERLAP_STEPS = 3
 TRACE_CAPS = (0, 70_000)
 
 
-def _mlp(widths, device):
-    torch.manual_seed(0)
-    layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())]
-    return nn.Sequential(*layers[:-1]).to(device)
-
-
 def _overlap_cases(ctx):
-    r, n, batches = ctx.rank, ctx.world_size, []
-    for step in range(OVERLAP_STEPS):
-        g = torch.Generator().manual_seed(10 + step)
-        x, y = torch.randn(4 * n, 6, generator=g), torch.randint(0, 3, (4 * n,), generator=g)
-        batches.append((x[r::n].to(ctx.device), y[r::n].to(ctx.device)))
-    return [
-        Case((_mlp((6, 8, 8, 3), ctx.device), cap), {"batches": batches}, label=f"bucket_numel={cap}")
-        for cap in OVERLAP_CAPS
-    ]
+    batches = [_batch(ctx, 10 + step, 6, 3, 4 * ctx.world_size) for step in range(OVERLAP_STEPS)]
+    return [Case((_mlp((6, 8, 8, 3), ctx.device), c), {"batches": batches}, f"bucket_numel={c}") for c in OVERLAP_CAPS]
 
 
 def _trace_cases(ctx):
-    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)).to(ctx.device)
-    return [
-        Case((_mlp((256,) * 5 + (10,), ctx.device), cap), {"x": x}, label=f"bucket_numel={cap}") for cap in TRACE_CAPS
-    ]
-
-
-@contextlib.contextmanager
-def _watching(params, state):
-    """Note every dist.all_reduce: its step, async or not, launched in backward or not, how many
-    gradients were ready, its size, and whether its handle was waited for before backward ended."""
-    calls, real = [], dist.all_reduce
-
-    def spy(tensor, *a, **k):
-        c = {"step": state["step"], "async": bool(k.get("async_op", a[2] if len(a) > 2 else False))}
-        c.update(bw=state["bw"], ready=sum(p.grad is not None for p in params), numel=tensor.numel(), early=False)
-        calls.append(c)
-        work = real(tensor, *a, **k)
-        return _Watched(work, lambda h: c.update(early=c["early"] or state["bw"])) if c["async"] else work
-
-    with mock.patch.object(dist, "all_reduce", spy):
-        yield calls
-
-
-def _summary(calls, params, cap, finish) -> dict:
-    bw = [c for c in calls if c["bw"]]
-    return {
-        "cap": cap,
-        "finish": callable(finish),
-        "calls": len(calls),
-        "in_bw": len(bw),
-        "blocking": any(not c["async"] for c in calls),
-        "overlapped": any(c["async"] and not c["early"] for c in bw),
-        "late": cap == 0 and bool(bw) and all(c["ready"] == len(params) for c in bw),
-    }
+    batches, mlp = [_batch(ctx, 0, 256, 10, 64, shard=False)] * 2, (256,) * 5 + (10,)
+    return [Case((_mlp(mlp, ctx.device), c), {"batches": batches, "trace": True}, f"bucket_numel={c}") for c in TRACE_CAPS]  # fmt: skip
 
 
 def _overlap_run(fn, case):
-    model, cap = case.args
-    params, state, grads0 = list(model.parameters()), {"step": 0, "bw": False}, []
-    opt = torch.optim.SGD(params, lr=0.1)
-    with _watching(params, state) as calls:
+    """SGD steps with the answer's hooks and finish(), noting of every dist.all_reduce its step, size, whether it was
+    async, launched in backward, waited for before backward ended, and how many gradients were ready then. A trace
+    profiles the last step (the first warms up)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    (model, cap), batches, trace = case.args, case.kwargs["batches"], case.kwargs.get("trace", False)
+    params, calls, now, grads0 = list(model.parameters()), [], {"step": 0, "bw": False}, []
+    opt, real = torch.optim.SGD(params, lr=0.1), dist.all_reduce
+
+    def spy(tensor, *a, **k):
+        c = {**now, "async": bool(k.get("async_op", a[2] if len(a) > 2 else False)), "numel": tensor.numel()}
+        c.update(ready=sum(p.grad is not None for p in params), early=False)
+        calls.append(c)
+        work = real(tensor, *a, **k)
+        return _Watched(work, lambda: c.update(early=c["early"] or now["bw"])) if c["async"] else work
+
+    with mock.patch.object(dist, "all_reduce", spy):
         finish = fn(model, cap)
-        for step, (x, y) in enumerate(case.kwargs["batches"]):
-            state["step"] = step
+        for step, (x, y) in enumerate(batches):
+            now["step"] = step
             opt.zero_grad(set_to_none=True)
-            loss = nn.functional.cross_entropy(model(x), y)
-            state["bw"] = True
-            loss.backward()
-            state["bw"] = False
-            _ = finish() if callable(finish) else None
-            if step == 0:
-                grads0 = [None if p.grad is None else p.grad.detach().cpu() for p in params]
+            with profile(activities=[ProfilerActivity.CPU]) if trace else contextlib.nullcontext() as prof:
+                loss = nn.functional.cross_entropy(model(x), y)
+                with record_function("backward"):
+                    now["bw"] = True
+                    loss.backward()
+                    now["bw"] = False
+                with record_function("finish"):
+                    _ = finish() if callable(finish) else None
+            grads0 = grads0 or [None if p.grad is None else p.grad.detach().cpu() for p in params]
             opt.step()
-    return {
-        "grads0": grads0,
-        "weights": [p.detach().cpu() for p in params],
-        "launches": [sum(c["step"] == s for c in calls) for s in range(OVERLAP_STEPS)],
-        "numels": sorted(c["numel"] for c in calls if c["step"] == 0),
-        **_summary(calls, params, cap, finish),
-    }
+    bw, shown = [c for c in calls if c["bw"]], ("backward", "finish")
+    events = [e for e in prof.events() if e.name in shown or "allreduce" in e.name.lower().replace("_", "")] if trace else []  # fmt: skip
+    return dict(grads0=grads0, weights=[p.detach().cpu() for p in params], cap=cap, finish=callable(finish),
+                launches=[sum(c["step"] == s for c in calls) for s in range(len(batches))],
+                numels=sorted(c["numel"] for c in calls if c["step"] == 0),
+                events=sorted(((e.name, e.time_range.start, e.time_range.end) for e in events), key=lambda e: e[1]),
+                calls=len(calls), in_bw=len(bw), overlapped=any(c["async"] and not c["early"] for c in bw),
+                late=cap == 0 and bool(bw) and all(c["ready"] == len(params) for c in bw))  # fmt: skip
 
 
 def _overlap_compare(got, want):
@@ -359,53 +308,76 @@ def _overlap_compare(got, want):
         if g["numels"] != w["numels"]:
             return f"all-reduced buckets of {g['numels']} elements where the order of the hooks gives {w['numels']}"
         if difference(g["weights"], w["weights"], 1e-5, 1e-6):
-            return f"matched the first step but after {OVERLAP_STEPS} steps the weights differ"
+            return f"matched the first step but after {len(w['launches'])} steps the weights differ"
     return None
-
-
-def _trace_run(fn, case):
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    model, cap = case.args
-    params, state = list(model.parameters()), {"step": 0, "bw": False}
-    with _watching(params, state) as calls:
-        finish = fn(model, cap)
-        for step in range(2):  # a warm-up step, then the traced one
-            state["step"] = step
-            model.zero_grad(set_to_none=True)
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                loss = model(case.kwargs["x"]).pow(2).mean()
-                with record_function("backward"):
-                    state["bw"] = True
-                    loss.backward()
-                    state["bw"] = False
-                with record_function("finish"):
-                    _ = finish() if callable(finish) else None
-    names = ("backward", "finish")
-    events = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()]
-    events = sorted(
-        (e for e in events if e[0] in names or "allreduce" in e[0].lower().replace("_", "")), key=lambda e: e[1]
-    )
-    last = [c for c in calls if c["step"] == 1]
-    return {
-        "launches": len(last),
-        "numels": sorted(c["numel"] for c in last),
-        "events": events if dist.get_rank() == 0 else None,
-        **_summary(last, params, cap, finish),
-    }
 
 
 _TRACED: dict = {}  # bucket_numel -> rank 0's events of the student's traced step
 
 
 def _trace_compare(got, want):
-    g, w = got[0], want[0]
-    _TRACED[w["cap"]] = g["events"]
-    if g["launches"] != w["launches"]:
-        return f"launched {g['launches']} all-reduces where buckets of at most {w['cap']} elements make {w['launches']}"
-    if g["numels"] != w["numels"]:
-        return f"all-reduced buckets of {g['numels']} elements where the order of the hooks gives {w['numels']}"
-    return None
+    _TRACED[want[0]["cap"]] = got[0]["events"]
+    return _overlap_compare(got, want)
+
+
+def _overlap(model, cap, *, order=reversed, divide=True, clear=True, copy=True, wait=False, hold=False, after=False):
+    """Buckets by hand; each keyword set away from its default makes one named mistake."""
+    world, params = dist.get_world_size(), [p for p in model.parameters() if p.requires_grad]
+    buckets, size = [[]], 0
+    for p in order(params):
+        if buckets[-1] and size + p.numel() > cap:
+            buckets, size = buckets + [[]], 0
+        buckets[-1].append(p)
+        size += p.numel()
+    bucket_of, ready, pending = {p: i for i, b in enumerate(buckets) for p in b}, [0] * len(buckets), []
+
+    def launch(i):
+        flat = torch.cat([q.grad.reshape(-1) for q in buckets[i]])
+        pending.append((i, flat, dist.all_reduce(flat, async_op=True)))
+        _ = pending[-1][2].wait() if wait else None
+
+    def hook(p):
+        ready[bucket_of[p]] += 1
+        if hold and sum(ready) == len(params):
+            [launch(j) for j in range(len(buckets))]
+        elif not (hold or after) and ready[bucket_of[p]] == len(buckets[bucket_of[p]]):
+            launch(bucket_of[p])
+
+    for p in params:
+        p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        _ = [launch(i) for i in range(len(buckets))] if after else None
+        for i, flat, work in pending:
+            work.wait()
+            flat /= world if divide else 1
+            for q, part in zip(buckets[i], flat.split([q.numel() for q in buckets[i]])):
+                _ = q.grad.copy_(part.view_as(q.grad)) if copy else None
+        if clear:
+            pending.clear()
+            ready[:] = [0] * len(buckets)
+
+    return finish
+
+
+def _overlap_no_finish(model, bucket_numel=0):
+    _overlap(model, bucket_numel)
+
+
+def _overlap_silent(model, bucket_numel=0):
+    return lambda: None
+
+
+def _overlap_after_backward(model, bucket_numel=0):
+    return _overlap(model, bucket_numel, after=True)
+
+
+def _overlap_waits_in_hook(model, bucket_numel=0):
+    return _overlap(model, bucket_numel, wait=True)
+
+
+def _overlap_holds(model, bucket_numel=0):
+    return _overlap(model, bucket_numel, hold=True)
 
 
 def _got(key, pred=bool):
@@ -413,123 +385,55 @@ def _got(key, pred=bool):
     return lambda o: bool(o.got) and any(pred(g[key]) for g in o.got)
 
 
-_NO_FINISH = Mistake(
-    "overlap_ddp did not return a function",
-    "return the inner function that waits for the all-reduces and averages; the training loop calls it after backward",
-    variant=v._overlap_no_finish,
-    when=_got("finish", lambda f: not f),
-    mechanism=True,
-)
-_NO_CALLS = Mistake(
-    "no dist.all_reduce was called",
-    "in each parameter's hook, launch dist.all_reduce on its gradient (or its bucket's), with async_op=True",
-    variant=v._overlap_silent,
-    when=_got("calls", lambda n: n == 0),
-    mechanism=True,
-)
-_AFTER_BACKWARD = Mistake(
-    "every all-reduce started after backward returned: none overlaps with backward, so there is no overlap",
-    "launch the all-reduces from gradient hooks, which fire during backward (look up "
-    "Tensor.register_post_accumulate_grad_hook), with async_op=True; finish() only waits",
-    variant=v._overlap_after_backward,
-    when=lambda o: bool(o.got) and any(g["calls"] and not g["in_bw"] for g in o.got),
-    mechanism=True,
-)
-_BLOCKING = Mistake(
-    "an all-reduce was blocking (async_op not set): backward stops at every hook until it is done, so nothing overlaps",
-    "pass async_op=True, keep the work handle it returns, and wait() on it in finish()",
-    variant=v._overlap_blocking,
-    when=_got("blocking"),
-    mechanism=True,
-)
-_WAITS_IN_HOOK = Mistake(
-    "each all-reduce is waited for before backward goes on: backward never runs while a reduction is "
-    "outstanding, so nothing overlaps",
-    "keep the work handles in the hooks and wait() on them only in finish(), after backward",
-    variant=v._overlap_waits_in_hook,
-    when=lambda o: bool(o.got) and any(g["in_bw"] and not g["overlapped"] for g in o.got),
-    mechanism=True,
-)
-_FORWARD = Mistake(
-    "your buckets follow the forward order of model.parameters(), but gradients become ready last layer first, "
-    "so a bucket with the first layer's parameters fills only at the end of backward",
-    "build the buckets walking the parameters in reverse order, the order in which backward's hooks fire",
-    variant=v._overlap_forward,
-)
+# rows 1 to 4 are the trace's mistakes too
+# fmt: off
+_OVERLAP_MISTAKES = [
+    Mistake("overlap_ddp did not return a function",
+            "return the inner function that waits for the all-reduces and averages; the training loop calls it after backward", _overlap_no_finish, _got("finish", lambda f: not f), mechanism=True),
+    Mistake("no dist.all_reduce was called",
+            "in each parameter's hook, launch dist.all_reduce on its gradient (or its bucket's), with async_op=True", _overlap_silent, _got("calls", lambda n: n == 0), mechanism=True),
+    Mistake("every all-reduce started after backward returned: none overlaps with backward, so there is no overlap",
+            "launch the all-reduces from gradient hooks, which fire during backward (look up Tensor.register_post_accumulate_grad_hook), with async_op=True; finish() only waits",
+            _overlap_after_backward, lambda o: bool(o.got) and any(g["calls"] and not g["in_bw"] for g in o.got), mechanism=True),
+    Mistake("each all-reduce finished inside its hook (blocking, or waited for there): backward never runs while a reduction is outstanding, so nothing overlaps",
+            "pass async_op=True, keep the work handles in the hooks and wait() on them only in finish(), after backward", _overlap_waits_in_hook,
+            lambda o: bool(o.got) and any(g["in_bw"] and not g["overlapped"] for g in o.got), mechanism=True),
+    Mistake("your buckets follow the forward order of model.parameters(), but gradients become ready last layer first, so a bucket with the first layer's parameters fills only at the end of backward",
+            "build the buckets walking the parameters in reverse order, the order in which backward's hooks fire", lambda m, c=0: _overlap(m, c, order=list)),
+    Mistake("the all-reduces start only once every gradient is ready, so none overlaps with the rest of backward",
+            "launch a bucket's all-reduce from the hook of its last parameter, as soon as that gradient is accumulated", _overlap_holds, _got("late"), mechanism=True),
+    Mistake("the gradients were summed, not averaged", "in finish(), after waiting, divide by the world size", lambda m, c=0: _overlap(m, c, divide=False)),
+    Mistake("each rank still has its own local gradient after finish(): the reduced values never reach p.grad",
+            "after waiting, copy the reduced flat buffer back into each p.grad of its bucket", lambda m, c=0: _overlap(m, c, copy=False)),
+    Mistake("the first step matches but later steps do not: finish() keeps the last step's handles or counts",
+            "at the end of every finish(), forget the handles and reset the ready counts, so the next backward starts clean", lambda m, c=0: _overlap(m, c, clear=False)),
+    Mistake("you make one all-reduce per parameter whatever bucket_numel is",
+            "group parameters in the order their gradients arrive into buckets of at most bucket_numel elements", lambda m, c=0: _overlap(m, 0)),
+]
+# fmt: on
 OVERLAP_DDP = Exercise(
     name="overlap_ddp",
     cases=_overlap_cases,
-    oracle=v._overlap_oracle,
+    oracle=_overlap,
     run=_overlap_run,
     compare=_overlap_compare,
-    hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, "
-    "then in finish() wait, divide by the world size and copy each slice back to its gradient",
-    mistakes=[
-        _NO_FINISH,
-        _NO_CALLS,
-        _AFTER_BACKWARD,
-        _BLOCKING,
-        _WAITS_IN_HOOK,
-        Mistake(
-            "the all-reduces start only once every gradient is ready, so none overlaps with the rest of backward",
-            "launch a bucket's all-reduce from the hook of its last parameter, as soon as that gradient is accumulated",
-            variant=v._overlap_holds,
-            when=_got("late"),
-            mechanism=True,
-        ),
-        _FORWARD,
-        Mistake(
-            "the gradients were summed, not averaged",
-            "in finish(), after waiting, divide by the world size",
-            variant=v._overlap_sums,
-        ),
-        Mistake(
-            "each rank still has its own local gradient after finish(): the reduced values never reach p.grad",
-            "after waiting, copy the reduced flat buffer back into each p.grad of its bucket",
-            variant=v._overlap_no_copy,
-        ),
-        Mistake(
-            "the first step matches but later steps do not: finish() keeps the last step's handles or counts",
-            "at the end of every finish(), forget the handles and reset the ready counts, so the next backward "
-            "starts clean",
-            variant=v._overlap_never_clears,
-        ),
-        Mistake(
-            "you make one all-reduce per parameter whatever bucket_numel is",
-            "group parameters in the order their gradients arrive into buckets of at most bucket_numel elements",
-            variant=v._overlap_one_per_param,
-        ),
-        Mistake(
-            "a gradient is None after finish()",
-            "leave the averaged gradient in p.grad",
-            variant=v._overlap_none,
-            when=_got("grads0", lambda gs: any(x is None for x in gs)),
-        ),
-    ],
+    hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, then in finish() wait, divide by the world size and copy each slice back to its gradient",
+    mistakes=_OVERLAP_MISTAKES,
     refuse=_LIBRARY,
     refuse_hint="write the hooks, the buckets and finish() yourself with dist.all_reduce",
-    ranks=_WORLD_SIZES[-1],
+    ranks=3,
     timeout_s=90,
-    passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while "
-    "all-reduces were outstanding",
+    passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while all-reduces were outstanding",
 )
 OVERLAP_TRACE = Exercise(
     name="overlap_trace",
     answer=("overlap_ddp",),
     cases=_trace_cases,
-    oracle=v._overlap_oracle,
-    run=_trace_run,
+    oracle=_overlap,
+    run=_overlap_run,
     compare=_trace_compare,
     hint="all-reduce a bucket from the hook of its last parameter, in the order the hooks fire",
-    mistakes=[
-        _NO_CALLS,
-        dataclasses.replace(
-            _AFTER_BACKWARD, problem="every all-reduce in the trace starts after backward ended: no overlap"
-        ),
-        _BLOCKING,
-        _WAITS_IN_HOOK,
-        _FORWARD,
-    ],
+    mistakes=_OVERLAP_MISTAKES[1:5],
     refuse=_LIBRARY,
     ranks=2,
     timeout_s=90,
@@ -537,8 +441,7 @@ OVERLAP_TRACE = Exercise(
 )
 check_overlap_ddp = _at_world_sizes(
     OVERLAP_DDP,
-    "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and "
-    "``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.",
+    "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.",
 )
 
 
@@ -546,7 +449,7 @@ def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) 
     """Trace one step of ``overlap_ddp`` with torch.profiler on 2 processes (a 5-layer MLP) and print
     rank 0's backward, finish and all-reduce events; returns them as (name, start_us, end_us), by start."""
     if bucket_numel not in TRACE_CAPS:
-        raise CheckFailed(f"overlap_trace: the check traces bucket_numel in {TRACE_CAPS}. Try: pass one of those.")
+        fail(OVERLAP_TRACE.name, f"the check traces bucket_numel in {TRACE_CAPS}", "pass one of those")
     check(OVERLAP_TRACE, overlap_ddp)
     events = _TRACED.pop(bucket_numel, None) or []
     t0 = min((e[1] for e in events), default=0)
@@ -559,12 +462,12 @@ def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) 
 # ---------------------------------------------------------------------------- sharding
 
 
-def _shard_cases():
-    return [
-        Case((20, 4, 2, 0, 0), label="20 examples, batches of 4, 2 ranks, epoch 0"),
-        Case((20, 4, 2, 1, 0), label="20 examples, batches of 4, 2 ranks, epoch 1"),
-        Case((11, 3, 3, 2, 5), label="11 examples, batches of 3, 3 ranks, epoch 2, seed 5"),
-    ]
+def _shard(n, b, rank, world, epoch, seed, *, replicas=None, reshuffle=True, drop_last=False, whole=False, rng=False):
+    """DistributedSampler's batches; each keyword set away from its default makes one named mistake."""
+    s = DistributedSampler(range(n), num_replicas=replicas or world, rank=rank, seed=seed, drop_last=drop_last)
+    _ = s.set_epoch(epoch) if reshuffle else None
+    idx = torch.randperm(n).tolist()[rank::world] if rng else list(s)
+    return [idx] if whole else [idx[i : i + b] for i in range(0, len(idx), b)]
 
 
 def _shard_run(fn, case):
@@ -573,65 +476,47 @@ def _shard_run(fn, case):
     return per, per[0] == [[int(i) for i in b] for b in fn(n, bs, 0, world, epoch, seed)]
 
 
+def _shard_compare(got, want):
+    if got == want:
+        return None
+    if not got[1]:
+        return "gave different batches on two calls with the same arguments"
+    r = next((r for r, (g, w) in enumerate(zip(got[0], want[0])) if g != w), 0)
+    return f"gave rank {r} the batches {got[0][r]} where {want[0][r]} were expected"
+
+
+# fmt: off
+_SHARD_MISTAKES = [
+    Mistake("two calls with the same arguments gave different batches",
+            "give the sampler the seed argument instead of drawing from the global random state", lambda *a: _shard(*a, rng=True), lambda o: not o.got[1]),
+    Mistake("a batch has more than batch_size indices", "cut each rank's indices into batches of batch_size", lambda *a: _shard(*a, whole=True)),
+    Mistake("every rank got the same batches: the data is not dealt out by rank",
+            "tell DistributedSampler the world size and this rank (num_replicas, rank), so that each rank takes its own share",
+            lambda n, b, r, w, e, s: _shard(n, b, 0, w, e, s), lambda o: o.got[1] and all(g == o.got[0][0] for g in o.got[0])),
+    Mistake("the ranks share examples in the same epoch",
+            "every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank", lambda n, b, r, w, e, s: _shard(n, b, r, w, e, s + r)),
+    Mistake("together the ranks do not cover the dataset",
+            "keep the sampler's default drop_last=False, which pads the last share so every example is used", lambda *a: _shard(*a, drop_last=True)),
+    Mistake("the epochs have the same order: the data is never reshuffled",
+            "call the sampler's set_epoch with the epoch number before iterating it", lambda *a: _shard(*a, reshuffle=False)),
+]
+# fmt: on
 SHARD_BATCHES = Exercise(
     name="shard_batches",
-    cases=_shard_cases,
-    oracle=v._shard,
-    run=_shard_run,
-    compare=lambda got, want: (
-        None
-        if got == want
-        else (
-            "gave different batches on two calls with the same arguments"
-            if not got[1]
-            else f"gave rank 0 the batches {got[0][0]} where {want[0][0]} were expected"
-        )
-    ),
-    hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this "
-    "rank and the seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
-    mistakes=[
-        Mistake(
-            "two calls with the same arguments gave different batches",
-            "give the sampler the seed argument instead of drawing from the global random state",
-            variant=v._shard_global_rng,
-            when=lambda o: not o.got[1],
-        ),
-        Mistake(
-            "a batch has more than batch_size indices",
-            "cut each rank's indices into batches of batch_size",
-            variant=lambda *a: v._shard(*a, whole=True),
-        ),
-        Mistake(
-            "every rank got all the examples: the data is not sharded",
-            "tell DistributedSampler the world size and this rank (num_replicas, rank)",
-            variant=lambda *a: v._shard(*a, replicas=1) if a[2] == 0 else v._shard(a[0], a[1], 0, *a[3:], replicas=1),
-        ),
-        Mistake(
-            "every rank got the same indices",
-            "give DistributedSampler this rank's number, so each rank takes its own share",
-            variant=lambda n, b, r, w, e, s: v._shard(n, b, 0, w, e, s),
-        ),
-        Mistake(
-            "the ranks share examples in the same epoch",
-            "every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank",
-            variant=lambda n, b, r, w, e, s: v._shard(n, b, r, w, e, s + r),
-        ),
-        Mistake(
-            "together the ranks do not cover the dataset",
-            "keep the sampler's default drop_last=False, which pads the last share so every example is used",
-            variant=lambda *a: v._shard(*a, drop_last=True),
-        ),
-        Mistake(
-            "the epochs have the same order: the data is never reshuffled",
-            "call the sampler's set_epoch with the epoch number before iterating it",
-            variant=lambda *a: v._shard(*a, reshuffle=False),
-        ),
+    cases=lambda: [
+        Case((20, 4, 2, 0, 0), label="20 examples, batches of 4, 2 ranks, epoch 0"),
+        Case((20, 4, 2, 1, 0), label="20 examples, batches of 4, 2 ranks, epoch 1"),
+        Case((11, 3, 3, 2, 5), label="11 examples, batches of 3, 3 ranks, epoch 2, seed 5"),
     ],
+    oracle=_shard,
+    run=_shard_run,
+    compare=_shard_compare,
+    hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this rank and the seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
+    mistakes=_SHARD_MISTAKES,
     passed="3 cases of sizes, ranks, epochs and seeds, equal to DistributedSampler",
 )
 check_shard_batches = SHARD_BATCHES.checker(
-    "``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that "
-    "``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them."
+    "``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that ``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them."
 )
 
 # ---------------------------------------------------------------------------- rank-0 checkpoint
@@ -640,8 +525,7 @@ check_shard_batches = SHARD_BATCHES.checker(
 def _save_cases():
     out = []
     for width, epoch in ((3, 3), (5, 7)):
-        torch.manual_seed(width)
-        model = nn.Linear(width, 2)
+        model = _mlp((width, 2), "cpu", width)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model(torch.ones(1, width)).sum().backward()
         opt.step()
@@ -650,20 +534,16 @@ def _save_cases():
 
 
 def _save_run(fn, case):
+    """What rank 1 and then rank 0 wrote, and what a restart can load from it."""
     model, opt, epoch = case.args
-    replaced, real = [], os.replace
-
-    def spy(src, dst, *a, **k):
-        replaced.append(os.fspath(dst))
-        return real(src, dst, *a, **k)
-
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "ckpt.pt")
         fn(path, model, opt, epoch, 1)
         out = {"rank 1 wrote": sorted(os.listdir(d))}
-        with mock.patch("os.replace", spy), mock.patch("os.rename", spy):
+        with mock.patch("os.replace", wraps=os.replace) as moves, mock.patch("os.rename", wraps=os.rename) as renames:
             fn(path, model, opt, epoch, 0)
-        out.update(written=os.path.exists(path), atomic=path in replaced, left=sorted(set(os.listdir(d)) - {"ckpt.pt"}))
+        atomic = path in [os.fspath(c.args[1]) for c in moves.call_args_list + renames.call_args_list]
+        out.update(written=os.path.exists(path), atomic=atomic, left=sorted(set(os.listdir(d)) - {"ckpt.pt"}))
         try:
             ck = torch.load(path, weights_only=True)
         except Exception:  # noqa: BLE001
@@ -676,92 +556,46 @@ def _save_run(fn, case):
     return out
 
 
-def _save_compare(got, want):
-    for k, w in want.items():
-        if got[k] != w:
-            return f"gave {k}={got[k]!r} where {w!r} was expected"
-    return None
+def _save(path, model, optimizer, epoch, rank, /, *, every_rank=False, in_place=False, leave_tmp=False, **change):
+    """Rank 0's atomic save; each keyword away from its default (``change``: a saved key replaced, None drops it) makes a mistake."""
+    if rank != 0 and not every_rank:
+        return
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch} | change
+    tmp = path if in_place else f"{path}.tmp"
+    torch.save({k: v for k, v in state.items() if v is not None}, tmp)
+    _ = torch.save({}, f"{path}.tmp2") if leave_tmp else None
+    _ = os.replace(tmp, path) if tmp != path else None
 
 
+# fmt: off
+_SAVE_MISTAKES = [
+    Mistake("rank 1 wrote a file too", "only rank 0 saves: return first when rank is not 0", lambda *a: _save(*a, every_rank=True)),
+    Mistake("rank 0 did not write the checkpoint", "torch.save(...) to a temporary file, then os.replace it to path", lambda *a: None),
+    Mistake("the file was written in place, not atomically: a crash mid-write would leave a corrupt checkpoint",
+            "save to a temporary file in the same folder, then rename it over the target with os.replace (one step, atomic)", lambda *a: _save(*a, in_place=True)),
+    Mistake("temporary files were left behind", "os.replace moves the temporary file onto path", lambda *a: _save(*a, leave_tmp=True)),
+    Mistake("the checkpoint cannot be loaded with weights_only=True", "save state dicts and numbers, not objects", lambda *a: _save(*a, model=a[1])),
+    Mistake("the checkpoint has no 'optimizer'",
+            "save {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'epoch': epoch}", lambda *a: _save(*a, optimizer=None)),
+    Mistake("the saved weights differ from the model's", "save model.state_dict()",
+            lambda *a: _save(*a, model={k: 0 * t for k, t in a[1].state_dict().items()})),
+    Mistake("the optimizer state (momentum) is missing", "save optimizer.state_dict(), not its param_groups",
+            lambda *a: _save(*a, optimizer={"param_groups": a[2].state_dict()["param_groups"]})),
+    Mistake("the epoch saved is not the one given", "store the epoch argument as given", lambda p, m, o, e, r: _save(p, m, o, e + 1, r)),
+]
+# fmt: on
 SAVE_ON_RANK0 = Exercise(
     name="save_on_rank0",
     cases=_save_cases,
-    oracle=v._save,
+    oracle=_save,
     run=_save_run,
-    compare=_save_compare,
-    hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then "
-    "os.replace it onto path",
-    mistakes=[
-        Mistake(
-            "rank 1 wrote a file too",
-            "only rank 0 saves: return first when rank is not 0",
-            variant=lambda *a: v._save(*a, every_rank=True),
-        ),
-        Mistake(
-            "rank 0 did not write the checkpoint",
-            "torch.save(...) to a temporary file, then os.replace it to path",
-            variant=lambda *a: None,
-        ),
-        Mistake(
-            "the file was written in place, not atomically: a crash mid-write would leave a corrupt checkpoint",
-            "save to a temporary file in the same folder, then rename it over the target with os.replace "
-            "(one step, atomic)",
-            variant=lambda *a: v._save(*a, in_place=True),
-        ),
-        Mistake(
-            "temporary files were left behind",
-            "os.replace moves the temporary file onto path",
-            variant=lambda *a: v._save(*a, leave_tmp=True),
-        ),
-        Mistake(
-            "the checkpoint cannot be loaded with weights_only=True",
-            "save state dicts and numbers, not objects",
-            variant=lambda p, m, o, e, r: v._save(
-                p, m, o, e, r, state={"model": m, "optimizer": o.state_dict(), "epoch": e}
-            ),
-        ),
-        Mistake(
-            "the checkpoint has no 'optimizer'",
-            "save {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'epoch': epoch}",
-            variant=lambda p, m, o, e, r: v._save(p, m, o, e, r, state={"model": m.state_dict(), "epoch": e}),
-        ),
-        Mistake(
-            "the saved weights differ from the model's",
-            "save model.state_dict()",
-            variant=lambda p, m, o, e, r: v._save(
-                p,
-                m,
-                o,
-                e,
-                r,
-                state={"model": {k: 0 * v for k, v in m.state_dict().items()}, "optimizer": o.state_dict(), "epoch": e},
-            ),
-        ),
-        Mistake(
-            "the optimizer state (momentum) is missing",
-            "save optimizer.state_dict(), not its param_groups",
-            variant=lambda p, m, o, e, r: v._save(
-                p,
-                m,
-                o,
-                e,
-                r,
-                state={
-                    "model": m.state_dict(),
-                    "optimizer": {"param_groups": o.state_dict()["param_groups"]},
-                    "epoch": e,
-                },
-            ),
-        ),
-        Mistake(
-            "the epoch saved is not the one given",
-            "store the epoch argument as given",
-            variant=lambda p, m, o, e, r: v._save(p, m, o, e + 1, r),
-        ),
-    ],
+    compare=lambda got, want: next(
+        (f"gave {k}={got[k]!r} where {w!r} was expected" for k, w in want.items() if got[k] != w), None
+    ),
+    hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then os.replace it onto path",
+    mistakes=_SAVE_MISTAKES,
     passed="2 models and epochs: rank 0 alone writes, atomically, everything a restart needs",
 )
 check_save_on_rank0 = SAVE_ON_RANK0.checker(
-    "``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch "
-    "to ``path`` atomically (a temporary file, then os.replace)."
+    "``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch to ``path`` atomically (a temporary file, then os.replace)."
 )

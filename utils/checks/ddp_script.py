@@ -1,8 +1,9 @@
 """Lab 3's torchrun script exercise (solutions/lab3_ddp.ipynb). The answer is a script FILE, run under
 torchrun on the CPU (gloo) on 2 and on 3 processes with different command lines; rank 0's saved
 weights are compared with one process on the same global batches (the serial script, simulated).
-Each rank runs it from :func:`_probe`, which records what the rank did. A CPU run never takes the
-script's GPU branch (``set_device``, NCCL): that branch is not checked."""
+Each rank runs it from :func:`_probe`, which records what the rank did; the named mistakes are
+recognised from those records and from the weights. A CPU run never takes the script's GPU
+branch (``set_device``, NCCL): that branch is not checked."""
 
 from __future__ import annotations
 
@@ -78,10 +79,8 @@ if __name__ == "__main__":
 
 
 def _simulate(nproc=1, epochs=3, batch_size=32, lr=0.1, seed=0, *, reshuffle=True, divide=True):
-    """The serial script's training as ``nproc`` DDP ranks do it, from the script's arguments: one
-    shuffle per epoch (seeded ``seed + epoch``; epoch 0's every epoch unless ``reshuffle``), padded
-    and dealt out as DistributedSampler does, ``batch_size // nproc`` examples per rank and step
-    (``batch_size`` unless ``divide``), gradients averaged over the ranks. Returns the state dict."""
+    """The serial script's training as ``nproc`` DDP ranks do it (DistributedSampler's shards, ``batch_size //
+    nproc`` examples per rank and step, gradients averaged), or with one named mistake. Returns the state dict."""
     ns = {"__name__": "lab3_serial"}
     exec(compile(SERIAL_SCRIPT, "train_serial.py", "exec"), ns)
     (x, y), model = ns["make_data"]().tensors, ns["make_model"]()
@@ -91,9 +90,8 @@ def _simulate(nproc=1, epochs=3, batch_size=32, lr=0.1, seed=0, *, reshuffle=Tru
         shards = [torch.cat([order, order[: -len(x) % nproc]])[r::nproc] for r in range(nproc)]
         for i in range(0, len(shards[0]), b):
             opt.zero_grad()
-            sum(torch.nn.functional.cross_entropy(model(x[s[i : i + b]]), y[s[i : i + b]]) for s in shards).div(
-                nproc
-            ).backward()
+            losses = [torch.nn.functional.cross_entropy(model(x[s[i : i + b]]), y[s[i : i + b]]) for s in shards]
+            (sum(losses) / nproc).backward()
             opt.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -152,22 +150,17 @@ def _probe(script: str, *args: str) -> None:
             json.dump(rec, f)
 
 
-# Errors a rank raises because ANOTHER rank died: never the first failure.
-_PEER_ERRORS = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "Broken pipe")
-
-
-def _first_failure(recs: list) -> tuple[int, str] | None:
-    """The rank that failed first and its traceback: the lowest rank whose error is its own, not a
-    lost connection to a rank that crashed."""
-    errors = {r["rank"]: r["error"] for r in recs if r and r["error"]}
-    own = {k: tb for k, tb in errors.items() if not any(p in tb.splitlines()[-1] for p in _PEER_ERRORS)} or errors
-    return (min(own), own[min(own)]) if own else None
+def _read(path: str, load=json.load):
+    try:
+        with open(path, "rb") as f:
+            return load(f)
+    except Exception:  # no file, or a torn one
+        return None
 
 
 class Script:
-    """A script as the exercise's answer. The engine takes callables: this one, called with a case,
-    runs the file (or ``text``, written to one) under torchrun and returns rank 0's checkpoint and
-    each rank's record. Its module is ``__main__``, as the student's own code."""
+    """A script as the exercise's answer: called with a case, it runs the file (or ``text``, written to one)
+    under torchrun and returns rank 0's checkpoint and each rank's record. Its module is ``__main__``."""
 
     def __init__(self, path: str | os.PathLike = "", text: str = ""):
         self.path, self.text, self.__module__ = str(path), text, "__main__"
@@ -182,29 +175,50 @@ class Script:
                     f.write(self.text)
             env = dict(os.environ, LAB3_PROBE_DIR=d, CUDA_VISIBLE_DEVICES="", PYTHONPATH=_ROOT)
             argv = [s for k, v in args.items() for s in (f"--{k.replace('_', '-')}", v)] + ["--ckpt", ckpt]
+            argv = ["--nproc-per-node", nproc, *_PROBE, path, *argv]
             got = dict(run=f"!python -m torch.distributed.run --nproc-per-node 2 {path}", hung=False, failed=False)
             try:
-                proc = parallel.torchrun(
-                    ["--nproc-per-node", nproc, *_PROBE, path, *argv], timeout=SCRIPT_TIMEOUT, env=env
-                )
+                proc = parallel.torchrun(argv, timeout=SCRIPT_TIMEOUT, env=env)
             except subprocess.TimeoutExpired:
                 return got | {"hung": True}
-            got["out"], got["recs"] = proc.stdout or "", [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]
-            left = all(r and r["left"] for r in got["recs"])  # gloo may abort at exit after that: no failure
-            got["failed"] = proc.returncode != 0 and not (left and parallel.GLOO_EXIT_ABORT in got["out"])
-            got["first"] = _first_failure(got["recs"]) if got["failed"] else None
+            recs = [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]
+            got.update(out=proc.stdout or "", recs=recs, failed=proc.returncode != 0, first=None)
+            # the first failure is the lowest rank whose error is its own, not a lost connection to a rank that crashed
+            errors = {r["rank"]: r["error"] for r in recs if r and r["error"]} if got["failed"] else {}
+            own = {k: tb for k, tb in errors.items() if not any(p in tb.splitlines()[-1] for p in _PEER_ERRORS)}
+            if own or errors:
+                got["first"] = min((own or errors).items())
             if got["first"] and got["first"][1].splitlines()[-1].startswith("NotImplementedError"):
                 raise NotImplementedError
             ck = _read(ckpt, torch.load)
         return got | {"weights": ck.get("model", ck) if isinstance(ck, dict) else None}
 
 
-def _read(path: str, load=json.load):
-    try:
-        with open(path, "rb") as f:
-            return load(f)
-    except Exception:  # no file, or a torn one
-        return None
+# Errors a rank raises because ANOTHER rank died: never the first failure.
+_PEER_ERRORS = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "Broken pipe")
+
+
+def _compare(got: dict, want: dict) -> str | None:
+    """How rank 0's weights differ from the oracle's; a run that crashed fails here, with the
+    traceback of the rank that failed first (no named mistake matched it)."""
+    if got["failed"]:
+        r, tb = got["first"] or ("", got["out"][-3000:])
+        who, shown = (f"rank {r} failed first", f"Traceback from rank {r}") if r != "" else ("a rank failed", "Output")
+        hint = f"read the traceback below (its last line in your script is where it failed), then run the script yourself: {got['run']}"
+        text = message(SCRIPT.name, f"{who}, with {tb.strip().splitlines()[-1]}", hint)
+        raise CheckFailed(f"{text}\n\n{shown}:\n{tb}")
+    if set(got["weights"] or ()) != set(want["weights"]):
+        return "saved a checkpoint whose weights are named differently from the serial model's"
+    if difference(got["weights"], want["weights"], 1e-4, 1e-5):
+        return "saved weights on rank 0 that differ from one process's on the same global batches"
+    return None
+
+
+def _cases() -> list:
+    """2 and 3 processes, each with its own command line: a script that ignores it fails one."""
+    cases = [dict(epochs=2, batch_size=32, lr=0.1, seed=3), dict(epochs=3, batch_size=48, lr=0.05, seed=5)]
+    flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in c.items()) for c in cases]
+    return [Case(kwargs=dict(nproc=n, **c), label=f"{n} processes with {f}") for n, c, f in zip((2, 3), cases, flags)]
 
 
 def _variant(**edit) -> Script:
@@ -214,14 +228,10 @@ def _variant(**edit) -> Script:
     p |= dict(sampler="DistributedSampler(data, world, rank, seed=args.seed)", epoch="sampler.set_epoch(epoch)")
     p |= dict(saver="rank == 0", inner="model.module", leave="dist.barrier(); dist.destroy_process_group()") | edit
     text = SERIAL_SCRIPT
+    # fmt: off
     for old, new in (
-        ("import argparse\n", "import argparse\nimport torch.distributed as dist\n"),
-        ("import argparse\n", "import argparse\nfrom torch.nn.parallel import DistributedDataParallel as DDP\n"),
-        ("import argparse\n", "import argparse\nfrom torch.utils.data import DistributedSampler\n"),
-        (
-            "    data = make_data()\n",
-            f"    {p['init']}\n    rank, world = map(int, (os.environ['RANK'], os.environ['WORLD_SIZE']))\n",
-        ),
+        ("import argparse\n", "import argparse\nimport torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel as DDP\nfrom torch.utils.data import DistributedSampler\n"),
+        ("    data = make_data()\n", f"    {p['init']}\n    rank, world = map(int, (os.environ['RANK'], os.environ['WORLD_SIZE']))\n"),
         ("    model = make_model()\n", f"    data, model = make_data(), ({p['wrap']})(make_model())\n"),
         ("momentum=0.9)\n", f"momentum=0.9)\n    sampler = {p['sampler']}\n"),
         ("batch_size=args.batch_size,", f"batch_size={p['batch']},"),
@@ -230,6 +240,7 @@ def _variant(**edit) -> Script:
         ('accuracy {acc:.3f}")\n', f'accuracy {{acc:.3f}}")\n    {p["leave"]}\n'),
     ):
         text = text.replace(old, new, 1)
+    # fmt: on
     return Script(text=text)
 
 
@@ -247,142 +258,52 @@ def _matches(**change):
     return lambda o: difference(o.got["weights"], _simulate(**o.case.kwargs | change), 1e-4, 1e-5) is None
 
 
-def _compare(got: dict, want: dict) -> str | None:
-    """How rank 0's weights differ from the oracle's; a run that crashed fails here, with the
-    traceback of the rank that failed first (no named mistake matched it)."""
-    if got["failed"]:
-        r, tb = got["first"] or ("", got["out"][-3000:])
-        who, shown = (f"rank {r} failed first", f"Traceback from rank {r}") if r != "" else ("a rank failed", "Output")
-        hint = "read the traceback below (its last line in your script is where it failed), then run the script "
-        text = message(SCRIPT.name, f"{who}, with {tb.strip().splitlines()[-1]}", f"{hint}yourself: {got['run']}")
-        raise CheckFailed(f"{text}\n\n{shown}:\n{tb}")
-    if set(got["weights"] or ()) != set(want["weights"]):
-        return "saved a checkpoint whose weights are named differently from the serial model's"
-    if difference(got["weights"], want["weights"], 1e-4, 1e-5):
-        return "saved weights on rank 0 that differ from one process's on the same global batches"
-    return None
-
-
-def _cases() -> list:
-    """2 and 3 processes, each with its own command line: a script that ignores it fails one."""
-    cases = [dict(epochs=2, batch_size=32, lr=0.1, seed=3), dict(epochs=3, batch_size=48, lr=0.05, seed=5)]
-    flags = [" ".join(f"--{k.replace('_', '-')} {v}" for k, v in c.items()) for c in cases]
-    return [Case(kwargs=dict(nproc=n, **c), label=f"{n} processes with {f}") for n, c, f in zip((2, 3), cases, flags)]
-
-
-def _mistake(problem, hint, edit, when, mechanism=True) -> Mistake:
-    return Mistake(problem, hint, variant=_variant(**edit), when=when, replay=False, mechanism=mechanism)
-
-
-_HANG = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=int(os.environ["RANK"]), '
-_HANG += "world_size=int(os.environ['WORLD_SIZE']))"  # under torchrun nobody serves that address: the ranks wait
-_MISTAKES = [  # problem, hint, the variant's edit of the right script, how the run shows it
-    (
-        "your script imports the course's utils package, which a job on a cluster does not have",
-        "write it with torch.distributed and torch.nn.parallel only",
-        {"init": "import utils.ddp_train"},
-        _crashed_with("No module named 'utils'"),
-    ),
-    (
-        "DistributedDataParallel got device_ids for a model on the CPU",
-        "pass device_ids only when the model is on a GPU",
-        {"wrap": "lambda m: DDP(m, device_ids=[rank])"},
-        _crashed_with("device_ids"),
-    ),
-    (
-        "a rank used torch.distributed before joining the process group",
-        "join the group first, calling "
-        "init_process_group with the backend alone: torchrun's environment variables give the rest",
-        {"init": "pass"},
-        _crashed_with("has not been initialized"),
-    ),
-    (
-        "the script hung under torchrun: either the ranks never met, because the group was not joined from the "
-        "environment (an address, port, rank or world size written in the script), or some ranks wait in a collective "
-        "that the others never reach",
-        "join with init_process_group given the backend alone, and make every rank call "
-        "every collective (a barrier, the backward of DDP) the same number of times",
-        {"init": _HANG},
-        lambda o: o.got["hung"],
-    ),
-    (
-        "the script never joins the process group, so every process trained alone",
-        "call init_process_group with the backend (gloo on the CPU, nccl on GPUs) at the start of main",
-        {"init": "pass", "wrap": "lambda m: m", "inner": "model", "leave": "pass"},
-        lambda o: _ran(o) and not any(r["init"] for r in _ran(o)),
-    ),
-    (
-        "the model is never wrapped in DistributedDataParallel, so the gradients are not averaged and the ranks drift "
-        "apart",
-        "wrap the model in DistributedDataParallel once it is on its device",
-        {"wrap": "lambda m: m", "inner": "model"},
-        lambda o: any(not r["ddp"] for r in _ran(o)),
-    ),
-    (
-        "every rank trained on the whole dataset every epoch: the loader it iterates deals out no shards, so the "
-        "processes repeat each other's work instead of sharing it",
-        "give that DataLoader a DistributedSampler with "
-        "the script's seed in place of its own order, and batch_size // world_size examples per rank",
-        {"feed": "order.tolist()", "batch": "args.batch_size"},
-        lambda o: any(r["examples"] >= 512 * o.case.kwargs["epochs"] for r in _ran(o)),
-    ),
-    (
-        "a rank other than 0 saved a checkpoint too, so several processes wrote the same file at once",
-        "save on rank 0 only",
-        {"saver": "True"},
-        lambda o: any(r["saves"] for r in _ran(o)[1:]),
-    ),
-    (
-        "rank 0 wrote no checkpoint at the path that --ckpt gives",
-        "save the checkpoint to args.ckpt on rank 0, as the serial script does",
-        {"saver": "False"},
-        lambda o: _ran(o) and o.got["weights"] is None,
-    ),
-    (
-        "the saved weights' names start with 'module.', so you saved the DDP wrapper",
-        "save the state dict of the "
-        "model inside DDP (its module attribute), so that the file loads into the serial model",
-        {"inner": "model"},
-        lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"]),
-    ),
-    (
-        "the script never leaves the process group",
-        "call destroy_process_group at the end of main, on every rank, after a barrier",
-        {"leave": "dist.barrier()"},
-        lambda o: any(r["init"] and not r["left"] for r in _ran(o)),
-    ),
-    (
-        "every epoch used the same order of examples, because the sampler was never told the epoch",
-        "call the sampler's set_epoch with the epoch number at the start of every epoch, on every rank",
-        {"epoch": "pass"},
-        _matches(reshuffle=False),
-        False,
-    ),
-    (
-        "the shuffle ignores --seed: it is that of seed 0, the default of DistributedSampler",
-        "pass the script's seed to the DistributedSampler",
-        {"sampler": "DistributedSampler(data, world, rank)"},
-        _matches(seed=0),
-        False,
-    ),
-    (
-        "each rank took --batch-size examples per step, so the global batch grew with the number of processes",
-        "--batch-size is the global batch: give each rank batch_size // world_size examples per step",
-        {"batch": "args.batch_size"},
-        _matches(divide=False),
-        False,
-    ),
+# under torchrun nobody serves that address: the ranks wait
+_HANG = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))'
+# One row per named mistake: its problem; its hint, the variant's edit of the right script, how the
+# run shows it, and whether that is looked for on every case (a run can be right for a wrong reason).
+# fmt: off
+_MISTAKES = [
+    ("your script imports the course's utils package, which a job on a cluster does not have",
+     "write it with torch.distributed and torch.nn.parallel only", {"init": "import utils.ddp_train"}, _crashed_with("No module named 'utils'"), True),
+    ("DistributedDataParallel got device_ids for a model on the CPU",
+     "pass device_ids only when the model is on a GPU", {"wrap": "lambda m: DDP(m, device_ids=[rank])"}, _crashed_with("device_ids"), True),
+    ("the script does not join the process group (init_process_group) before it uses torch.distributed or trains",
+     "call init_process_group with the backend alone (gloo on the CPU, nccl on GPUs) at the start of main: torchrun's environment variables give the rest",
+     {"init": "pass"}, lambda o: _crashed_with("has not been initialized")(o) or (_ran(o) and not any(r["init"] for r in _ran(o))), True),
+    ("the script hung under torchrun: either the ranks never met, because the group was not joined from the environment (an address, port, rank or world size written in the script), or some ranks wait in a collective that the others never reach",
+     "join with init_process_group given the backend alone, and make every rank call every collective (a barrier, the backward of DDP) the same number of times", {"init": _HANG}, lambda o: o.got["hung"], True),
+    ("the model is never wrapped in DistributedDataParallel, so the gradients are not averaged and the ranks drift apart",
+     "wrap the model in DistributedDataParallel once it is on its device", {"wrap": "lambda m: m", "inner": "model"}, lambda o: any(not r["ddp"] for r in _ran(o)), True),
+    ("every rank trained on the whole dataset every epoch: the loader it iterates deals out no shards, so the processes repeat each other's work instead of sharing it",
+     "give that DataLoader a DistributedSampler with the script's seed in place of its own order, and batch_size // world_size examples per rank",
+     {"feed": "order.tolist()", "batch": "args.batch_size"}, lambda o: any(r["examples"] >= 512 * o.case.kwargs["epochs"] for r in _ran(o)), True),
+    ("a rank other than 0 saved a checkpoint too, so several processes wrote the same file at once",
+     "save on rank 0 only", {"saver": "True"}, lambda o: any(r["saves"] for r in _ran(o)[1:]), True),
+    ("rank 0 wrote no checkpoint at the path that --ckpt gives",
+     "save the checkpoint to args.ckpt on rank 0, as the serial script does", {"saver": "False"}, lambda o: _ran(o) and o.got["weights"] is None, True),
+    ("the saved weights' names start with 'module.', so you saved the DDP wrapper",
+     "save the state dict of the model inside DDP (its module attribute), so that the file loads into the serial model",
+     {"inner": "model"}, lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"]), True),
+    ("the script never leaves the process group",
+     "call destroy_process_group at the end of main, on every rank, after a barrier", {"leave": "dist.barrier()"}, lambda o: any(r["init"] and not r["left"] for r in _ran(o)), True),
+    ("every epoch used the same order of examples, because the sampler was never told the epoch",
+     "call the sampler's set_epoch with the epoch number at the start of every epoch, on every rank", {"epoch": "pass"}, _matches(reshuffle=False), False),
+    ("the shuffle ignores --seed: it is that of seed 0, the default of DistributedSampler",
+     "pass the script's seed to the DistributedSampler", {"sampler": "DistributedSampler(data, world, rank)"}, _matches(seed=0), False),
+    ("each rank took --batch-size examples per step, so the global batch grew with the number of processes",
+     "--batch-size is the global batch: give each rank batch_size // world_size examples per step", {"batch": "args.batch_size"}, _matches(divide=False), False),
 ]
+# fmt: on
 SCRIPT = Exercise(
     name="ddp_script",
     cases=_cases,
     oracle=lambda **case: {"weights": _simulate(**case)},
     compare=_compare,
     timeout_s=SCRIPT_TIMEOUT + 120,
-    hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a "
-    "DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
+    hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
     passed="rank 0's weights match one process on the same global batches, on 2 and on 3 CPU processes",
-    mistakes=[_mistake(*m) for m in _MISTAKES],
+    mistakes=[Mistake(p, h, _variant(**edit), when, mechanism=m) for p, h, edit, when, m in _MISTAKES],
 )
 
 
