@@ -296,8 +296,9 @@ def fake_nccl_rank_worker(*args):
 
 _real_rank_worker = engine._rank_worker
 # The fake GPU cannot run scaled_dot_product_attention's CPU decomposition: it makes its causal mask as a plain
-# CPU tensor beside the fake-GPU ones. On a real GPU, make gpu-check runs this exercise on its solution.
-_FAKE_CANNOT = {"sp_block": "SDPA's CPU decomposition mixes a CPU mask with fake-GPU tensors"}
+# CPU tensor beside the fake-GPU ones. On a real GPU, make gpu-check runs these exercises on their solutions.
+_SDPA = "SDPA's CPU decomposition mixes a CPU mask with fake-GPU tensors"
+_FAKE_CANNOT = {"tp_block": _SDPA, "sp_block": _SDPA}
 RANKED = [
     pytest.param(ex, marks=pytest.mark.xfail(strict=True, reason=_FAKE_CANNOT[ex.name]))
     if ex.name in _FAKE_CANNOT
