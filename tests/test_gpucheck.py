@@ -587,13 +587,16 @@ def test_lab_exercises_on_ranks_hand_every_rank_run_check_the_solutions_answer(t
         "overlap_ddp": ("overlap_ddp",),
         "overlap_trace": ("overlap_ddp",),
         "zero2": ("zero2_optimizer", "zero2_step"),
-    }, "lab 3's and lab 5's exercises that run on ranks"
+        "tp_operators": ("CopyToTP", "ReduceFromTP"),
+        "tp_block": ("TPBlock",),
+        "sp_block": ("SPBlock",),
+    }, "lab 3's, lab 5's and lab 7's exercises that run on ranks"
     seen = {}
     for name in names:
         monkeypatch.setattr(checks, f"check_{name}", lambda *a, _n=name: seen.setdefault(_n, a))
     ctx = gpucheck.Context(tmp_path, "cpu", "smoke", CPU_INFO)
     detail = gpucheck.check_lab_exercises_on_ranks(ctx)
-    assert set(seen) == set(names) and "5 solutions pass" in detail
+    assert set(seen) == set(names) and "8 solutions pass" in detail
     for name, answer in seen.items():
         assert [f.__name__ for f in answer] == list(names[name]) and all(f.__module__ == "__main__" for f in answer)
 

@@ -43,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import nbformat
 
@@ -230,7 +231,7 @@ def solution_namespace(lab: str) -> dict:
     return ns
 
 
-def solution_answer(ex, lab: str | None = None) -> tuple:
+def solution_answer(ex: Any, lab: str | None = None) -> tuple:
     """What the solution notebook hands to the check of ``ex`` (a ``utils.checks.engine.Exercise``): the objects
     named in ``ex.answer``, from ``solutions/<lab>.ipynb`` (default: the ``LAB`` of the module that holds the spec)."""
     ns = solution_namespace(lab or sys.modules[ex.module].LAB)  # the spec's module, imported when ex was made

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import types
+from typing import NoReturn
 
 
 class CheckFailed(AssertionError):
@@ -49,7 +50,7 @@ def message(name: str, problem: str, hint: str) -> str:
     return f"{name}: {problem.strip().rstrip('.')}. Try: {hint.strip().rstrip('.')}."
 
 
-def fail(name: str, problem: str, hint: str):
+def fail(name: str, problem: str, hint: str) -> NoReturn:
     raise CheckFailed(message(name, problem, hint)) from None
 
 

@@ -109,7 +109,7 @@ class Exercise:
         check_fn.__module__ = "utils.checks"
         return check_fn
 
-    def differs(self, got, want) -> str | None:
+    def differs(self, got: Any, want: Any) -> str | None:
         return self.compare(got, want) if self.compare else difference(got, want, self.rtol, self.atol)
 
 

@@ -4,6 +4,7 @@ the tests), GPipe's micro-batch loop (against one full-batch step). A mistake is
 variant that makes it and, when its output is no fingerprint, how it is recognised."""
 
 from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -252,7 +253,7 @@ ZERO2 = Exercise(
 _SEEN: list = []  # what the answer measured, case by case (the compare sees it): check_zero2 hands back the last
 
 
-def check_zero2(zero2_optimizer, zero2_step) -> dict:
+def check_zero2(zero2_optimizer: Callable, zero2_step: Callable) -> dict:
     """ZeRO-2 by hand (Rajbhandari et al. 2019, arXiv 1910.02054) on 2 processes against one process's torch.optim;
     returns what it measured on the 57-parameter MLP with Adam."""
     _SEEN.clear()

@@ -10,6 +10,7 @@ import functools
 import inspect
 import linecache
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -60,7 +61,7 @@ def _class_globals(cls):
 
 
 @contextlib.contextmanager
-def notebook_classes():
+def notebook_classes() -> Iterator[None]:
     """While inside, ``inspect.getsource`` finds a class defined in a notebook cell (or an exec'd file), and
     ``inspect.getmodule`` gives such a class the namespace its methods were defined in."""
     real, real_module = inspect.getsource, inspect.getmodule
