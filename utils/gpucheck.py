@@ -16,12 +16,12 @@ torch), then runs the checks one by one in this order, the riskiest first:
    ranks sharing one GPU, gloo ranks on the CPU, a bit-identical resume (after ``datasets``,
    which takes milliseconds);
 2. "lab exercises on ranks": every lab self-check that runs on spawned ranks (``Exercise.ranks``:
-   lab 3's and lab 5's) on the solution notebook's answer (``engine.solution_answer``); the engine
+   labs 3, 5 and 7) on the solution notebook's answer (``engine.solution_answer``); the engine
    uses NCCL where every rank can have its own GPU;
 3. notebooks 05 and 03 (FSDP2, tensor and pipeline parallel, DDP demos on GPU ranks);
 4. the bf16 and fp16 AMP steps and the NVML monitor;
 5. the grader on the reference solution, then the benchmarks;
-6. the other notebooks: lab 3's and lab 5's solutions (they launch ranks and torchrun), the other
+6. the other notebooks: the solutions of labs 3, 5 and 7 (they launch ranks and torchrun), the other
    demos, the other solutions.
 
 Each result goes to ``OUT/report.json``::
@@ -1009,7 +1009,7 @@ def choose_profile(n_gpus: int, missing: Sequence[str], env: Mapping[str, str] |
 # Notebooks that run right after the multi-rank checks (FSDP2, tensor and pipeline parallel, DDP on
 # GPU ranks), and the solutions that lead the remaining notebooks (they launch ranks and torchrun).
 RANK_NOTEBOOKS = ("notebooks/05_", "notebooks/03_")
-RANK_SOLUTIONS = ("solutions/lab3_", "solutions/lab5_")
+RANK_SOLUTIONS = ("solutions/lab3_", "solutions/lab5_", "solutions/lab7_")
 
 
 def ordered_notebooks(paths: Sequence[Path]) -> tuple[list[Path], list[Path]]:
@@ -1039,8 +1039,8 @@ def all_checks() -> list[Check]:
         Check(
             "lab exercises on ranks",
             check_lab_exercises_on_ranks,
-            "labs 3 and 5: every rank-run self-check passes the solution's answer",
-            90,  # a guess: 7 launches of 2 or 3 ranks, each about the ring's 13 s; 200 s on 2 busy CPU cores
+            "labs 3, 5 and 7: every rank-run self-check passes the solution's answer",
+            120,  # a guess: 10 launches of 2 or 3 ranks, each about the ring's 13 s; 200 s on 2 busy CPU cores
         ),
         *[_notebook_check(p) for p in first],
         Check("amp bf16 step", check_amp_bf16, "bf16 autocast trains (native bf16 only)", 2),
