@@ -447,6 +447,10 @@ class UUIDNVML:
     ],
 )
 def test_monitor_maps_cuda_devices_to_nvml(monkeypatch, cvd, want):
+    # A process that has not initialised CUDA: the variable alone decides (on a GPU machine an
+    # earlier test has initialised it, and the real device's UUID is not one of the fake's).
+    monkeypatch.setattr(monitor, "_torch_uuid", lambda i: None)
+    monkeypatch.setattr(monitor, "_torch_count", lambda: 0)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", cvd)
     got = [d["nvml"] for d in monitor.cuda_to_nvml(UUIDNVML())]
     assert got == want

@@ -171,6 +171,7 @@ def make_profiler(
         on_trace_ready=torch.profiler.tensorboard_trace_handler(os.fspath(trace_dir), worker_name=worker_name),
         record_shapes=record_shapes,
         with_stack=with_stack,
+        acc_events=True,  # one cycle (repeat=1): keeping its events changes nothing, and torch stops warning
     )
 
 
