@@ -23,13 +23,6 @@ test_ranked_placeholder = pytest.mark.extended(pytest.mark.slow(_ranked[2]))
 test_ranked_solution, test_replayed_mistake = map(pytest.mark.slow, harness.replayed_tests_for(LAB, ON_RANKS))
 
 
-@pytest.fixture(autouse=True)
-def _classes_as_in_a_notebook():
-    """The checks the lab calls read a class answer's source and names as a notebook's; the engine's own here too."""
-    with tr.notebook_classes():
-        yield
-
-
 @pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.parametrize("mistake", [m for m in tr.SP_BLOCK.mistakes if m.when], ids=lambda m: m.problem[:40])
@@ -45,7 +38,9 @@ def test_a_class_defined_in_a_cell_is_found_from_its_methods():
     linecache.cache[name] = (len(cell), None, cell.splitlines(keepends=True), name)
     ns = {"__name__": "__main__", "torch": torch}
     exec(compile(cell, name, "exec"), ns)
-    assert tr._class_source(ns["Twice"]) == cell[cell.index("class") :]
+    assert engine.getsource(ns["Twice"]) == cell[cell.index("class") :]
+    shipped = engine.ship("twice", (ns["Twice"],))  # what a rank defines again: the class and the names it reads
+    assert shipped.sources == [("Twice", cell[cell.index("class") :])] and shipped.answer == ("Twice",)
 
 
 NAMES = {"shards.qkv_weight": "attn.qkv.weight", "shards.qkv_bias": "attn.qkv.bias", "shards.fc_weight": "mlp.fc.weight",

@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import linecache
 import math
 import pkgutil
 import re
@@ -213,7 +214,8 @@ def _functions(obj) -> list:
     """A function itself, or a class's methods (their globals are the notebook's); nothing of other callables."""
     if hasattr(obj, "__code__"):
         return [obj]
-    return [v for v in vars(obj).values() if hasattr(v, "__code__")] if inspect.isclass(obj) else []
+    methods = [getattr(v, "__func__", v) for v in vars(obj).values()] if inspect.isclass(obj) else []
+    return [m for m in methods if hasattr(m, "__code__")]
 
 
 def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
@@ -283,10 +285,39 @@ def _strip(source: str) -> str:
     return ast.unparse(tree)
 
 
+def _class_source(cls) -> str:
+    """A notebook class's source, read from the cell of its methods: before Python 3.13 ``inspect`` looks for a
+    class only in its module's file, which a notebook's ``__main__`` does not have."""
+    for fn in _functions(cls):
+        text = "".join(linecache.getlines(fn.__code__.co_filename))
+        for node in ast.walk(ast.parse(text)) if text else ():
+            if isinstance(node, ast.ClassDef) and node.name == cls.__name__ and node.lineno <= fn.__code__.co_firstlineno <= node.end_lineno:  # fmt: skip
+                start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+                return "".join(text.splitlines(keepends=True)[start - 1 : node.end_lineno])
+    raise OSError(f"no source for {cls.__name__}")
+
+
+def getsource(obj) -> str:
+    """``inspect.getsource``, which also finds a class defined in a notebook cell (or an exec'd file)."""
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        if inspect.isclass(obj):
+            return _class_source(obj)
+        raise
+
+
+def _globals(obj) -> dict:
+    """The names ``obj`` sees: a function's globals, a class's methods' (a notebook's namespace), else its module's."""
+    for fn in _functions(obj):
+        return fn.__globals__
+    return vars(inspect.getmodule(obj) or types.ModuleType("x"))
+
+
 def _source(answer: Sequence) -> str:
     """The answer's code as ``Outcome.source`` holds it ("" when it cannot be read)."""
     try:
-        return "\n".join(_strip(textwrap.dedent(inspect.getsource(a))) for a in answer)
+        return "\n".join(_strip(textwrap.dedent(getsource(a))) for a in answer)
     except (OSError, TypeError):
         return ""
 
@@ -333,7 +364,7 @@ def ship(name: str, answer: tuple) -> Shipment:
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        glb = getattr(obj, "__globals__", None) or vars(inspect.getmodule(obj) or types.ModuleType("x"))
+        glb = _globals(obj)
         for n in sorted(set().union(*(_code_names(f.__code__) for f in _functions(obj)))):
             if n not in glb:
                 continue
@@ -347,7 +378,7 @@ def ship(name: str, answer: tuple) -> Shipment:
             elif getattr(v, "__module__", None) and hasattr(v, "__name__"):
                 imports[n] = (v.__module__, v.__name__)
         try:
-            sources.append((obj.__name__, textwrap.dedent(inspect.getsource(obj))))
+            sources.append((obj.__name__, textwrap.dedent(getsource(obj))))
         except (OSError, TypeError):
             what = getattr(obj, "__name__", obj)
             hint = "define it with `def` (or `class`) in a notebook cell, run that cell, then this one"

@@ -3,14 +3,7 @@ and g operators, one transformer block's weights split over ranks, its tensor-pa
 the same with sequence parallelism, each against one process. The known-wrong answers are small variants of the
 reference ones here, one keyword per mistake."""
 
-import ast
-import contextlib
 import copy
-import functools
-import inspect
-import linecache
-import types
-from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -33,69 +26,6 @@ REFUSE = (
 REFUSE_HINT = (
     "write the collectives yourself with torch.distributed (all_reduce, all_gather_into_tensor, reduce_scatter_tensor)"
 )
-
-
-# ---------------------------------------------------------------------------- classes defined in a notebook
-def _class_source(cls) -> str:
-    """A notebook class's source, read from the cell of its methods: before Python 3.13 ``inspect`` looks for a
-    class only in its module's file, which a notebook's ``__main__`` does not have."""
-    for value in vars(cls).values():
-        code = getattr(getattr(value, "__func__", value), "__code__", None)
-        text = "".join(linecache.getlines(code.co_filename)) if code else ""
-        for node in ast.walk(ast.parse(text)) if text else ():
-            if isinstance(node, ast.ClassDef) and node.name == cls.__name__ and node.lineno <= code.co_firstlineno <= node.end_lineno:  # fmt: skip
-                start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-                return "".join(text.splitlines(keepends=True)[start - 1 : node.end_lineno])
-    raise OSError(f"no source for {cls.__name__}")
-
-
-def _class_globals(cls):
-    """The names a notebook class's methods see: a module made of their globals (the notebook's namespace)."""
-    for value in vars(cls).values():
-        scope = getattr(getattr(value, "__func__", value), "__globals__", None)
-        if scope is not None:
-            module = types.ModuleType(cls.__module__)
-            module.__dict__.update(scope)
-            return module
-    return None
-
-
-@contextlib.contextmanager
-def notebook_classes() -> Iterator[None]:
-    """While inside, ``inspect.getsource`` finds a class defined in a notebook cell (or an exec'd file), and
-    ``inspect.getmodule`` gives such a class the namespace its methods were defined in."""
-    real, real_module = inspect.getsource, inspect.getmodule
-
-    def getmodule(obj, *args):
-        if inspect.isclass(obj) and obj.__module__ in ("__main__", "__mp_main__"):
-            return _class_globals(obj) or real_module(obj, *args)
-        return real_module(obj, *args)
-
-    def getsource(obj):
-        try:
-            return real(obj)
-        except (OSError, TypeError):
-            if inspect.isclass(obj):
-                return _class_source(obj)
-            raise
-
-    inspect.getsource, inspect.getmodule = getsource, getmodule
-    try:
-        yield
-    finally:
-        inspect.getsource, inspect.getmodule = real, real_module
-
-
-def _checker(ex: Exercise, doc: str):
-    """``ex``'s check, able to send classes defined in a notebook to the ranks."""
-    check = ex.checker(doc)
-
-    @functools.wraps(check)
-    def check_fn(*answer):
-        with notebook_classes():
-            return check(*answer)
-
-    return check_fn
 
 
 # ---------------------------------------------------------------------------- the reference operators
@@ -158,8 +88,8 @@ TP_OPERATORS = Exercise(
     ],
 )
 # fmt: on
-check_tp_operators = _checker(
-    TP_OPERATORS, "``CopyToTP`` (f) and ``ReduceFromTP`` (g), autograd Functions, on 2 processes."
+check_tp_operators = TP_OPERATORS.checker(
+    "``CopyToTP`` (f) and ``ReduceFromTP`` (g), autograd Functions, on 2 processes."
 )
 
 
@@ -353,8 +283,8 @@ TP_BLOCK = Exercise(
     ],
 )
 # fmt: on
-check_tp_block = _checker(
-    TP_BLOCK, "``TPBlock(block, rank, world_size)``: a Block's tensor-parallel forward on 2 processes."
+check_tp_block = TP_BLOCK.checker(
+    "``TPBlock(block, rank, world_size)``: a Block's tensor-parallel forward on 2 processes."
 )
 
 
@@ -374,6 +304,6 @@ SP_BLOCK = Exercise(
     ],
 )
 # fmt: on
-check_sp_block = _checker(
-    SP_BLOCK, "``SPBlock(block, rank, world_size)``: a Block with sequence parallelism on 2 processes."
+check_sp_block = SP_BLOCK.checker(
+    "``SPBlock(block, rank, world_size)``: a Block with sequence parallelism on 2 processes."
 )
