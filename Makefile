@@ -73,17 +73,22 @@ $(LAB_PAGE_CONFIG): | $(VENV)/.installed-lab
 lab: $(VENV)/.installed-lab $(LAB_PAGE_CONFIG)
 	$(VENV)/bin/jupyter lab $(ROOT_FLAG) --ServerApp.root_dir=. $(LAB_ARGS) notebooks/00_environment.ipynb
 
+# Test files run on TEST_JOBS pytest-xdist workers, a whole file (or notebook) per worker, in order:
+# most tests wait on processes they start, so two workers fit two cores. TEST_JOBS=1: one process.
+TEST_JOBS ?= 2
+XDIST      = $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
+
 # One pytest run: unit tests, then every notebook in notebooks/ and solutions/ under nbval.
 test: $(VENV)/.installed-test
-	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider --durations=10 -m "not extended" tests notebooks solutions $(NBVAL_FLAGS)
+	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not extended" tests notebooks solutions $(NBVAL_FLAGS)
 
 # The lab self-checks driven through every named mistake, hang and deadlock on real processes (CI runs it).
 test-extended: $(VENV)/.installed-test
-	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider --durations=10 -m extended tests
+	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m extended tests
 
 # The contributor's loop: lint and the unit/oracle tests, no notebooks, no sandbox, no SLURM.
 check: lint
-	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider tests -m "not slow and not sandbox and not slurm and not notebook and not extended"
+	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests -m "not slow and not sandbox and not slurm and not notebook and not extended"
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
