@@ -152,10 +152,12 @@ def image_outputs(nb) -> int:
     )
 
 
-def refuse_errors(nb, name: str, allow_stderr: bool = False) -> None:
-    """SiteError naming the first cell with an error output (or stderr, unless the cell says it is expected)."""
+def refuse_errors(nb, name: str, hint: str, allow_stderr: bool = False) -> None:
+    """SiteError naming the first cell (counted from 0, markdown cells included) with an error output, or
+    with stderr unless the cell says it is expected."""
     for i, _cell, out in _outputs(nb, "error"):
-        raise SiteError(f"site: {name} cell {i} raised {out.ename}: {out.evalue.splitlines()[0] if out.evalue else ''}")
+        what = out.evalue.splitlines()[0][:200] if out.evalue else ""
+        raise SiteError(f"site: {name} cell {i} raised {out.ename}: {what}. Try: {hint}")
     if not allow_stderr:
         for i, cell, out in _outputs(nb, "stderr"):
             if STDERR_OK not in cell.source:
@@ -199,7 +201,7 @@ def execute(path: Path, profile: str, name: str) -> tuple[object, dict]:
         client.execute(env=env)
     except nbclient.exceptions.CellExecutionError:
         pass  # the error output is in the notebook; refuse_errors names its cell
-    refuse_errors(nb, name)
+    refuse_errors(nb, name, f"run it in JupyterLab with LAB_PROFILE={profile} LAB_DATA=standin to see the traceback")
     probe = nb.cells.pop()
     text = "".join(o.get("text", "") for o in probe.get("outputs", []) if o.get("output_type") == "stream")
     return nb, json.loads(text.strip().splitlines()[-1])
@@ -227,7 +229,7 @@ def gpu_label(nb, run: Path) -> str:
     seen = {}
     for line in text.splitlines():
         if (m := HARDWARE_LINE.match(line)) and m.group(1).split()[0] not in seen:
-            seen[m.group(1).split()[0]] = (m.group(1).strip() + " " + m.group(2).strip()).strip()
+            seen[m.group(1).split()[0]] = " ".join(line.split())
     hardware = "; ".join(seen[k] for k in ("GPU", "CPU", "torch") if k in seen)
     if not hardware:
         notes = run.with_suffix(".md")
@@ -423,7 +425,8 @@ def build(
 
             if gpu_run is not None and (kept := gpu_run / path.name).exists():
                 gnb = nbformat.read(str(kept), as_version=4)
-                refuse_errors(gnb, f"{gpu_run.name}/{kept.name}", allow_stderr=True)
+                hint = "publish a GPU run whose notebooks ran to their end (--gpu-run)"
+                refuse_errors(gnb, f"{gpu_run.name}/{kept.name}", hint, allow_stderr=True)
                 nbformat.write(gnb, str(tmp / "gpu" / path.name))
                 label = gpu_label(gnb, gpu_run)
                 stderr = sum(1 for _ in _outputs(gnb, "stderr"))
@@ -500,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
         "--profile", choices=("cpu", "smoke"), default="cpu", help="cpu (default) or smoke, for a quick build"
     )
     b.add_argument("--only", default="", help="comma-separated prefixes of the notebooks to build, e.g. 00_,01_")
+    b.add_argument("--notebooks", type=Path, default=NOTEBOOKS, help="the demos to execute (default: notebooks/)")
+    b.add_argument("--labs", type=Path, default=LABS, help="the labs to render (default: labs/)")
     b.add_argument(
         "--gpu-run",
         type=Path,
@@ -519,8 +524,9 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     gpu_run = args.gpu_run or newest_gpu_run()
     try:
+        only = [p for p in args.only.split(",") if p] or None
         pages = build(
-            args.out, profile=args.profile, only=[p for p in args.only.split(",") if p] or None, gpu_run=gpu_run
+            args.out, profile=args.profile, only=only, notebooks=args.notebooks, labs=args.labs, gpu_run=gpu_run
         )
     except SiteError as e:
         print(e, file=sys.stderr)
