@@ -21,6 +21,7 @@ import re
 import subprocess
 import sys
 import threading
+import time
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -253,8 +254,23 @@ def test_a_failing_cell_stops_the_build_with_one_line_and_the_old_site_stays(tmp
     assert sorted(p.name for p in out.parent.iterdir()) == ["site"], "no half-built folder is left beside it"
 
 
+def kernels_in(folder: Path) -> list[int]:
+    """Pids of the Jupyter kernels running in ``folder`` (each runs in its notebook's folder)."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if (
+                b"ipykernel_launcher" in (proc / "cmdline").read_bytes()
+                and (proc / "cwd").resolve() == folder.resolve()
+            ):
+                found.append(int(proc.name))
+        except OSError:
+            pass  # gone meanwhile, or not ours to read
+    return found
+
+
 @pytest.mark.slow
-def test_a_cell_marked_stderr_expected_may_write_there(tmp_path):
+def test_a_cell_marked_stderr_expected_may_write_there_and_no_kernel_is_left(tmp_path):
     demos, nothing = tmp_path / "demos", tmp_path / "nothing"
     demos.mkdir(), nothing.mkdir()
     _notebook(
@@ -262,9 +278,45 @@ def test_a_cell_marked_stderr_expected_may_write_there(tmp_path):
         "00_warns.ipynb",
         "# stderr expected: the page shows a warning\nimport sys; print('careful', file=sys.stderr)",
     )
+    _notebook(demos, "01_quiet.ipynb", "z = 3")
     pages = site.build(tmp_path / "site", profile="smoke", notebooks=demos, labs=nothing, gpu_run=None)
-    assert [p.kind for p in pages] == ["cpu"]
+    assert [p.kind for p in pages] == ["cpu", "cpu"]
     assert "careful" in (tmp_path / "site" / "cpu" / "00_warns.html").read_text()
+    assert kernels_in(demos) == [], "every notebook's kernel is stopped when it has run"
+
+
+@pytest.mark.slow
+def test_a_killed_build_leaves_the_old_site_and_the_next_build_clears_its_folder(tmp_path):
+    demos, nothing = tmp_path / "demos", tmp_path / "nothing"
+    demos.mkdir(), nothing.mkdir()
+    long = _notebook(demos, "00_long.ipynb", "import time; time.sleep(120)")
+    out = tmp_path / "out" / "site"
+    out.mkdir(parents=True)
+    (out / "index.html").write_text("the previous site")
+    cmd = [sys.executable, "-m", "utils.site", "build", "--out", str(out), "--profile", "smoke"]
+    cmd += ["--notebooks", str(demos), "--labs", str(nothing), "--gpu-run", str(nothing)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    build = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not kernels_in(demos) and time.monotonic() < deadline and build.poll() is None:
+            time.sleep(0.5)
+        assert kernels_in(demos), "the notebook's kernel started"
+    finally:
+        build.kill()  # as a CI timeout would: no clean-up runs
+        build.wait()
+    deadline = time.monotonic() + 20
+    while kernels_in(demos) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert kernels_in(demos) == [], "the kernel stops when the build that started it is gone"
+    assert (out / "index.html").read_text() == "the previous site"
+    assert [p.name for p in out.parent.iterdir() if p.name.startswith(".site-")], "the killed build's folder"
+
+    long.unlink()
+    _notebook(demos, "00_short.ipynb", "x = 1")
+    assert site.main(cmd[3:]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["site"], "the next build cleared what was left"
+    assert (out / "cpu" / "00_short.html").exists()
 
 
 # --- the built site, in a browser ---

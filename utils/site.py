@@ -201,6 +201,9 @@ def execute(path: Path, profile: str, name: str) -> tuple[object, dict]:
         client.execute(env=env)
     except nbclient.exceptions.CellExecutionError:
         pass  # the error output is in the notebook; refuse_errors names its cell
+    finally:
+        if km.has_kernel:  # nbclient stops only the kernels of managers it made itself
+            km.shutdown_kernel(now=True)
     refuse_errors(nb, name, f"run it in JupyterLab with LAB_PROFILE={profile} LAB_DATA=standin to see the traceback")
     probe = nb.cells.pop()
     text = "".join(o.get("text", "") for o in probe.get("outputs", []) if o.get("output_type") == "stream")
@@ -391,12 +394,16 @@ def build(
     labs: Path = LABS,
     gpu_run: Path | None = None,
 ) -> list[Page]:
-    """Build the site into a temporary folder beside ``out``, then rename it to ``out``."""
+    """Build the site into a temporary folder beside ``out``, then rename it to ``out``. On an error the
+    folder is removed; a build killed outright leaves it, hidden (``.site-*``), and the next build removes
+    it, so two builds into one ``out`` at once are not supported."""
     import nbformat
     from tqdm.auto import tqdm
 
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
+    for stale in out.parent.glob(f".{out.name}-*"):  # what a killed build left (its kernels stop with it)
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     tmp.chmod(0o755)  # mkdtemp's is 0700; a web server running as another user reads the site
     pages: list[Page] = []
