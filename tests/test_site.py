@@ -349,7 +349,6 @@ def built(tmp_path_factory):
     return folder, sorted((ROOT / "notebooks").glob(f"{SMOKE_ONLY}*.ipynb"))
 
 
-@needs_browser
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_front_page_links_every_page_and_each_link_resolves(built):
