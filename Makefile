@@ -6,7 +6,7 @@ PY          := $(VENV)/bin/python
 PIP         := $(PY) -m pip install -q --disable-pip-version-check -c $(CONSTRAINTS)
 NBVAL_FLAGS := --nbval-lax --nbval-current-env --nbval-cell-timeout=300 --nbval-sanitize-with tests/sanitize.cfg
 
-.PHONY: lab hub hub-proxy test test-extended unit check lint format notebooks notebooks-cpu standins labs check-labs release bench grade gradescope two-node clean help slurm-check tensorboard
+.PHONY: lab hub hub-proxy test test-extended unit check lint format notebooks notebooks-cpu site site-check standins labs check-labs release bench grade gradescope two-node clean help slurm-check tensorboard
 
 help:
 	@echo "make lab    create .venv if missing, install, start JupyterLab on the repository, open notebooks/00_environment.ipynb"
@@ -21,6 +21,9 @@ help:
 	@echo "            HUB_GPU_POOL=0,1,2,3 HUB_PER_GPU=1 HUB_CULL_IDLE_S=3600 ... (see the config), HUB_ARGS='--port 8000' to jupyterhub"
 	@echo "make standins  write synthetic stand-ins for Fashion-MNIST, CIFAR-10 and Tiny Shakespeare (used only with LAB_DATA=standin)"
 	@echo "make notebooks-cpu  every notebook and solution in the cpu profile on the stand-ins"
+	@echo "make site  the course as a static site in build/site: every demo executed (cpu profile, stand-ins), the newest"
+	@echo "            GPU run of docs/gpu-runs/, the labs as students get them; offline. SITE_ARGS='--profile smoke --only 00_,01_'"
+	@echo "make site-check  open build/site in headless Chromium (chromium, chromium-driver) and check every page"
 	@echo "make bench  run benchmarks/ (prints figures; never pass/fail)"
 	@echo "make slurm-check  start a local one-node SLURM (root), run every cluster/ job template, stop it"
 	@echo "make tensorboard  serve runs/profiles (installs the optional tensorboard + torch-tb-profiler)"
@@ -78,9 +81,10 @@ lab: $(VENV)/.installed-lab $(LAB_PAGE_CONFIG)
 TEST_JOBS ?= 2
 XDIST      = $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
 
-# One pytest run: unit tests, then every notebook in notebooks/ and solutions/ under nbval.
+# One pytest run: unit tests, then every notebook in notebooks/ and solutions/ under nbval (the site's tests
+# need a built site and a browser: make site-check).
 test: $(VENV)/.installed-test
-	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not extended" tests notebooks solutions $(NBVAL_FLAGS)
+	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not extended and not site" tests notebooks solutions $(NBVAL_FLAGS)
 
 # The lab self-checks driven through every named mistake, hang and deadlock on real processes (CI runs it).
 test-extended: $(VENV)/.installed-test
@@ -111,8 +115,20 @@ standins: $(VENV)/.installed-lab
 	$(PY) -m utils.data standins
 
 # The laptop profile end to end: every notebook and solution, cpu sizes, on the stand-ins.
+NOTEBOOK_DIRS ?= notebooks solutions
 notebooks-cpu: $(VENV)/.installed-test standins
-	LAB_PROFILE=cpu LAB_DATA=standin $(PY) -m pytest -q -p no:cacheprovider --durations=0 --durations-min=1 notebooks solutions $(NBVAL_FLAGS)
+	LAB_PROFILE=cpu LAB_DATA=standin $(PY) -m pytest -q -p no:cacheprovider --durations=0 --durations-min=1 $(NOTEBOOK_DIRS) $(NBVAL_FLAGS)
+
+# The course as a static site (utils/site.py): each demo executed in a fresh kernel (cpu profile, stand-ins), the
+# newest GPU run kept in docs/gpu-runs/, the labs as students get them, a front page; built beside build/site and
+# renamed into place. Then the same site opened in headless Chromium, every page (tests/test_site.py).
+SITE_ARGS ?=
+site: $(VENV)/.installed-test standins
+	$(PY) -m utils.site build --out build/site $(SITE_ARGS)
+
+site-check: $(VENV)/.installed-test
+	$(PY) -m utils.site check build/site
+	SITE_DIR=build/site LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider -rs -m site tests/test_site.py
 
 labs: $(VENV)/.installed-lab
 	$(PY) -m utils.authoring
