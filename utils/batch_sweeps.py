@@ -231,8 +231,9 @@ def tune_steps_to_target(
 ) -> list[dict]:
     """Steps to ``target_acc`` at each batch size with its learning rate tuned on ``lr_grid``
     (:func:`search_rate`, :func:`pick_rate`). The smallest batch starts its walk at ``start_lr``,
-    each next batch at the rate the previous one picked (the best rate does not fall as the batch
-    grows, Shallue et al.; the walk still goes down when it does).
+    each next batch at the rate the previous one picked: a rate that trained a smaller batch trains
+    a bigger one too, so the first trial is not wasted, and the walk goes down where that rate was
+    already too high.
 
     Returns one row per batch size: {batch_size, lr (the pick; None if no rate reached the target),
     steps_to_target, eval_every, images, ties, bracketed, trials (every rate tried, see
