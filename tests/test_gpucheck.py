@@ -555,10 +555,14 @@ def test_a_notebook_runs_on_this_interpreter_and_environment_when_the_users_pyth
     _fake_user_python3(tmp_path, monkeypatch)
     monkeypatch.setenv("GPUCHECK_PROBE", "inherited")
     code = "import os, sys\nprint(sys.executable, os.environ.get('GPUCHECK_PROBE'), os.environ.get('LAB_PROFILE'))"
-    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(code)]), str(tmp_path / "probe.ipynb"))
+    figure = "import matplotlib.pyplot as plt\nplt.plot([0, 1])\nplt.show()"
+    cells = [nbformat.v4.new_code_cell(code), nbformat.v4.new_code_cell(figure)]
+    nbformat.write(nbformat.v4.new_notebook(cells=cells), str(tmp_path / "probe.ipynb"))
+    monkeypatch.setenv("MPLBACKEND", "Agg")  # as a headless server often has it
     gpucheck.execute_notebook(tmp_path / "probe.ipynb", tmp_path / "out.ipynb", "cpu", 120)
     ran = nbformat.read(str(tmp_path / "out.ipynb"), as_version=4)
     assert ran.cells[0].outputs[0]["text"].split() == [sys.executable, "inherited", "cpu"]
+    assert any("image/png" in o.get("data", {}) for o in ran.cells[1].outputs), "the saved notebook keeps its figure"
 
 
 def test_the_network_probe_is_bounded_even_when_name_lookup_hangs(monkeypatch):

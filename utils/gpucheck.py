@@ -472,6 +472,7 @@ def execute_notebook(
     specs = tempfile.mkdtemp(prefix="gpucheck-kernel-")
     env = _env_for_children(profile, offline)  # made from os.environ before it is cleared below
     env["JUPYTER_PATH"] = os.pathsep.join([write_kernelspec(Path(specs)), *filter(None, [env.get("JUPYTER_PATH")])])
+    env.pop("MPLBACKEND", None)  # the inline backend: the saved notebook keeps its figures
     os.environ.clear()
     os.environ.update(env)  # the kernel manager finds KERNEL_NAME on JUPYTER_PATH; the kernel inherits all of it
 
