@@ -39,6 +39,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
@@ -84,7 +85,7 @@ class Page:
     stderr_outputs: int  # stderr outputs the page shows (a kept GPU run's; 0 for what the build executes)
 
 
-def title_of(nb) -> str:
+def title_of(nb: Any) -> str:
     """The text of the notebook's first markdown heading, else its file's stem is up to the caller."""
     for cell in nb.cells:
         if cell.cell_type == "markdown":
@@ -114,7 +115,7 @@ def selected(notebooks: Path, only: list[str] | None) -> list[Path]:
     return paths
 
 
-def wall_seconds(nb) -> float | None:
+def wall_seconds(nb: Any) -> float | None:
     """From the first code cell's start to the last one's reply, as the kernel stamped them."""
     stamps = [c.metadata.get("execution", {}) for c in nb.cells if c.cell_type == "code"]
     stamps = [s for s in stamps if "iopub.status.busy" in s and "shell.execute_reply" in s]
@@ -132,7 +133,7 @@ def format_seconds(s: float | None) -> str:
     return f"{m} min {sec:02d} s" if m else f"{sec} s"
 
 
-def _outputs(nb, kind: str):
+def _outputs(nb: Any, kind: str):
     for i, cell in enumerate(nb.cells):
         for out in cell.get("outputs", []):
             if kind == "error" and out.output_type == "error":
@@ -141,7 +142,7 @@ def _outputs(nb, kind: str):
                 yield i, cell, out
 
 
-def image_outputs(nb) -> int:
+def image_outputs(nb: Any) -> int:
     """How many outputs of the notebook nbconvert draws as an image."""
     return sum(
         1
@@ -152,7 +153,7 @@ def image_outputs(nb) -> int:
     )
 
 
-def refuse_errors(nb, name: str, hint: str, allow_stderr: bool = False) -> None:
+def refuse_errors(nb: Any, name: str, hint: str, allow_stderr: bool = False) -> None:
     """SiteError naming the first cell (counted from 0, markdown cells included) with an error output, or
     with stderr unless the cell says it is expected."""
     for i, _cell, out in _outputs(nb, "error"):
@@ -210,7 +211,7 @@ def execute(path: Path, profile: str, name: str) -> tuple[object, dict]:
     return nb, json.loads(text.strip().splitlines()[-1])
 
 
-def cpu_label(info: dict, nb) -> str:
+def cpu_label(info: dict, nb: Any) -> str:
     data = ", stand-in datasets" if info.get("standin") else ""
     start = next((c.metadata["execution"]["iopub.status.busy"][:10] for c in nb.cells if "execution" in c.metadata), "")
     gpus = "; ".join(g["name"] for g in info.get("gpus", [])) or "no GPU"
@@ -223,7 +224,7 @@ def cpu_label(info: dict, nb) -> str:
 HARDWARE_LINE = re.compile(r"^(CPU {4}|torch  |GPU \d+  )(.+)$")
 
 
-def gpu_label(nb, run: Path) -> str:
+def gpu_label(nb: Any, run: Path) -> str:
     """The kept run's hardware as the notebook printed it (``device.hardware_summary``), else the first
     paragraph of the run's notes (``<run>.md``)."""
     text = "".join(
@@ -248,7 +249,7 @@ def gpu_label(nb, run: Path) -> str:
     )
 
 
-def static_widgets(nb) -> None:
+def static_widgets(nb: Any) -> None:
     """Replace each widget view in the outputs by plain HTML drawn from the saved widget state, and drop
     the state: the pages load no widget manager."""
     state = nb.metadata.pop("widgets", {}).get(WIDGET_STATE, {}).get("state", {})
@@ -282,7 +283,7 @@ def static_widgets(nb) -> None:
                     data["text/html"] = drawn
 
 
-def render(nb, title: str, kind: str, label: str) -> str:
+def render(nb: Any, title: str, kind: str, label: str) -> str:
     """The notebook as one HTML page: nbconvert's lab template, its CSS inlined, nothing from a CDN."""
     import jinja2
     from nbconvert import HTMLExporter

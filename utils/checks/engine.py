@@ -297,7 +297,7 @@ def _class_source(cls) -> str:
     raise OSError(f"no source for {cls.__name__}")
 
 
-def getsource(obj) -> str:
+def getsource(obj: Any) -> str:
     """``inspect.getsource``, which also finds a class defined in a notebook cell (or an exec'd file)."""
     try:
         return inspect.getsource(obj)
