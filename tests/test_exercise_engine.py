@@ -137,6 +137,20 @@ def test_a_refused_function_raises_wherever_the_answer_reaches_it():
     assert memory.parameter_bytes(torch.nn.Linear(1, 1)) == 8, "restored after the check"
 
 
+def test_a_refused_function_raises_inside_a_class_answers_static_methods():
+    """A class answer's static methods (``__new__`` here; an autograd Function's forward and backward) are
+    the answer's code too: the refused function is replaced in what they reach."""
+    from utils.memory import parameter_bytes
+
+    class Mean:
+        def __new__(cls, x):  # an implicit static method
+            parameter_bytes(torch.nn.Linear(1, 1))
+            return x.mean().item()
+
+    with pytest.raises(CheckFailed, match="uses utils.memory.parameter_bytes, which this exercise asks"):
+        engine.check(MEAN, Mean)
+
+
 def test_the_library_itself_and_the_oracle_are_refused():
     with pytest.raises(CheckFailed, match="the library's own code"):
         engine.check(MEAN, torch.mean)

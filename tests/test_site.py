@@ -285,6 +285,12 @@ def test_a_cell_marked_stderr_expected_may_write_there_and_no_kernel_is_left(tmp
     assert kernels_in(demos) == [], "every notebook's kernel is stopped when it has run"
 
 
+def test_a_gpu_run_folder_that_does_not_exist_is_refused_with_what_to_do(tmp_path, capsys):
+    assert site.main(["build", "--out", str(tmp_path / "site"), "--gpu-run", str(tmp_path / "typo")]) == 2
+    assert "is not a folder. Try: --gpu-run docs/gpu-runs/" in capsys.readouterr().err
+    assert not (tmp_path / "site").exists()
+
+
 @pytest.mark.slow
 def test_a_killed_build_leaves_the_old_site_and_the_next_build_clears_its_folder(tmp_path):
     demos, nothing = tmp_path / "demos", tmp_path / "nothing"

@@ -530,6 +530,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1 if problems else 0
     start = time.perf_counter()
+    if args.gpu_run is not None and not args.gpu_run.is_dir():
+        print(
+            f"site: {args.gpu_run} is not a folder. Try: --gpu-run docs/gpu-runs/<run> (an empty folder: no GPU pages)",
+            file=sys.stderr,
+        )
+        return 2
     gpu_run = args.gpu_run or newest_gpu_run()
     try:
         only = [p for p in args.only.split(",") if p] or None
