@@ -284,7 +284,7 @@ def static_widgets(nb: Any) -> None:
 
 
 def mathml(tex: str, display: bool) -> str:
-    """One formula as MathML (drawn by the browser, no script); its LaTeX source kept as the annotation."""
+    """One formula as MathML, which the browser draws itself (no script, nothing from the internet)."""
     from latex2mathml.converter import convert
 
     try:
