@@ -57,13 +57,7 @@ def _at_world_sizes(ex: Exercise, doc: str):
 
 
 # ---------------------------------------------------------------------------- ring all-reduce
-
 RING_SIZES = (12, 7, 2)  # divisible by 3 ranks, not divisible, fewer elements than ranks
-
-
-def _ring_cases(ctx):
-    xs = [torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1) for n in RING_SIZES]
-    return [Case((x.to(ctx.device),), label=f"{len(x)} elements") for x in xs]
 
 
 def _ring(tensor, *, clone=False, copies=False, reduce_add=True, gather=True, gather_add=False, gather_shift=0):
@@ -86,10 +80,9 @@ def _ring(tensor, *, clone=False, copies=False, reduce_add=True, gather=True, ga
     return tensor
 
 
-def _ring_blocking(tensor):  # its first step: every rank sends before any receives
+def _ring_blocking(tensor):  # its first step: every rank sends before any receives (the mistake under test)
     world, rank, buf = dist.get_world_size(), dist.get_rank(), torch.empty_like(tensor)
-    dist.send(tensor, (rank + 1) % world)  # the mistake under test
-    dist.recv(buf, (rank - 1) % world)  # the mistake under test
+    dist.send(tensor, (rank + 1) % world), dist.recv(buf, (rank - 1) % world)
     return tensor.add_(buf)
 
 
@@ -128,7 +121,8 @@ def _ring_compare(got, want):
 
 # fmt: off
 RING_ALL_REDUCE = Exercise(
-    name="ring_all_reduce", cases=_ring_cases, oracle=lambda tensor: dist.all_reduce(tensor) or tensor, run=_ring_run,
+    name="ring_all_reduce",
+    cases=lambda ctx: [Case((torch.arange(n, dtype=torch.float32, device=ctx.device) + 100.0 * (ctx.rank + 1),), label=f"{n} elements") for n in RING_SIZES], oracle=lambda tensor: dist.all_reduce(tensor) or tensor, run=_ring_run,
     compare=_ring_compare, ranks=3, timeout_s=90, passed="3 processes, 3 tensor sizes, equal to all_reduce",
     hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last received, and cut the tensor with tensor_split(N) so sizes that do not divide by N work too",
     refuse=_LIBRARY + tuple(f"torch.distributed.{c}" for c in ("all_reduce", "all_gather", "reduce_scatter", "reduce")),
@@ -147,14 +141,11 @@ RING_ALL_REDUCE = Exercise(
         _m("some values were added twice: the all-gather adds what it receives. Try: in the all-gather copy the received chunk into place; only reduce-scatter adds", partial(_ring, gather_add=True)),
     ],
 )
+check_ring_all_reduce = RING_ALL_REDUCE.checker("``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 all-gather steps of one batched send and receive each; run on 3 processes for tensors of 12, 7 and 2 elements.")
 # fmt: on
-check_ring_all_reduce = RING_ALL_REDUCE.checker(
-    "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 all-gather steps of one batched send and receive each; run on 3 processes for tensors of 12, 7 and 2 elements."
-)
+
 
 # ---------------------------------------------------------------------------- gradient averaging
-
-
 def _mlp(widths, device, seed=0):
     torch.manual_seed(seed)
     layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())]
@@ -201,19 +192,14 @@ AVERAGE_GRADIENTS = Exercise(
     mistakes=[
         _m("a gradient is None after your function. Try: dist.all_reduce works in place and returns None: never assign its result to p.grad", partial(_average, assign=True), lambda o: any(g is None for r in o.got for g in r)),
         _m("the gradients were summed, not averaged. Try: divide each one by the world size after the all-reduce", partial(_average, divide=False)),
-        _m("each rank still has its own local gradient: nothing was exchanged. Try: all-reduce every parameter's gradient, on every rank", lambda m: None),
-        _m("each gradient was divided by the world size but not all-reduced. Try: all-reduce first, then divide", partial(_average, reduce=False)),
+        _m("each rank still has its own local gradient: nothing was exchanged. Try: all-reduce every parameter's gradient, on every rank, then divide", partial(_average, reduce=False)),
         _m("the gradients were divided by 2, not by the number of processes. Try: divide by the world size: the check runs on 2 and on 3 processes", partial(_average, by=2)),
     ],
 )
+check_average_gradients = _at_world_sizes(AVERAGE_GRADIENTS, "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run on 2, then 3 processes.")
 # fmt: on
-check_average_gradients = _at_world_sizes(
-    AVERAGE_GRADIENTS,
-    "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run on 2, then 3 processes.",
-)
 
 # ---------------------------------------------------------------------------- overlapped DDP by hand
-
 OVERLAP_CAPS = (0, 80, 10**9)  # one bucket per parameter, a few buckets, one bucket
 OVERLAP_STEPS = 3
 TRACE_CAPS = (0, 70_000)
@@ -231,8 +217,7 @@ def _trace_cases(ctx):
 
 def _overlap_run(fn, case):
     """SGD steps with the answer's hooks and finish(), noting of every dist.all_reduce its step, size, whether it was
-    async, launched in backward, waited for before backward ended, and how many gradients were ready then. A trace
-    profiles the last step (the first warms up)."""
+    async, launched in backward, waited for before backward ended, and the gradients ready then; a trace profiles."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     (model, cap), batches, trace = case.args, case.kwargs["batches"], case.kwargs.get("trace", False)
@@ -287,11 +272,7 @@ def _overlap_compare(got, want):
 
 
 _TRACED: dict = {}  # bucket_numel -> rank 0's events of the student's traced step
-
-
-def _trace_compare(got, want):
-    _TRACED[want[0]["cap"]] = got[0]["events"]
-    return _overlap_compare(got, want)
+_trace_compare = lambda got, want: _TRACED.update({want[0]["cap"]: got[0]["events"]}) or _overlap_compare(got, want)
 
 
 def _overlap(model, cap, *, order=reversed, start="ready", divide=True, clear=True, copy=True, wait=False, give=True):
@@ -337,11 +318,7 @@ def _overlap(model, cap, *, order=reversed, start="ready", divide=True, clear=Tr
     return finish if give else None
 
 
-def _got(key, pred=bool):
-    """A predicate on the outcome: ``pred`` holds for ``key`` of some rank's result."""
-    return lambda o: bool(o.got) and any(pred(g[key]) for g in o.got)
-
-
+_got = lambda key, pred=bool: lambda o: bool(o.got) and any(pred(g[key]) for g in o.got)  # for some rank's result
 # rows 1 to 4 are the trace's mistakes too; a mistake seen by a predicate is a partial, which a rank can unpickle
 # fmt: off
 _OVERLAP_MISTAKES = [
@@ -371,10 +348,7 @@ OVERLAP_TRACE = Exercise(
     hint="all-reduce a bucket from the hook of its last parameter, in the order the hooks fire",
     mistakes=_OVERLAP_MISTAKES[1:5], passed="2 processes, a traced step with backward running while all-reduces were outstanding",
 )  # fmt: skip
-check_overlap_ddp = _at_world_sizes(
-    OVERLAP_DDP,
-    "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.",
-)
+check_overlap_ddp = _at_world_sizes(OVERLAP_DDP, "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.")  # fmt: skip
 
 
 def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) -> list:
@@ -392,8 +366,6 @@ def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) 
 
 
 # ---------------------------------------------------------------------------- sharding
-
-
 def _shard(n, b, rank, world, epoch, seed, *, reshuffle=True, drop_last=False, whole=False, rng=False):
     """DistributedSampler's batches; each keyword set away from its default makes one named mistake."""
     s = DistributedSampler(range(n), num_replicas=world, rank=rank, seed=seed, drop_last=drop_last)
@@ -433,21 +405,18 @@ SHARD_BATCHES = Exercise(
         _m("the epochs have the same order: the data is never reshuffled. Try: call the sampler's set_epoch with the epoch number before iterating it", partial(_shard, reshuffle=False)),
     ],
 )
+check_shard_batches = SHARD_BATCHES.checker("``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that ``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them.")
 # fmt: on
-check_shard_batches = SHARD_BATCHES.checker(
-    "``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that ``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them."
-)
+
 
 # ---------------------------------------------------------------------------- rank-0 checkpoint
-
-
 def _save_cases():
     out = []
     for width, epoch in ((3, 3), (5, 7)):
         model = _mlp((width, 2), "cpu", width)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model(torch.ones(1, width)).sum().backward()
-        opt.step()
+        opt.step()  # a step with momentum: the optimizer has state to save
         out.append(Case((model, opt, epoch), label=f"a Linear({width}, 2) at epoch {epoch}"))
     return out
 
@@ -465,7 +434,7 @@ def _save_run(fn, case):
         out.update(written=os.path.exists(path), atomic=atomic, left=sorted(set(os.listdir(d)) - {"ckpt.pt"}))
         try:
             ck = torch.load(path, weights_only=True)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - no file, or one that does not load: what the check reports
             ck = None
     ck = ck if isinstance(ck, dict) else {}
     state = ck.get("model") if isinstance(ck.get("model"), dict) else {}
@@ -502,7 +471,5 @@ SAVE_ON_RANK0 = Exercise(
         _m("the epoch saved is not the one given. Try: store the epoch argument as given", lambda p, m, o, e, r: _save(p, m, o, e + 1, r)),
     ],
 )
+check_save_on_rank0 = SAVE_ON_RANK0.checker("``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch to ``path`` atomically (a temporary file, then os.replace).")
 # fmt: on
-check_save_on_rank0 = SAVE_ON_RANK0.checker(
-    "``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch to ``path`` atomically (a temporary file, then os.replace)."
-)

@@ -1,7 +1,6 @@
 """Lab 5's exercises (solutions/lab5_memory_and_model_parallel.ipynb) on the exercise engine: the tensor-parallel
 split, ZeRO memory, ZeRO-2 by hand on 2 processes (against a reference ZeRO-2, held to one process's torch.optim in
-the tests), GPipe's micro-batch loop (against one full-batch step). A mistake is a row: "problem. Try: hint", the
-variant that makes it and, when its output is no fingerprint, how it is recognised."""
+the tests), GPipe's micro-batch loop (against one full-batch step)."""
 
 from collections import defaultdict
 from collections.abc import Callable
@@ -23,11 +22,6 @@ _m = lambda text, variant, when=None, **kw: Mistake(*text.split(". Try: "), vari
 
 
 # ---------------------------------------------------------------------------- exercise 1: tensor parallelism
-def _tp_cases():
-    g = torch.Generator().manual_seed(0)
-    return [Case((mlp(16, 2, in_features=8, out_features=8, activation="gelu", seed=n), torch.randn(5, 8, generator=g), n), label=f"{n} rank(s)") for n in (1, 2, 4)]  # fmt: skip
-
-
 def _tp_run(answer, case):
     """How many times each weight and bias was cut, and every rank's partial output summed (the all-reduce) + b2."""
     (column_shard, row_shard), (block, x, n) = answer, case.args
@@ -53,7 +47,8 @@ def _row(linear, r, n, dim=1):
 
 
 TENSOR_PARALLEL = Exercise(
-    name="tensor_parallel", answer=("column_shard", "row_shard"), cases=_tp_cases, run=_tp_run,
+    name="tensor_parallel", answer=("column_shard", "row_shard"), run=_tp_run,
+    cases=lambda: [Case((mlp(16, 2, in_features=8, out_features=8, activation="gelu", seed=n), torch.randn(5, 8, generator=torch.Generator().manual_seed(n)), n), label=f"{n} rank(s)") for n in (1, 2, 4)],
     oracle=(tp.column_shard, tp.row_shard), refuse=("utils.parallel.tensor_parallel",),
     hint="rank r keeps the SAME slice r of the hidden units in both layers, in equal contiguous slices",
     passed="1, 2 and 4 ranks: the partial outputs add up to the whole MLP",
@@ -133,9 +128,8 @@ def _flat(tensors, world, pad="end"):
 
 def _copy_back(tensors, full):
     """``full``'s pieces from offset 0 into ``tensors``, in order, in place; the padding, at the end, left out."""
-    n = sum(t.numel() for t in tensors)
     with torch.no_grad():
-        for t, piece in zip(tensors, full.split([t.numel() for t in tensors] + [full.numel() - n])):
+        for t, piece in zip(tensors, full.split([t.numel() for t in tensors] + [full.numel() - sum(t.numel() for t in tensors)])):  # fmt: skip
             t.copy_(piece.view_as(t))
 
 
@@ -157,23 +151,18 @@ def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=
     shard = grads.new_empty(grads.numel() // world) if whole else shard
     shard.grad = torch.empty_like(shard)
     dist.reduce_scatter_tensor(shard.grad, grads)
-    if bcast:
-        dist.broadcast(torch.zeros_like(shard), 0)
+    _ = dist.broadcast(torch.zeros_like(shard), 0) if bcast else None
     shard.grad /= world**power
     if whole:
         dist.all_gather_into_tensor(grads, shard.grad)
         return _copy_back([p.grad for p in params], grads) or opt.step()
-    if not first:
-        opt.step()
-    full = torch.empty_like(grads) if gather else _flat(params, world, pad)
-    if gather:
-        dist.all_gather_into_tensor(full, shard.detach())
-    else:  # only this rank's shard is new
-        full.chunk(world)[dist.get_rank()].copy_(shard.detach())
-    if first:
-        opt.step()
-    if copy:
-        _copy_back(params, full)
+    _ = None if first else opt.step()
+    full = (
+        torch.empty_like(grads) if gather else _flat(params, world, pad)
+    )  # without the all-gather only my shard is new
+    _ = dist.all_gather_into_tensor(full, shard.detach()) if gather else full.chunk(world)[dist.get_rank()].copy_(shard.detach())  # fmt: skip
+    _ = opt.step() if first else None
+    _ = _copy_back(params, full) if copy else None
 
 
 _REF, _step = _zero2_optimizer, lambda **wrong: partial(_zero2_step, **wrong)  # partials: the ranks unpickle them
@@ -220,8 +209,8 @@ def check_zero2(zero2_optimizer: Callable, zero2_step: Callable) -> dict:
 # ---------------------------------------------------------------------------- exercise 4: GPipe's micro-batch loop
 def _gpipe_cases():
     g = torch.Generator().manual_seed(1)
-    stages = [(mlp(12, 2, in_features=6, out_features=o, activation="tanh", seed=m + o) for o in (6, 3)) for m in (1, 2, 4)]  # fmt: skip
-    return [Case((*s, torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g), m), label=f"{m} micro-batch(es)") for s, m in zip(stages, (1, 2, 4))]  # fmt: skip
+    stages = lambda m: [mlp(12, 2, in_features=6, out_features=o, activation="tanh", seed=m + o) for o in (6, 3)]
+    return [Case((*stages(m), torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g), m), label=f"{m} micro-batch(es)") for m in (1, 2, 4)]  # fmt: skip
 
 
 def _gpipe_run(answer, case):

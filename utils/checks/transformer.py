@@ -27,16 +27,14 @@ def _op(fwd, bwd):
 
     def apply(kind, t):
         t, n = t.contiguous(), dist.get_world_size()
-        if kind == "all_reduce":
-            t = t.clone()  # not the caller's tensor, in place
-            dist.all_reduce(t)
-        elif kind == "gather":  # every rank's sequence shard, side by side in rank order
-            t = _gather(t, 1)
-        elif kind == "scatter":  # rank r gets the sum over the ranks of sequence shard r
-            out = t.new_empty(t.shape[0], t.shape[1] // n, *t.shape[2:])
+        if kind == "gather":  # every rank's sequence shard, side by side in rank order
+            return _gather(t, 1)
+        out = t.new_empty(t.shape[0], t.shape[1] // n, *t.shape[2:]) if kind == "scatter" else t.clone()
+        if kind == "scatter":  # rank r gets the sum over the ranks of sequence shard r
             dist.reduce_scatter_tensor(out, torch.cat(t.chunk(n, 1), 0).contiguous())
-            t = out
-        return t.view_as(t) if kind == "id" else t
+        elif kind == "all_reduce":  # a copy: never the caller's tensor, in place
+            dist.all_reduce(out)
+        return out
 
     class Op(torch.autograd.Function):
         forward = staticmethod(lambda ctx, t: apply(fwd, t))
@@ -46,8 +44,7 @@ def _op(fwd, bwd):
 
 
 def _gather(t, dim):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
+    dist.all_gather(parts := [torch.empty_like(t) for _ in range(dist.get_world_size())], t.contiguous())
     return torch.cat(parts, dim)
 
 
@@ -74,16 +71,10 @@ TP_OPERATORS = Exercise(
     hint="f is the identity forward and sums the gradient over the ranks backward; g is the mirror image",
     passed="2 processes: the partial products summed forward, the input's gradient summed backward",
     mistakes=[
-        _m("the output is this rank's partial product, not the sum over the ranks: g's forward does not all-reduce. "
-           "Try: g's forward must all-reduce (sum) its input across the ranks and return the sum", (COPY, NONE)),
-        _m("the output is N times too large: f's forward all-reduces, so each rank multiplies the sum of N copies of "
-           "x. Try: f's forward is the identity (every rank already holds the whole input); only its backward "
-           "all-reduces", (_op("all_reduce", "all_reduce"), REDUCE)),
-        _m("the input's gradient is this rank's part only: f's backward does not all-reduce. Try: each rank's "
-           "gradient covers only its own slice of the layer; f's backward must sum it over the ranks", (NONE, REDUCE)),
-        _m("the input's gradient is N times too large: g's backward all-reduces a gradient every rank already holds "
-           "whole. Try: g's backward is the identity: the output's gradient is the same on every rank",
-           (COPY, _op("all_reduce", "all_reduce"))),
+        _m("the output is this rank's partial product: g's forward does not all-reduce. Try: g's forward must sum its input over the ranks", (COPY, NONE)),
+        _m("the output is N times too large: f's forward all-reduces the whole input every rank already holds. Try: f's forward is the identity; only its backward all-reduces", (_op("all_reduce", "all_reduce"), REDUCE)),
+        _m("the input's gradient is this rank's part only: f's backward does not all-reduce. Try: f's backward must sum the gradient over the ranks", (NONE, REDUCE)),
+        _m("the input's gradient is N times too large: g's backward all-reduces a gradient every rank already holds whole. Try: g's backward is the identity", (COPY, _op("all_reduce", "all_reduce"))),
     ],
 )  # fmt: skip
 check_tp_operators = TP_OPERATORS.checker("``CopyToTP`` (f) and ``ReduceFromTP`` (g), autograd Functions, on 2 processes.")  # fmt: skip
@@ -108,6 +99,9 @@ def _block(d, heads, seed):
         return Block(GPTConfig(width=d, heads=heads, context=64, layers=1))
 
 
+_mlp = lambda s, h: F.linear(F.gelu(F.linear(h, s["fc_weight"], s["fc_bias"])), s["mlp_proj_weight"])
+
+
 def _attention(s, h, heads):
     """The attention branch of one rank's shards on normalised input ``h``: a partial sum, no bias."""
     q, k, v = F.linear(h, s["qkv_weight"], s["qkv_bias"]).unflatten(-1, (3, heads, -1)).permute(2, 0, 3, 1, 4)
@@ -115,17 +109,12 @@ def _attention(s, h, heads):
     return F.linear(y, s["attn_proj_weight"])
 
 
-def _mlp(s, h):
-    return F.linear(F.gelu(F.linear(h, s["fc_weight"], s["fc_bias"])), s["mlp_proj_weight"])
-
-
 def _shard_run(shard_block, case):
     """Every rank's shards, their partial outputs summed in this process (the all-reduce) and the bias added once."""
-    (d, heads, n, seed), out = case.args, {}
-    block = _block(d, heads, seed)
-    h = torch.randn(2, 5, d, generator=torch.Generator().manual_seed(seed))
+    d, heads, n, seed = case.args
+    block, h = _block(d, heads, seed), torch.randn(2, 5, d, generator=torch.Generator().manual_seed(seed))
     shards = [shard_block(block, r, n) for r in range(n)]
-    out["shapes"] = str([{k: tuple(v.shape) for k, v in sorted(s.items())} for s in shards])
+    out = {"shapes": str([{k: tuple(v.shape) for k, v in sorted(s.items())} for s in shards])}
     for name, part, layer in (("attn", lambda s: _attention(s, h, heads // n), block.attn.proj), ("mlp", lambda s: _mlp(s, h), block.mlp.proj)):  # fmt: skip
         try:
             out[name] = (sum(part(s) for s in shards) + layer.bias).detach()
@@ -142,13 +131,8 @@ SHARD_BLOCK = Exercise(
     hint="rank r keeps the q, k and v rows of heads r*H/N to (r+1)*H/N, fc's hidden units r*4d/N to (r+1)*4d/N, and the same slices of the projections' inputs",
     passed="2, 3 and 4 ranks: the partial outputs add up to the block's attention and MLP",
     mistakes=[
-        _m("a shard has the wrong shape: a weight was cut along the wrong dimension. Try: nn.Linear stores its weight "
-           "as [out, in]: the column-parallel qkv and fc keep a slice of the OUTPUT features (dim 0), the row-parallel "
-           "projections a slice of the INPUT features (dim 1)", partial(_shard, dims=(1, 0))),
-        _m("the shapes are right but the attention differs: the fused qkv weight was cut in plain slices, so a rank "
-           "holds the queries of some heads and the keys of others. Try: the qkv weight is [q; k; v] stacked: view it "
-           "as 3 parts of d rows each, take this rank's heads' rows of every part, then stack them back",
-           partial(_shard, qkv="chunk")),
+        _m("a shard has the wrong shape: a weight was cut along the wrong dimension. Try: nn.Linear's weight is [out, in]: qkv and fc keep a slice of the OUTPUT features (dim 0), the projections of the INPUT features (dim 1)", partial(_shard, dims=(1, 0))),
+        _m("the shapes are right but the attention differs: a plain slice of the fused qkv weight mixes the heads' queries, keys and values. Try: view it as 3 parts [q; k; v] of d rows and take this rank's heads' rows of each", partial(_shard, qkv="chunk")),
     ],
 )  # fmt: skip
 check_shard_block = SHARD_BLOCK.checker("``shard_block(block, rank, world_size)``: one rank's shards of a Block's Linears.")  # fmt: skip
@@ -190,7 +174,7 @@ class _SPBlock(_TPBlock):
         return x
 
 
-SPLIT = {"qkv_weight": 1, "qkv_bias": 1, "fc_weight": 0, "fc_bias": 0, "attn_proj_weight": 1, "mlp_proj_weight": 1}
+SPLIT = {"fc_weight": 0, "fc_bias": 0, "attn_proj_weight": 1, "mlp_proj_weight": 1}
 
 
 def _block_run(answer, case, sp=False):
@@ -206,44 +190,35 @@ def _block_run(answer, case, sp=False):
         y = part(xs)
         (y * mine(probe)).sum().backward()
     [h.remove() for h in seen]
-    grads = {k: torch.zeros_like(p) if p.grad is None else p.grad for k, p in part.named_parameters()}
-    out = {}
-    for (
-        k,
-        v,
-    ) in grads.items():  # a shard gathered whole; a replicated weight whole under TP, summed over shards under SP
-        cut = SPLIT.get(k.split(".")[-1])
-        qkv = k.endswith("qkv_weight") or k.endswith("qkv_bias")
-        out[k] = _gather(v.unflatten(0, (3, -1)), 1).flatten(0, 1) if qkv else _gather(v, cut) if cut is not None else _gather(v[None], 0).sum(0) if sp else v  # fmt: skip
+    out = {}  # each shard's gradient gathered whole; a replicated one whole under TP, summed over the shards under SP
+    for k, p in part.named_parameters():
+        v, cut = torch.zeros_like(p) if p.grad is None else p.grad, SPLIT.get(k.split(".")[-1])
+        if k.endswith(("qkv_weight", "qkv_bias")):
+            out[k] = _gather(v.unflatten(0, (3, -1)), 1).flatten(0, 1)
+        else:
+            out[k] = _gather(v, cut) if cut is not None else _gather(v[None], 0).sum(0) if sp else v
     res = {"y": _gather(y.detach(), 1) if sp else y.detach(), "x_grad": _gather(xs.grad, 1) if sp else xs.grad}
     return res | {"grads": out, "norm_rows": rows, "all_reduce": comm.calls.get("all_reduce", 0)}
 
 
-def _block_cases(ctx):
-    return [Case((d, h, t, d + t, ctx), label=f"width {d}, {h} heads, {t} tokens") for d, h, t in ((8, 2, 6), (12, 4, 4))]  # fmt: skip
-
-
-def _same_numbers(got, want):
-    """The outputs and gradients of every rank; what the mechanism mistakes read is left out."""
-    keep = lambda rs: [{k: r[k] for k in ("y", "x_grad", "grads")} for r in rs]
-    return difference(keep(got), keep(want), atol=1e-5)
-
-
-_BLOCK = dict(ranks=2, cases=_block_cases, compare=_same_numbers, timeout_s=120, refuse=REFUSE, refuse_hint=REFUSE_HINT)
+_block_cases = lambda ctx: [Case((d, h, t, d + t, ctx), label=f"width {d}, {h} heads, {t} tokens") for d, h, t in ((8, 2, 6), (12, 4, 4))]  # fmt: skip
+_numbers = lambda rs: [{k: r[k] for k in ("y", "x_grad", "grads")} for r in rs]  # not what the mechanism mistakes read
+_BLOCK = dict(
+    ranks=2,
+    cases=_block_cases,
+    compare=lambda got, want: difference(_numbers(got), _numbers(want), atol=1e-5),
+    timeout_s=120,
+    refuse=REFUSE,
+    refuse_hint=REFUSE_HINT,
+)
 TP_BLOCK = Exercise(
     name="tp_block", answer=("TPBlock",), oracle=_TPBlock, run=_block_run, **_BLOCK,
     hint="per branch: LayerNorm, f, the column-parallel layer, the rank's heads (or GELU), the row-parallel layer, g, then the bias once and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block",
     mistakes=[
-        _m("the output is off by (N - 1) times the projections' biases: the bias of a row-parallel layer was added on "
-           "every rank before the all-reduce. Try: add a row-parallel layer's bias once, after g has summed the "
-           "partial outputs", partial(_TPBlock, how="bias")),
-        _m("the output is a partial sum: g is missing after a row-parallel layer. Try: each rank's projection output "
-           "is a partial sum over its heads (or hidden units): pass it through g before the bias and the residual",
-           partial(_TPBlock, how="no g")),
-        _m("the output is right but the gradients are one rank's part: f is missing before a column-parallel layer. "
-           "Try: pass each LayerNorm's output through f before the qkv and fc layers, so backward sums their input "
-           "gradients over the ranks", partial(_TPBlock, how="no f")),
+        _m("the output is off by (N - 1) times the projections' biases: a row-parallel bias was added on every rank before the all-reduce. Try: add it once, after g", partial(_TPBlock, how="bias")),
+        _m("the output is a partial sum: g is missing after a row-parallel layer. Try: pass each projection's output through g before the bias and the residual", partial(_TPBlock, how="no g")),
+        _m("the output is right but the gradients are one rank's part: f is missing before a column-parallel layer. Try: pass each LayerNorm's output through f before qkv and fc", partial(_TPBlock, how="no f")),
     ],
 )  # fmt: skip
 check_tp_block = TP_BLOCK.checker("``TPBlock(block, rank, world_size)``: a Block's tensor-parallel forward on 2 processes.")  # fmt: skip
@@ -252,14 +227,10 @@ SP_BLOCK = Exercise(
     hint="per branch: LayerNorm on your sequence shard, all-gather the sequence, the column- and row-parallel layers, reduce-scatter back to your shard, then the bias and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block, with no all-reduce",
     mistakes=[
-        _m("your block called an all-reduce: sequence parallelism replaces g's all-reduce with a reduce-scatter. Try: "
-           "after a row-parallel layer, reduce-scatter the partial sums along the sequence: each rank gets the summed "
-           "rows of its own shard, for half the traffic of an all-reduce and no copy of the whole sequence",
+        _m("your block called an all-reduce: sequence parallelism replaces g's all-reduce with a reduce-scatter. Try: after a row-parallel layer, reduce-scatter the partial sums along the sequence",
            partial(_SPBlock, how="all_reduce"), lambda o: any(r["all_reduce"] for r in o.got), mechanism=True),
-        _m("a LayerNorm ran on the whole sequence: the numbers are right, but every rank normalised (and kept for "
-           "backward) all the rows. Try: run each LayerNorm on your own sequence shard first, then all-gather its "
-           "output for the column-parallel layer", partial(_SPBlock, how="full norm"),
-           lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]), mechanism=True),
+        _m("a LayerNorm ran on the whole sequence: every rank normalised (and kept) all the rows. Try: run each LayerNorm on your own sequence shard, then all-gather its output",
+           partial(_SPBlock, how="full norm"), lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]), mechanism=True),
     ],
 )  # fmt: skip
 check_sp_block = SP_BLOCK.checker("``SPBlock(block, rank, world_size)``: a Block with sequence parallelism on 2 processes.")  # fmt: skip
