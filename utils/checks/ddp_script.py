@@ -223,20 +223,11 @@ def _variant(**edit) -> Script:
     return Script(text=text)
 
 
-def _ran(o) -> list:
-    """Each rank's record, when every rank ran the script to its end; else []."""
-    return o.got["recs"] if not (o.got["hung"] or o.got["failed"]) and all(o.got["recs"]) else []
-
-
-def _crashed_with(text: str):
-    return lambda o: o.got["failed"] and text in o.got["out"]
-
-
-def _matches(**change):
-    """Rank 0's weights are those of the simulation with ``change``: a recognisable wrong run."""
-    return lambda o: difference(o.got["weights"], _simulate(**o.case.kwargs | change), 1e-4, 1e-5) is None
-
-
+# How a run shows a mistake: each rank's record when every rank ran the script to its end (else []), a crash whose
+# output holds ``text``, rank 0's weights equal to those of the simulation with ``change``.
+_ran = lambda o: o.got["recs"] if not (o.got["hung"] or o.got["failed"]) and all(o.got["recs"]) else []
+_crashed_with = lambda text: lambda o: o.got["failed"] and text in o.got["out"]
+_matches = lambda **change: lambda o: difference(o.got["weights"], _simulate(**o.case.kwargs | change), 1e-4, 1e-5) is None  # fmt: skip
 # under torchrun nobody serves that address: the ranks wait
 _HANG = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))'
 # A row per mistake: "problem. Try: hint", the variant's edit of the right script, how the run shows it, and whether
@@ -270,7 +261,7 @@ SCRIPT = Exercise(
     hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
     passed="rank 0's weights match one process on the same global batches, on 2 and on 3 CPU processes",
     mistakes=[Mistake(*t.split(". Try: "), _variant(**edit), when, mechanism=m) for t, edit, when, m in _MISTAKES],
-)
+)  # fmt: skip
 
 
 def check_ddp_script(path: str | os.PathLike) -> None:

@@ -270,7 +270,7 @@ GPIPE = Exercise(
     passed="1, 2 and 4 micro-batches: the GPipe order, and the gradients of one full-batch step",
     mistakes=[
         _m("stage0's backward got no gradient from the boundary. Try: make the boundary a leaf that requires grad (cut off stage0's graph), so its .grad can be sent back", partial(_gpipe, cut="none"), lambda o: any(k in o.error for k in _NO_BOUNDARY_GRAD)),
-        _m("stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into m equal micro-batches and run each through stage0 once", _full_batch, lambda o: o.got["order"].count("F") != o.case.args[4], mechanism=True),
+        _m("stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into m equal micro-batches and run each through stage0 once", lambda *a: _full_batch(*a), lambda o: o.got["order"].count("F") != o.case.args[4], mechanism=True),
         _m("the forwards and backwards are interleaved, but GPipe runs all m forwards, then all m backwards. Try: a loop of all forwards, keeping each boundary and loss, then a loop of all backwards", partial(_gpipe, fb=True), lambda o: "B" in o.got["order"][: o.got["order"].rfind("F")], mechanism=True),
         _m("the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch loss is their mean", partial(_gpipe, div=False)),
         _m("stage0's gradients are twice too large: the loss's backward already reached stage0. Try: cut the graph at the boundary with a new leaf holding stage0's values", partial(_gpipe, cut="retain")),
