@@ -4,6 +4,7 @@ did; rank 0's saved weights are compared with one process on the same global bat
 
 from __future__ import annotations
 
+import importlib.abc
 import json
 import os
 import subprocess
@@ -92,6 +93,18 @@ def _simulate(nproc=1, epochs=3, batch_size=32, lr=0.1, seed=0, *, reshuffle=Tru
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+class _NoCourse(importlib.abc.MetaPathFinder):
+    """In a rank: the course's package cannot be imported (as on a cluster); a utils of the script's own can."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name != "utils":
+            return None
+        spec = next(filter(None, (f.find_spec(name, path, target) for f in sys.meta_path[1:])), None)
+        if spec and spec.origin == os.path.join(_ROOT, "utils", "__init__.py"):
+            raise ModuleNotFoundError("No module named 'utils'", name=name)
+        return spec
+
+
 def _probe(script: str, *args: str) -> None:
     """One rank under torchrun: run ``script`` as __main__ (its folder first on the path, the course's package not
     importable, as on a cluster) and write what the rank did to ``$LAB3_PROBE_DIR/rank<r>.json``."""
@@ -114,8 +127,9 @@ def _probe(script: str, *args: str) -> None:
     DDP.__init__, DDP.forward = counted(DDP.__init__, "ddp"), counted(DDP.forward, "pending", batch)
     register_optimizer_step_pre_hook(lambda *_: rec.update(examples=rec["examples"] + rec["pending"], pending=0))
     sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)
+    sys.meta_path.insert(0, _NoCourse())
     for name in [m for m in sys.modules if m.split(".")[0] == "utils"]:
-        sys.modules[name] = None  # an import of it raises ModuleNotFoundError
+        del sys.modules[name]
     try:
         runpy.run_path(script, run_name="__main__")
         rec["left"] = not dist.is_initialized()
@@ -234,7 +248,7 @@ _HANG = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", ra
 # that is looked for on every case (a run can be right for a wrong reason).
 # fmt: off
 _MISTAKES = [
-    ("your script imports the course's utils package, which a job on a cluster does not have. Try: write it with torch.distributed and torch.nn.parallel only", {"init": "import utils.ddp_train"}, _crashed_with("import of utils halted"), True),
+    ("your script imports the course's utils package, which a job on a cluster does not have. Try: write it with torch.distributed and torch.nn.parallel only", {"init": "import utils.ddp_train"}, _crashed_with("No module named 'utils'"), True),
     ("DistributedDataParallel got device_ids for a model on the CPU. Try: pass device_ids only when the model is on a GPU", {"wrap": "lambda m: DDP(m, device_ids=[rank])"}, _crashed_with("device_ids"), True),
     ("the script does not join the process group (init_process_group) before it uses torch.distributed or trains. Try: call init_process_group with the backend alone at the start of main: torchrun's environment gives the rest",
      {"init": "pass"}, lambda o: _crashed_with("has not been initialized")(o) or (_ran(o) and not any(r["init"] for r in _ran(o))), True),
