@@ -122,7 +122,7 @@ def _ring_compare(got, want):
 # fmt: off
 RING_ALL_REDUCE = Exercise(
     name="ring_all_reduce",
-    cases=lambda ctx: [Case((torch.arange(n, dtype=torch.float32, device=ctx.device) + 100.0 * (ctx.rank + 1),), label=f"{n} elements") for n in RING_SIZES], oracle=lambda tensor: dist.all_reduce(tensor) or tensor, run=_ring_run,
+    cases=lambda ctx: [Case(((torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device),), label=f"{n} elements") for n in RING_SIZES], oracle=lambda tensor: dist.all_reduce(tensor) or tensor, run=_ring_run,
     compare=_ring_compare, ranks=3, timeout_s=90, passed="3 processes, 3 tensor sizes, equal to all_reduce",
     hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last received, and cut the tensor with tensor_split(N) so sizes that do not divide by N work too",
     refuse=_LIBRARY + tuple(f"torch.distributed.{c}" for c in ("all_reduce", "all_gather", "reduce_scatter", "reduce")),
