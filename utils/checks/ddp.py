@@ -82,7 +82,7 @@ def _ring(tensor, *, clone=False, copies=False, reduce_add=True, gather=True, ga
 
 def _ring_blocking(tensor):  # its first step: every rank sends before any receives (the mistake under test)
     world, rank, buf = dist.get_world_size(), dist.get_rank(), torch.empty_like(tensor)
-    dist.send(tensor, (rank + 1) % world), dist.recv(buf, (rank - 1) % world)
+    dist.send(tensor, (rank + 1) % world), dist.recv(buf, (rank - 1) % world)  # the mistake under test
     return tensor.add_(buf)
 
 
