@@ -74,6 +74,12 @@ class Mistake:
     mechanism: bool = False
 
 
+def mistake(text: str, variant: Any = None, when: Callable[[Outcome], bool] | None = None, **kw: Any) -> Mistake:
+    """A :class:`Mistake` from its one line, ``"problem. Try: hint"``."""
+    problem, hint = text.split(". Try: ")
+    return Mistake(problem, hint, variant, when, **kw)
+
+
 @dataclasses.dataclass
 class Exercise:
     name: str

@@ -14,11 +14,11 @@ from ..models import mlp
 from ..parallel import tensor_parallel as tp
 from ..parallel import zero_bytes
 from ..parallel.shard import CommCounter, ring_bytes
-from .engine import Case, Exercise, Mistake, check, difference
+from .engine import Case, Exercise, check, difference
+from .engine import mistake as _m
 
 __all__ = ["check_tensor_parallel", "check_zero_memory", "check_zero2", "check_gpipe_microbatches"]
 LAB = "lab5_memory_and_model_parallel"
-_m = lambda text, variant, when=None, **kw: Mistake(*text.split(". Try: "), variant, when, **kw)
 
 
 # ---------------------------------------------------------------------------- exercise 1: tensor parallelism

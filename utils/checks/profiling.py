@@ -15,12 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import data, profiling
 from ..bench import SlowDataset
 from ..train import Callback
-from .engine import Case, Exercise, Mistake, difference
+from .engine import Case, Exercise, difference
+from .engine import mistake as _m
 
 __all__ = [f"check_{n}" for n in ("self_times", "data_wait_fraction", "syncs_per_step", "fixed_loader", "loss_log", "standardize")]  # fmt: skip
 LAB = "lab6_profiling"
 UA, SYNC, STEP = "user_annotation", "aten::_local_scalar_dense", "ProfilerStep#"
-_m = lambda text, variant, **kw: Mistake(*text.split(". Try: "), variant=variant, **kw)  # from "problem. Try: hint"
 
 
 def _trace(rows, scale=1.0, shift=0.0):

@@ -11,11 +11,11 @@ from functools import partial
 import torch
 
 from .. import models
-from .engine import Case, Exercise, Mistake, difference
+from .engine import Case, Exercise, difference
+from .engine import mistake as _m
 
 __all__ = ["check_state_bytes", "check_time_step", "check_wait_fraction", "STATE_BYTES", "TIME_STEP", "WAIT_FRACTION"]
 LAB = "lab2_throughput"
-_m = lambda text, variant, **kw: Mistake(*text.split(". Try: "), variant=variant, **kw)  # from "problem. Try: hint"
 _STATE_CASES = [("adam", 0.0, torch.float32, False, "Adam"), ("sgd", 0.9, torch.float32, False, "SGD, momentum 0.9"),
                 ("sgd", 0.0, torch.float32, False, "plain SGD (momentum 0)"), ("adam", 0.0, torch.bfloat16, False,
                 "Adam, in bfloat16"), ("adam", 0.0, torch.float32, True, "Adam, its first layer frozen")]  # fmt: skip

@@ -12,14 +12,14 @@ from torch import nn
 
 from ..gpt import Block, GPTConfig
 from ..parallel.shard import CommCounter
-from .engine import Case, Exercise, Mistake, difference
+from .engine import Case, Exercise, difference
+from .engine import mistake as _m
 
 __all__ = ["check_tp_operators", "check_shard_block", "check_tp_block", "check_sp_block"]
 LAB = "lab7_tensor_parallel_transformer"
 REFUSE = ("utils.parallel.tensor_parallel", "torch.distributed.tensor.parallel.parallelize_module",
           "torch.distributed.tensor.distribute_tensor", "torch.distributed.nn.functional")  # fmt: skip
 REFUSE_HINT = "write the collectives yourself with torch.distributed (all_reduce, all_gather_into_tensor, reduce_scatter_tensor)"  # fmt: skip
-_m = lambda text, variant, when=None, **kw: Mistake(*text.split(". Try: "), variant, when, **kw)
 
 
 def _op(fwd, bwd):
