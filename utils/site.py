@@ -291,6 +291,8 @@ def mathml(tex: str, display: bool) -> str:
         drawn = convert(tex, display="block" if display else "inline")
     except Exception as exc:  # latex2mathml's own errors: unbalanced braces and the like
         raise SiteError(f"the formula ${tex}$ cannot be drawn ({type(exc).__name__}: {exc}). Try: plain LaTeX") from exc
+    # HTML needs no namespace on <math>, and with one the heading anchors (ElementTree) rename it ns0:math
+    drawn = drawn.replace(' xmlns="http://www.w3.org/1998/Math/MathML"', "", 1)
     unknown = re.search(r">(\\[A-Za-z]+)<", drawn)  # a command latex2mathml does not know is kept as text
     if unknown:
         raise SiteError(
