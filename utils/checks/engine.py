@@ -149,8 +149,10 @@ def _kind(x) -> str:
 
 
 def _category(x) -> str:
-    if _number(x) or isinstance(x, (list, tuple)):
-        return "number" if _number(x) else "sequence"
+    if _number(x):
+        return "number"
+    if isinstance(x, (list, tuple)):
+        return "sequence"
     return type(x).__name__ if x is None or isinstance(x, (bool, torch.Tensor, dict, str)) else "other"
 
 
@@ -233,8 +235,11 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
 
 def _swap(holder, attr, value):
     """Set ``holder``'s ``attr`` (a dict's key, or an attribute) to ``value``; return what it was."""
-    old = holder[attr] if isinstance(holder, dict) else getattr(holder, attr)
-    holder.__setitem__(attr, value) if isinstance(holder, dict) else setattr(holder, attr, value)
+    if isinstance(holder, dict):
+        old, holder[attr] = holder[attr], value
+        return old
+    old = getattr(holder, attr)
+    setattr(holder, attr, value)
     return old
 
 
