@@ -499,3 +499,6 @@ def test_a_formula_becomes_mathml_and_an_unknown_command_names_itself():
     assert "<h2" in heading and "<math " in heading and "ns0:" not in heading  # a browser draws only <math>
     with pytest.raises(site.SiteError, match=r"uses \\foo, which cannot be drawn"):
         site.mathml(r"a + \foo{x}", display=False)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(r"# T\n\nCost $\foo{x}$.")])
+    with pytest.raises(site.SiteError, match=r"^Page T: the formula .* uses \\foo"):
+        site.render(nb, "Page T", "lab", "label")

@@ -285,8 +285,11 @@ def static_widgets(nb: Any) -> None:
 
 def mathml(tex: str, display: bool) -> str:
     """One formula as MathML, which the browser draws itself (no script, nothing from the internet)."""
-    from latex2mathml.converter import convert
-
+    try:
+        from latex2mathml.converter import convert
+    except ImportError:
+        raise SiteError("the site draws formulas with latex2mathml, which is not installed. Try: make site (it installs "
+                        "the test extra), or pip install -e '.[test]'") from None  # fmt: skip
     try:
         drawn = convert(tex, display="block" if display else "inline")
     except Exception as exc:  # latex2mathml's own errors: unbalanced braces and the like
@@ -348,7 +351,10 @@ def render(nb: Any, title: str, kind: str, label: str) -> str:
     exporter = exporter_class()(
         template_name="lab", extra_loaders=[jinja2.DictLoader({"site.html.j2": TEMPLATE})], template_file="site.html.j2"
     )
-    body, _ = exporter.from_notebook_node(nb, resources={"site_kind": kind, "site_label": html.escape(label)})
+    try:
+        body, _ = exporter.from_notebook_node(nb, resources={"site_kind": kind, "site_label": html.escape(label)})
+    except SiteError as e:  # a formula that cannot be drawn: say which page
+        raise SiteError(f"{title}: {e}") from None
     return body
 
 
