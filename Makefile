@@ -80,19 +80,23 @@ lab: $(VENV)/.installed-lab $(LAB_PAGE_CONFIG)
 # most tests wait on processes they start, so two workers fit two cores. TEST_JOBS=1: one process.
 TEST_JOBS ?= 2
 XDIST      = $(if $(filter-out 0 1,$(TEST_JOBS)),-n $(TEST_JOBS) --dist loadfile)
+# torch's threads in each worker and its notebook kernels: the cores shared out among the workers. Threads
+# of two workers on the same cores wait on each other at every parallel region: on 2 busy cores one epoch
+# of lab 1's CNN took 7.3 s with 2 threads and 1.5 s with 1 (0.5 s on idle cores).
+TEST_THREADS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); j=$(TEST_JOBS); [ "$$j" -gt 1 ] 2>/dev/null || j=1; echo $$(( n / j > 0 ? n / j : 1 )))
 
 # One pytest run: unit tests, then every notebook in notebooks/ and solutions/ under nbval (the site's tests
 # need a built site and a browser: make site-check).
 test: $(VENV)/.installed-test
-	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not extended and not site" tests notebooks solutions $(NBVAL_FLAGS)
+	LAB_PROFILE=smoke OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m "not extended and not site" tests notebooks solutions $(NBVAL_FLAGS)
 
 # The lab self-checks driven through every named mistake, hang and deadlock on real processes (CI runs it).
 test-extended: $(VENV)/.installed-test
-	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m extended tests
+	LAB_PROFILE=smoke OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -p no:cacheprovider $(XDIST) --durations=10 -m extended tests
 
 # The contributor's loop: lint and the unit/oracle tests, no notebooks, no sandbox, no SLURM.
 check: lint
-	LAB_PROFILE=smoke $(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests -m "not slow and not sandbox and not slurm and not notebook and not extended"
+	LAB_PROFILE=smoke OMP_NUM_THREADS=$(TEST_THREADS) $(PY) -m pytest -q -p no:cacheprovider $(XDIST) tests -m "not slow and not sandbox and not slurm and not notebook and not extended"
 
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
