@@ -153,3 +153,41 @@ def test_plot_draws_tuned_rows_filled_and_fits_only_them():
     filled = [ln for ln in ax.get_lines() if ln.get_label() == "measured, rate tuned"]
     assert sorted(filled[0].get_xdata()) == [4, 16, 64]
     assert (fitted["s_min"], fitted["b_crit"]) == batch_sweeps.fit_critical_batch([4, 16, 64], [400, 110, 60])
+
+
+def test_noise_scale_plot_draws_each_positive_estimate_against_its_step_with_labels():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    points = [
+        {"step": 0, "b_simple": 160.0, "log_se": 0.1},
+        {"step": 90, "b_simple": 25.0, "log_se": 0.3},
+        {"step": 180, "b_simple": math.inf, "log_se": math.inf},  # |G|^2 estimated at 0: no point
+        {"step": 360, "b_simple": 50.0, "log_se": 0.3},
+    ]
+    ax = batch_sweeps.plot_noise_scale_along_run(points, title="B_simple along a run").axes[0]
+    line = ax.get_lines()[0]
+    assert list(line.get_xdata()) == [0, 90, 360] and list(line.get_ydata()) == [160, 25, 50]
+    assert ax.get_title() == "B_simple along a run" and "step" in ax.get_xlabel() and "images" in ax.get_ylabel()
+    assert ax.get_yscale() == "log"
+
+
+def test_tuned_rates_plot_shows_every_trial_the_picks_and_the_linear_rule():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = [
+        {"batch_size": 4, "lr": 0.01, "trials": [{"lr": 0.01, "steps": 368}, {"lr": 0.02, "steps": None}]},
+        {"batch_size": 16, "lr": 0.02, "trials": [{"lr": 0.01, "steps": 162}, {"lr": 0.02, "steps": 124}]},
+    ]
+    ax = batch_sweeps.plot_tuned_rates(rows, linear=lambda b: 0.0025 * b).axes[0]
+    by_label = {ln.get_label(): ln for ln in ax.get_lines()}
+    assert list(by_label["tuned"].get_xdata()) == [4, 16] and list(by_label["tuned"].get_ydata()) == [0.01, 0.02]
+    assert list(by_label["linear scaling rule"].get_ydata()) == [0.01, 0.04]
+    trial_marks = [ln for ln in ax.get_lines() if ln.get_label().startswith("_") and len(ln.get_xdata()) == 1]
+    assert sorted((float(ln.get_xdata()[0]), float(ln.get_ydata()[0])) for ln in trial_marks) == [
+        (4, 0.01),
+        (4, 0.02),
+        (16, 0.01),
+        (16, 0.02),
+    ]

@@ -437,12 +437,14 @@ def plot_noise_scale_along_run(
     label: str = "",
 ) -> Figure:
     """B_simple against the optimizer step (:func:`noise_scale_along_run`), with error bars of one
-    bootstrap standard error (on the log scale, drawn as the factor exp(±se))."""
+    bootstrap standard error (on the log scale, drawn as the factor exp(±se)). A point whose estimate
+    is not a positive number (|G|^2 estimated at or below 0) is left out."""
     if ax is None:
         fig, ax = plt.subplots(figsize=(6.4, 4))
-    x = np.array([p["step"] for p in points], dtype=float)
-    y = np.array([p["b_simple"] for p in points], dtype=float)
-    se = np.array([p["log_se"] if math.isfinite(p["log_se"]) else 0.0 for p in points])
+    shown = [p for p in points if math.isfinite(p["b_simple"]) and p["b_simple"] > 0]  # a log axis
+    x = np.array([p["step"] for p in shown], dtype=float)
+    y = np.array([p["b_simple"] for p in shown], dtype=float)
+    se = np.array([p["log_se"] if math.isfinite(p["log_se"]) else 0.0 for p in shown])
     ax.errorbar(x, y, yerr=[y - y * np.exp(-se), y * np.exp(se) - y], fmt="o-", capsize=3, label=label or None)
     ax.set(yscale="log", title=title, xlabel="optimizer step", ylabel="$B_{simple}$ = tr(Σ)/|G|² (images)")
     ax.set_xticks(x)
