@@ -49,7 +49,7 @@ TABLE: dict[str, tuple] = {
     "var_draws": (200, 500, 2000),  # minibatches drawn per batch size
     "sgd_dataset": ("digits", "fashion_mnist", "fashion_mnist"),
     "sgd_batch_sizes": ((8, 32, 128, 512), (16, 64, 256, 1024), (16, 64, 256, 1024, 4096)),  # fixed epochs
-    "sgd_epochs": (2, 2, 10),  # fixed epoch budget of the sweep
+    "sgd_epochs": (1, 2, 10),  # fixed epoch budget of the sweep
     "sgd_target_batch_sizes": (
         (4, 16, 64, 256),
         (8, 32, 128, 512),
