@@ -145,6 +145,7 @@ bench: $(VENV)/.installed-lab
 	$(PY) benchmarks/train_loop_overhead.py
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/optimizer_step.py
+	$(PY) benchmarks/launch_startup.py
 
 SPEC ?= labs/assessment/spec_ci.toml
 grade: $(VENV)/.installed-lab

@@ -30,7 +30,7 @@ def _ranked_mistakes():  # the mistakes a predicate sees: each needs a launch of
     for ex in ON_RANKS:
         for i, m in enumerate(ex.mistakes):
             if m not in engine._replayed(ex):
-                yield pytest.param(ex, m, marks=[pytest.mark.extended], id=f"{ex.name}-{i}-{m.variant.__name__}")
+                yield pytest.param(ex, m, marks=[pytest.mark.extended], id=f"{ex.name}-{i}")
 
 
 @pytest.mark.slow

@@ -133,8 +133,9 @@ def ddp_worker():
 
 
 def _children():
-    """PIDs of this process's live children (multiprocessing's and any other)."""
-    me, kids = os.getpid(), []
+    """PIDs of this process's live descendants, ranks forked by the fork server included; not the
+    stdlib's resource tracker and fork server themselves (one helper each per interpreter, no rank)."""
+    me, parent, helper = os.getpid(), {}, set()
     for pid in os.listdir("/proc") if os.path.isdir("/proc") else []:
         if not pid.isdigit():
             continue
@@ -143,11 +144,21 @@ def _children():
                 fields = f.read().rsplit(")", 1)[1].split()
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 cmd = f.read()
-            # the stdlib's resource tracker: one helper per interpreter, started by any spawn
-            if int(fields[1]) == me and fields[0] != "Z" and b"resource_tracker" not in cmd:
-                kids.append(int(pid))
-        except (OSError, IndexError, ValueError):
-            pass
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            parent[int(pid)] = int(fields[1])
+            if int(fields[1]) == me and (b"resource_tracker" in cmd or b"forkserver" in cmd):
+                helper.add(int(pid))
+
+    def descends(pid):
+        while pid in parent:
+            pid = parent[pid]
+            if pid == me:
+                return True
+        return False
+
+    kids = [pid for pid in parent if pid not in helper and descends(pid)]
     return kids + [p.pid for p in mp.active_children()]
 
 

@@ -91,6 +91,19 @@ def outputs_of(nb, kind: str) -> int:
     return n
 
 
+FORMULA = re.compile(r"\$\$(.+?)\$\$|(?<![$\\])\$(.+?)(?<![$\\])\$", re.S)
+
+
+CODE = re.compile(r"```.*?```|`[^`]*`", re.S)  # a `$` in code is a shell's, not a formula
+
+
+def formulas_of(nb) -> int:
+    """How many $...$ and $$...$$ formulas the notebook's markdown cells hold outside code."""
+    return sum(
+        len(FORMULA.findall(CODE.sub("", "".join(c["source"])))) for c in nb["cells"] if c["cell_type"] == "markdown"
+    )
+
+
 def newest_gpu_run() -> Path | None:
     runs = [p for p in sorted((ROOT / "docs" / "gpu-runs").glob("*/")) if list(p.glob("*.ipynb"))]
     return runs[-1] if runs else None
@@ -410,6 +423,7 @@ def browser():
 
 IMAGES = "return Array.from(document.images).map(i => [i.complete, i.naturalWidth])"
 RESOURCES = "return performance.getEntriesByType('resource').map(e => e.name)"
+MATH = "return Array.from(document.querySelectorAll('math')).map(m => m.getBoundingClientRect().width)"
 STDERR = '.jp-RenderedText[data-mime-type="application/vnd.jupyter.stderr"]'
 
 
@@ -452,6 +466,11 @@ def test_every_page_loads_in_chromium_with_its_figures_and_no_error(built, serve
             problems.append(f"{rel}: title {browser.title!r} is not {first_heading(source)!r}")
         if len(images) != outputs_of(nb, "image"):
             problems.append(f"{rel}: {len(images)} images shown, the executed notebook has {outputs_of(nb, 'image')}")
+        widths = browser.execute_script(MATH)
+        if len(widths) != formulas_of(nb) or not all(w > 0 for w in widths):
+            problems.append(
+                f"{rel}: {len(widths)} formulas drawn ({sum(w > 0 for w in widths)} with a width), the notebook has {formulas_of(nb)}"
+            )
         # What this build executed may not write to stderr; a kept GPU run shows what it wrote.
         want_stderr = outputs_of(nb, "stderr") if page["kind"] == "gpu" else 0
         shown = len(browser.find_elements(By.CSS_SELECTOR, STDERR))
@@ -466,3 +485,20 @@ def test_every_page_loads_in_chromium_with_its_figures_and_no_error(built, serve
         if page["kind"] == "cpu" and f"{os.cpu_count()} cores" not in label and not os.environ.get("SITE_DIR"):
             problems.append(f"{rel}: the label does not give this machine's {os.cpu_count()} cores: {label!r}")
     assert not problems, "\n".join(problems)
+
+
+def test_a_formula_becomes_mathml_and_an_unknown_command_names_itself():
+    page = site.markdown_page(ROOT / "README.md")  # the README has no formula: nothing is turned
+    assert "<math" not in page
+    drawn = site.mathml(r"\frac{a}{b} \le \sqrt{x}", display=False)
+    assert drawn.startswith("<math") and "<mfrac>" in drawn and "<msqrt>" in drawn and 'display="inline"' in drawn
+    assert 'display="block"' in site.mathml("x^2", display=True)
+    from nbconvert.filters.markdown_mistune import MarkdownWithMath
+
+    heading = MarkdownWithMath(renderer=site.math_renderer()(escape=False)).render("## Cost: $6N$\n")
+    assert "<h2" in heading and "<math " in heading and "ns0:" not in heading  # a browser draws only <math>
+    with pytest.raises(site.SiteError, match=r"uses \\foo, which cannot be drawn"):
+        site.mathml(r"a + \foo{x}", display=False)
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell(r"# T\n\nCost $\foo{x}$.")])
+    with pytest.raises(site.SiteError, match=r"^Page T: the formula .* uses \\foo"):
+        site.render(nb, "Page T", "lab", "label")

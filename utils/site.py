@@ -14,8 +14,8 @@
   the previous site (or none), never half of one.
 
 The pages need nothing from the internet: the template's CSS is inlined by nbconvert, and the blocks
-that load require.js, MathJax, mermaid and the widget manager from a CDN are left out (formulas show
-as their LaTeX source); a widget's output is drawn from its saved state as plain HTML (a progress bar
+that load require.js, MathJax, mermaid and the widget manager from a CDN are left out; formulas are turned
+into MathML when the page is built (latex2mathml), which the browser draws itself; a widget's output is drawn from its saved state as plain HTML (a progress bar
 as ``<progress>``, a slider at its value), since the widget manager's JavaScript is not available offline.
 
 ``python -m utils.site check build/site``: every relative link of every page leads to a file of the site,
@@ -283,17 +283,78 @@ def static_widgets(nb: Any) -> None:
                     data["text/html"] = drawn
 
 
-def render(nb: Any, title: str, kind: str, label: str) -> str:
-    """The notebook as one HTML page: nbconvert's lab template, its CSS inlined, nothing from a CDN."""
-    import jinja2
+def mathml(tex: str, display: bool) -> str:
+    """One formula as MathML, which the browser draws itself (no script, nothing from the internet)."""
+    try:
+        from latex2mathml.converter import convert
+    except ImportError:
+        raise SiteError("the site draws formulas with latex2mathml, which is not installed. Try: make site (it installs "
+                        "the test extra), or pip install -e '.[test]'") from None  # fmt: skip
+    try:
+        drawn = convert(tex, display="block" if display else "inline")
+    except Exception as exc:  # latex2mathml's own errors: unbalanced braces and the like
+        raise SiteError(f"the formula ${tex}$ cannot be drawn ({type(exc).__name__}: {exc}). Try: plain LaTeX") from exc
+    # HTML needs no namespace on <math>, and with one the heading anchors (ElementTree) rename it ns0:math
+    drawn = drawn.replace(' xmlns="http://www.w3.org/1998/Math/MathML"', "", 1)
+    unknown = re.search(r">(\\[A-Za-z]+)<", drawn)  # a command latex2mathml does not know is kept as text
+    if unknown:
+        raise SiteError(
+            f"the formula ${tex}$ uses {unknown.group(1)}, which cannot be drawn as MathML. Try: plain LaTeX"
+        )
+    return drawn
+
+
+def math_renderer() -> type:
+    """nbconvert's Markdown renderer with formulas as MathML instead of ``$...$`` left for MathJax."""
+    from nbconvert.filters.markdown_mistune import IPythonRenderer
+
+    class MathMLRenderer(IPythonRenderer):
+        def inline_math(self, body: str) -> str:
+            return mathml(body, display=False)
+
+        def block_math(self, body: str) -> str:
+            return mathml(body, display=True)
+
+    return MathMLRenderer
+
+
+def exporter_class() -> type:
+    """nbconvert's HTML exporter whose Markdown cells draw their formulas as MathML."""
+    from jinja2 import pass_context
     from nbconvert import HTMLExporter
+    from nbconvert.filters.markdown_mistune import MarkdownWithMath
+
+    class MathMLExporter(HTMLExporter):
+        @pass_context  # jinja hands the filter the cell and resources it renders, as nbconvert's own does
+        def markdown2html(self, context: dict, source: str) -> str:
+            cell = context.get("cell", {})
+            renderer = math_renderer()(
+                escape=False,
+                attachments=cell.get("attachments", {}),
+                embed_images=self.embed_images,
+                path=context.get("resources", {}).get("metadata", {}).get("path", ""),
+                anchor_link_text=self.anchor_link_text,
+                exclude_anchor_links=self.exclude_anchor_links,
+            )
+            return MarkdownWithMath(renderer=renderer).render(source)
+
+    return MathMLExporter
+
+
+def render(nb: Any, title: str, kind: str, label: str) -> str:
+    """The notebook as one HTML page: nbconvert's lab template, its CSS inlined, formulas as MathML, nothing
+    from a CDN."""
+    import jinja2
 
     static_widgets(nb)
     nb.metadata["title"] = title
-    exporter = HTMLExporter(
+    exporter = exporter_class()(
         template_name="lab", extra_loaders=[jinja2.DictLoader({"site.html.j2": TEMPLATE})], template_file="site.html.j2"
     )
-    body, _ = exporter.from_notebook_node(nb, resources={"site_kind": kind, "site_label": html.escape(label)})
+    try:
+        body, _ = exporter.from_notebook_node(nb, resources={"site_kind": kind, "site_label": html.escape(label)})
+    except SiteError as e:  # a formula that cannot be drawn: say which page
+        raise SiteError(f"{title}: {e}") from None
     return body
 
 
@@ -344,14 +405,15 @@ RELATIVE_HREF = re.compile(r'href="(?![a-zA-Z][a-zA-Z0-9+.-]*:|#|/)([^"#?]+)')
 
 def markdown_page(path: Path) -> str:
     """A Markdown file of the repository as a plain HTML page."""
-    from nbconvert.filters.markdown import markdown2html
+    from nbconvert.filters.markdown_mistune import MarkdownWithMath
 
+    text = MarkdownWithMath(renderer=math_renderer()(escape=False)).render(path.read_text())
     name = html.escape(str(path.relative_to(ROOT)))
     return (
         f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{name}</title><link rel="icon" href="data:,">'
         "<style>body { font: 15px/1.5 sans-serif; max-width: 60em; margin: 2em auto; padding: 0 1em; }</style></head>\n"
         f'<body><header class="site-label"><a href="../index.html">Scaling Labs</a> &middot; {name}, as in the repository</header>\n'
-        f"{markdown2html(path.read_text())}\n</body></html>\n"
+        f"{text}\n</body></html>\n"
     )
 
 

@@ -1,10 +1,9 @@
-"""What the labs' self-checks share: :class:`CheckFailed` (an AssertionError), the one message form ("name: what
-is wrong. Try: what to do."), tracebacks without the checks' own frames in Jupyter, and ``check_prediction``.
-Each lab's module declares its exercises as specs that the engine (engine.py) runs; a ``check_*`` prints one line
-starting with a tick when everything passes."""
+"""What the labs' self-checks share: :class:`CheckFailed`, the one message form ("name: what is wrong. Try: what to
+do."), tracebacks without the checks' own frames in Jupyter, and ``check_prediction``."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import types
 from typing import NoReturn
@@ -27,22 +26,16 @@ def student_frames_only(tb: types.TracebackType | None) -> types.TracebackType |
     return new
 
 
-def _install_ipython_handler() -> None:
-    """In IPython, a CheckFailed shows the usual traceback minus the checks' own frames."""
-    try:
-        from IPython import get_ipython
-    except ImportError:
-        return
-    shell = get_ipython()
-    if shell is not None and not shell.custom_exceptions:
-        shell.set_custom_exc((CheckFailed,), _show)
-
-
 def _show(shell, etype, value, tb, tb_offset=None):
+    """In IPython, a CheckFailed shows the usual traceback minus the checks' own frames."""
     shell.showtraceback((etype, value, student_frames_only(tb)), tb_offset=tb_offset)
 
 
-_install_ipython_handler()
+with contextlib.suppress(ImportError):
+    from IPython import get_ipython
+
+    if get_ipython() is not None and not get_ipython().custom_exceptions:
+        get_ipython().set_custom_exc((CheckFailed,), _show)
 
 
 def message(name: str, problem: str, hint: str) -> str:

@@ -1,8 +1,6 @@
-"""Lab 3's exercises (solutions/lab3_ddp.ipynb) as engine specs, with their reference answers and
-known-wrong variants. The ring all-reduce, gradient averaging and overlapped DDP run on ranks that
-import this module (a variant a test submits there is a def, so that its source can be shipped),
-every tensor on the rank's device; gradient averaging and overlapped DDP on 2, then 3 processes,
-so that a fixed divisor fails. Sharding batches and saving on rank 0 run in the notebook."""
+"""Lab 3's exercises (solutions/lab3_ddp.ipynb) as engine specs. The ring all-reduce, gradient averaging and
+overlapped DDP run on ranks that import this module, every tensor on the rank's device (gradient averaging and
+overlapped DDP on 2, then 3 processes, so that a fixed divisor fails); sharding and saving run in the notebook."""
 
 from __future__ import annotations
 
@@ -12,6 +10,7 @@ import io
 import os
 import tempfile
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -20,13 +19,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from .engine import Case, Exercise, Mistake, check, difference, fail
+from .engine import Case, Exercise, check, difference, fail
+from .engine import mistake as _m
 
 __all__ = [f"check_{n}" for n in ("ring_all_reduce", "average_gradients", "shard_batches", "save_on_rank0", "overlap_ddp", "overlap_trace")]  # fmt: skip
 LAB = "lab3_ddp"
 _LIBRARY = ("utils.parallel", "torch.nn.parallel.DistributedDataParallel")
-# The mistake tables below keep one named mistake to two lines: its problem, then its hint, its
-# variant and, when it is recognised by a predicate rather than by replaying the variant, that.
 
 
 class _Watched:
@@ -59,18 +57,12 @@ def _at_world_sizes(ex: Exercise, doc: str):
 
 
 # ---------------------------------------------------------------------------- ring all-reduce
-
 RING_SIZES = (12, 7, 2)  # divisible by 3 ranks, not divisible, fewer elements than ranks
 
 
-def _ring_cases(ctx):
-    xs = [torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1) for n in RING_SIZES]
-    return [Case((x.to(ctx.device),), label=f"{len(x)} elements") for x in xs]
-
-
-def _ring(tensor, *, copies=False, reduce_add=True, gather=True, gather_add=False, gather_shift=0):
+def _ring(tensor, *, clone=False, copies=False, reduce_add=True, gather=True, gather_add=False, gather_shift=0):
     """The ring by hand; each keyword set away from its default makes one named mistake."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank, tensor = dist.get_world_size(), dist.get_rank(), tensor.clone() if clone else tensor
     right, left = (rank + 1) % world, (rank - 1) % world
     chunks = [c.clone() if copies else c for c in tensor.view(-1).tensor_split(world)]
 
@@ -88,10 +80,9 @@ def _ring(tensor, *, copies=False, reduce_add=True, gather=True, gather_add=Fals
     return tensor
 
 
-def _ring_blocking(tensor):  # its first step: every rank sends before any receives
+def _ring_blocking(tensor):  # its first step: every rank sends before any receives (the mistake under test)
     world, rank, buf = dist.get_world_size(), dist.get_rank(), torch.empty_like(tensor)
-    dist.send(tensor, (rank + 1) % world)  # the mistake under test
-    dist.recv(buf, (rank - 1) % world)  # the mistake under test
+    dist.send(tensor, (rank + 1) % world), dist.recv(buf, (rank - 1) % world)  # the mistake under test
     return tensor.add_(buf)
 
 
@@ -104,10 +95,6 @@ def _ring_no_wait(tensor):  # written out: a crash is recognised from this sourc
         dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[i], (rank + 1) % world), dist.P2POp(dist.irecv, buf, (rank - 1) % world)])  # fmt: skip
         chunks[j].add_(buf) if s < world - 1 else chunks[j].copy_(buf)
     return tensor
-
-
-def _ring_out_of_place(tensor):
-    return _ring(tensor.clone())
 
 
 def _ring_run(fn, case):
@@ -133,49 +120,32 @@ def _ring_compare(got, want):
 
 
 # fmt: off
-_RING_MISTAKES = [
-    Mistake("deadlock: every rank is blocked in its dist.send, waiting for a receive that no rank has posted yet",
-            "post each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), then wait on every request it returns", _ring_blocking,
-            lambda o: bool(o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source),  # the mistake under test
-    Mistake("the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before it has arrived (and a rank may wait forever)",
-            "call wait() on every request the batch returns before you read the received buffer", _ring_no_wait,
-            lambda o: any(g[2] for g in o.got) if o.got else (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source, mechanism=True),
-    Mistake("the returned tensor is right but the tensor passed in was not changed",
-            "work in place, like dist.all_reduce: cut the tensor into views and add into them, then return it", _ring_out_of_place,
-            lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want))),
-    Mistake("every rank still holds its own tensor: your chunks are copies or were rebound, not views of `tensor` changed in place",
-            "cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy in place into them", lambda t: _ring(t, copies=True)),
-    Mistake("reduce-scatter is right but the all-gather is wrong: it does not pass on the chunk each rank finished",
-            "in the all-gather a rank first sends the chunk it finished, then passes on the chunk it just received", lambda t: _ring(t, gather_shift=1)),
-    Mistake("reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it",
-            "in reduce-scatter add what you receive into the same-numbered chunk; only the all-gather copies", lambda t: _ring(t, reduce_add=False)),
-    Mistake("each rank has exactly one fully summed chunk: the reduce-scatter works but the all-gather is missing",
-            "after N-1 reduce-scatter steps, run N-1 more steps that pass the finished chunks on and copy them", lambda t: _ring(t, gather=False)),
-    Mistake("some values were added twice: the all-gather adds what it receives",
-            "in the all-gather copy the received chunk into place (copy_); only reduce-scatter adds", lambda t: _ring(t, gather_add=True)),
-]
-# fmt: on
 RING_ALL_REDUCE = Exercise(
     name="ring_all_reduce",
-    cases=_ring_cases,
-    oracle=lambda tensor: dist.all_reduce(tensor) or tensor,  # all_reduce returns None
-    run=_ring_run,
-    compare=_ring_compare,
+    cases=lambda ctx: [Case(((torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device),), label=f"{n} elements") for n in RING_SIZES], oracle=lambda tensor: dist.all_reduce(tensor) or tensor, run=_ring_run,
+    compare=_ring_compare, ranks=3, timeout_s=90, passed="3 processes, 3 tensor sizes, equal to all_reduce",
     hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last received, and cut the tensor with tensor_split(N) so sizes that do not divide by N work too",
-    mistakes=_RING_MISTAKES,
     refuse=_LIBRARY + tuple(f"torch.distributed.{c}" for c in ("all_reduce", "all_gather", "reduce_scatter", "reduce")),
     refuse_hint="build it from point-to-point sends and receives (dist.P2POp, dist.batch_isend_irecv)",
-    ranks=3,
-    timeout_s=90,
-    passed="3 processes, 3 tensor sizes, equal to all_reduce",
+    mistakes=[
+        _m("deadlock: every rank is blocked in its dist.send, waiting for a receive no rank has posted. Try: post each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), then wait on its requests",
+           _ring_blocking, lambda o: bool(o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source),  # the mistake under test
+        _m("the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before it arrives. Try: call wait() on every request of the batch before you read the received buffer",
+           _ring_no_wait, lambda o: any(g[2] for g in o.got) if o.got else (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source, mechanism=True),
+        _m("the returned tensor is right but the tensor passed in was not changed. Try: work in place, like dist.all_reduce: add into views of the tensor, then return it",
+           partial(_ring, clone=True), lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want))),
+        _m("every rank still holds its own tensor: your chunks are copies, not views changed in place. Try: cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy into them", partial(_ring, copies=True)),
+        _m("reduce-scatter is right but the all-gather does not pass on the chunk each rank finished. Try: in the all-gather first send the chunk you finished, then the chunk you just received", partial(_ring, gather_shift=1)),
+        _m("reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it. Try: in reduce-scatter add what you receive; only the all-gather copies", partial(_ring, reduce_add=False)),
+        _m("each rank has exactly one fully summed chunk: the all-gather is missing. Try: after N-1 reduce-scatter steps, run N-1 more steps that pass the finished chunks on and copy them", partial(_ring, gather=False)),
+        _m("some values were added twice: the all-gather adds what it receives. Try: in the all-gather copy the received chunk into place; only reduce-scatter adds", partial(_ring, gather_add=True)),
+    ],
 )
-check_ring_all_reduce = RING_ALL_REDUCE.checker(
-    "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 all-gather steps of one batched send and receive each; run on 3 processes for tensors of 12, 7 and 2 elements."
-)
+check_ring_all_reduce = RING_ALL_REDUCE.checker("``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 all-gather steps of one batched send and receive each; run on 3 processes for tensors of 12, 7 and 2 elements.")
+# fmt: on
+
 
 # ---------------------------------------------------------------------------- gradient averaging
-
-
 def _mlp(widths, device, seed=0):
     torch.manual_seed(seed)
     layers = [m for a, b in zip(widths, widths[1:]) for m in (nn.Linear(a, b), nn.Tanh())]
@@ -203,50 +173,33 @@ def _grads_run(fn, case):
     return [None if p.grad is None else p.grad.detach().cpu() for p in case.args[0].parameters()]
 
 
-def _average(model, *, reduce=True, divide=True, by=None):
+def _average(model, *, reduce=True, divide=True, by=None, assign=False):
+    """The reference (the defaults); each keyword makes one named mistake (``assign``: p.grad = all_reduce's None)."""
     for p in model.parameters():
-        if reduce:
-            dist.all_reduce(p.grad)
-        if divide:
+        done = dist.all_reduce(p.grad) if reduce else None
+        if assign:
+            p.grad = done
+        elif divide:
             p.grad /= by or dist.get_world_size()
 
 
-def _average_none(model):
-    for p in model.parameters():
-        p.grad = dist.all_reduce(p.grad)
-
-
 # fmt: off
-_AVERAGE_MISTAKES = [
-    Mistake("a gradient is None after your function",
-            "dist.all_reduce works in place and returns None: average p.grad in place, never assign that result to it", _average_none, lambda o: any(g is None for r in o.got for g in r)),
-    Mistake("the gradients were summed, not averaged", "divide each one by the world size after the all-reduce", lambda m: _average(m, divide=False)),
-    Mistake("each rank still has its own local gradient: nothing was exchanged", "all-reduce every parameter's gradient, on every rank", lambda m: None),
-    Mistake("each gradient was divided by the world size but not all-reduced", "all-reduce first, then divide", lambda m: _average(m, reduce=False)),
-    Mistake("the gradients were divided by 2, not by the number of processes",
-            "divide by the number of processes, the world size: the check runs on 2 and on 3 processes", lambda m: _average(m, by=2)),
-]
-# fmt: on
 AVERAGE_GRADIENTS = Exercise(
-    name="average_gradients",
-    cases=_grad_cases,
-    oracle=_average,
-    run=_grads_run,
+    name="average_gradients", cases=_grad_cases, oracle=_average, run=_grads_run, ranks=3, timeout_s=90,
     hint="sum every parameter's gradient over the ranks with an all-reduce, then divide it in place by the world size",
-    mistakes=_AVERAGE_MISTAKES,
-    refuse=_LIBRARY,
-    refuse_hint="write the loop over the parameters yourself with dist.all_reduce",
-    ranks=3,
-    timeout_s=90,
+    refuse=_LIBRARY, refuse_hint="write the loop over the parameters yourself with dist.all_reduce",
     passed="2 and 3 processes, equal to the mean over ranks",
+    mistakes=[
+        _m("a gradient is None after your function. Try: dist.all_reduce works in place and returns None: never assign its result to p.grad", partial(_average, assign=True), lambda o: any(g is None for r in o.got for g in r)),
+        _m("the gradients were summed, not averaged. Try: divide each one by the world size after the all-reduce", partial(_average, divide=False)),
+        _m("each rank still has its own local gradient: nothing was exchanged. Try: all-reduce every parameter's gradient, on every rank, then divide", partial(_average, reduce=False)),
+        _m("the gradients were divided by 2, not by the number of processes. Try: divide by the world size: the check runs on 2 and on 3 processes", partial(_average, by=2)),
+    ],
 )
-check_average_gradients = _at_world_sizes(
-    AVERAGE_GRADIENTS,
-    "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run on 2, then 3 processes.",
-)
+check_average_gradients = _at_world_sizes(AVERAGE_GRADIENTS, "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run on 2, then 3 processes.")
+# fmt: on
 
 # ---------------------------------------------------------------------------- overlapped DDP by hand
-
 OVERLAP_CAPS = (0, 80, 10**9)  # one bucket per parameter, a few buckets, one bucket
 OVERLAP_STEPS = 3
 TRACE_CAPS = (0, 70_000)
@@ -264,8 +217,7 @@ def _trace_cases(ctx):
 
 def _overlap_run(fn, case):
     """SGD steps with the answer's hooks and finish(), noting of every dist.all_reduce its step, size, whether it was
-    async, launched in backward, waited for before backward ended, and how many gradients were ready then. A trace
-    profiles the last step (the first warms up)."""
+    async, launched in backward, waited for before backward ended, and the gradients ready then; a trace profiles."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     (model, cap), batches, trace = case.args, case.kwargs["batches"], case.kwargs.get("trace", False)
@@ -320,15 +272,12 @@ def _overlap_compare(got, want):
 
 
 _TRACED: dict = {}  # bucket_numel -> rank 0's events of the student's traced step
+_trace_compare = lambda got, want: _TRACED.update({want[0]["cap"]: got[0]["events"]}) or _overlap_compare(got, want)
 
 
-def _trace_compare(got, want):
-    _TRACED[want[0]["cap"]] = got[0]["events"]
-    return _overlap_compare(got, want)
-
-
-def _overlap(model, cap, *, order=reversed, divide=True, clear=True, copy=True, wait=False, hold=False, after=False):
-    """Buckets by hand; each keyword set away from its default makes one named mistake."""
+def _overlap(model, cap, *, order=reversed, start="ready", divide=True, clear=True, copy=True, wait=False, give=True):
+    """Buckets by hand; each keyword away from its default makes one named mistake (``start``: a bucket's
+    all-reduce starts when it is "ready", once "all" gradients are, in "finish", or "never")."""
     world, params = dist.get_world_size(), [p for p in model.parameters() if p.requires_grad]
     buckets, size = [[]], 0
     for p in order(params):
@@ -338,23 +287,25 @@ def _overlap(model, cap, *, order=reversed, divide=True, clear=True, copy=True, 
         size += p.numel()
     bucket_of, ready, pending = {p: i for i, b in enumerate(buckets) for p in b}, [0] * len(buckets), []
 
-    def launch(i):
-        flat = torch.cat([q.grad.reshape(-1) for q in buckets[i]])
-        pending.append((i, flat, dist.all_reduce(flat, async_op=True)))
-        _ = pending[-1][2].wait() if wait else None
+    def launch(*which):
+        for i in which:
+            flat = torch.cat([q.grad.reshape(-1) for q in buckets[i]])
+            pending.append((i, flat, dist.all_reduce(flat, async_op=True)))
+            _ = pending[-1][2].wait() if wait else None
 
     def hook(p):
-        ready[bucket_of[p]] += 1
-        if hold and sum(ready) == len(params):
-            [launch(j) for j in range(len(buckets))]
-        elif not (hold or after) and ready[bucket_of[p]] == len(buckets[bucket_of[p]]):
-            launch(bucket_of[p])
+        i = bucket_of[p]
+        ready[i] += 1
+        if start == "all" and sum(ready) == len(params):
+            launch(*range(len(buckets)))
+        elif start == "ready" and ready[i] == len(buckets[i]):
+            launch(i)
 
     for p in params:
         p.register_post_accumulate_grad_hook(hook)
 
     def finish():
-        _ = [launch(i) for i in range(len(buckets))] if after else None
+        _ = launch(*range(len(buckets))) if start == "finish" else None
         for i, flat, work in pending:
             work.wait()
             flat /= world if divide else 1
@@ -364,92 +315,40 @@ def _overlap(model, cap, *, order=reversed, divide=True, clear=True, copy=True, 
             pending.clear()
             ready[:] = [0] * len(buckets)
 
-    return finish
+    return finish if give else None
 
 
-def _overlap_no_finish(model, bucket_numel=0):
-    _overlap(model, bucket_numel)
-
-
-def _overlap_silent(model, bucket_numel=0):
-    return lambda: None
-
-
-def _overlap_after_backward(model, bucket_numel=0):
-    return _overlap(model, bucket_numel, after=True)
-
-
-def _overlap_waits_in_hook(model, bucket_numel=0):
-    return _overlap(model, bucket_numel, wait=True)
-
-
-def _overlap_holds(model, bucket_numel=0):
-    return _overlap(model, bucket_numel, hold=True)
-
-
-def _got(key, pred=bool):
-    """A predicate on the outcome: ``pred`` holds for ``key`` of some rank's result."""
-    return lambda o: bool(o.got) and any(pred(g[key]) for g in o.got)
-
-
-# rows 1 to 4 are the trace's mistakes too
+_got = lambda key, pred=bool: lambda o: bool(o.got) and any(pred(g[key]) for g in o.got)  # for some rank's result
+# rows 1 to 4 are the trace's mistakes too; a mistake seen by a predicate is a partial, which a rank can unpickle
 # fmt: off
 _OVERLAP_MISTAKES = [
-    Mistake("overlap_ddp did not return a function",
-            "return the inner function that waits for the all-reduces and averages; the training loop calls it after backward", _overlap_no_finish, _got("finish", lambda f: not f), mechanism=True),
-    Mistake("no dist.all_reduce was called",
-            "in each parameter's hook, launch dist.all_reduce on its gradient (or its bucket's), with async_op=True", _overlap_silent, _got("calls", lambda n: n == 0), mechanism=True),
-    Mistake("every all-reduce started after backward returned: none overlaps with backward, so there is no overlap",
-            "launch the all-reduces from gradient hooks, which fire during backward (look up Tensor.register_post_accumulate_grad_hook), with async_op=True; finish() only waits",
-            _overlap_after_backward, lambda o: bool(o.got) and any(g["calls"] and not g["in_bw"] for g in o.got), mechanism=True),
-    Mistake("each all-reduce finished inside its hook (blocking, or waited for there): backward never runs while a reduction is outstanding, so nothing overlaps",
-            "pass async_op=True, keep the work handles in the hooks and wait() on them only in finish(), after backward", _overlap_waits_in_hook,
-            lambda o: bool(o.got) and any(g["in_bw"] and not g["overlapped"] for g in o.got), mechanism=True),
-    Mistake("your buckets follow the forward order of model.parameters(), but gradients become ready last layer first, so a bucket with the first layer's parameters fills only at the end of backward",
-            "build the buckets walking the parameters in reverse order, the order in which backward's hooks fire", lambda m, c=0: _overlap(m, c, order=list)),
-    Mistake("the all-reduces start only once every gradient is ready, so none overlaps with the rest of backward",
-            "launch a bucket's all-reduce from the hook of its last parameter, as soon as that gradient is accumulated", _overlap_holds, _got("late"), mechanism=True),
-    Mistake("the gradients were summed, not averaged", "in finish(), after waiting, divide by the world size", lambda m, c=0: _overlap(m, c, divide=False)),
-    Mistake("each rank still has its own local gradient after finish(): the reduced values never reach p.grad",
-            "after waiting, copy the reduced flat buffer back into each p.grad of its bucket", lambda m, c=0: _overlap(m, c, copy=False)),
-    Mistake("the first step matches but later steps do not: finish() keeps the last step's handles or counts",
-            "at the end of every finish(), forget the handles and reset the ready counts, so the next backward starts clean", lambda m, c=0: _overlap(m, c, clear=False)),
-    Mistake("you make one all-reduce per parameter whatever bucket_numel is",
-            "group parameters in the order their gradients arrive into buckets of at most bucket_numel elements", lambda m, c=0: _overlap(m, 0)),
+    _m("overlap_ddp did not return a function. Try: return the inner function that waits for the all-reduces and averages; the training loop calls it after backward", partial(_overlap, give=False), _got("finish", lambda f: not f), mechanism=True),
+    _m("no dist.all_reduce was called. Try: in each parameter's hook, launch dist.all_reduce on its gradient (or its bucket's), with async_op=True", partial(_overlap, start="never"), _got("calls", lambda n: n == 0), mechanism=True),
+    _m("every all-reduce started after backward returned, so none overlaps with backward. Try: launch them with async_op=True from gradient hooks, which fire during backward (Tensor.register_post_accumulate_grad_hook); finish() only waits",
+       partial(_overlap, start="finish"), lambda o: bool(o.got) and any(g["calls"] and not g["in_bw"] for g in o.got), mechanism=True),
+    _m("each all-reduce finished inside its hook (blocking, or waited for there), so nothing overlaps. Try: pass async_op=True, keep the work handles and wait() on them only in finish()",
+       partial(_overlap, wait=True), lambda o: bool(o.got) and any(g["in_bw"] and not g["overlapped"] for g in o.got), mechanism=True),
+    _m("your buckets follow the forward order of model.parameters(), but gradients become ready last layer first. Try: build the buckets walking the parameters in reverse order", partial(_overlap, order=list)),
+    _m("the all-reduces start only once every gradient is ready, so none overlaps with the rest of backward. Try: launch a bucket's all-reduce from the hook of its last parameter", partial(_overlap, start="all"), _got("late"), mechanism=True),
+    _m("the gradients were summed, not averaged. Try: in finish(), after waiting, divide by the world size", partial(_overlap, divide=False)),
+    _m("each rank still has its own local gradient after finish(): the reduced values never reach p.grad. Try: after waiting, copy the reduced flat buffer back into each p.grad of its bucket", partial(_overlap, copy=False)),
+    _m("the first step matches but later steps do not: finish() keeps the last step's handles or counts. Try: at the end of every finish(), forget the handles and reset the ready counts", partial(_overlap, clear=False)),
+    _m("you make one all-reduce per parameter whatever bucket_numel is. Try: group parameters, in the order their gradients arrive, into buckets of at most bucket_numel elements", lambda m, c=0: _overlap(m, 0)),
 ]
 # fmt: on
+_OVERLAP = dict(oracle=_overlap, run=_overlap_run, refuse=_LIBRARY, timeout_s=90)
 OVERLAP_DDP = Exercise(
-    name="overlap_ddp",
-    cases=_overlap_cases,
-    oracle=_overlap,
-    run=_overlap_run,
-    compare=_overlap_compare,
+    name="overlap_ddp", cases=_overlap_cases, compare=_overlap_compare, mistakes=_OVERLAP_MISTAKES, ranks=3, **_OVERLAP,
     hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, then in finish() wait, divide by the world size and copy each slice back to its gradient",
-    mistakes=_OVERLAP_MISTAKES,
-    refuse=_LIBRARY,
     refuse_hint="write the hooks, the buckets and finish() yourself with dist.all_reduce",
-    ranks=3,
-    timeout_s=90,
     passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while all-reduces were outstanding",
-)
+)  # fmt: skip
 OVERLAP_TRACE = Exercise(
-    name="overlap_trace",
-    answer=("overlap_ddp",),
-    cases=_trace_cases,
-    oracle=_overlap,
-    run=_overlap_run,
-    compare=_trace_compare,
+    name="overlap_trace", answer=("overlap_ddp",), cases=_trace_cases, compare=_trace_compare, ranks=2, **_OVERLAP,
     hint="all-reduce a bucket from the hook of its last parameter, in the order the hooks fire",
-    mistakes=_OVERLAP_MISTAKES[1:5],
-    refuse=_LIBRARY,
-    ranks=2,
-    timeout_s=90,
-    passed="2 processes, a traced step with backward running while all-reduces were outstanding",
-)
-check_overlap_ddp = _at_world_sizes(
-    OVERLAP_DDP,
-    "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.",
-)
+    mistakes=_OVERLAP_MISTAKES[1:5], passed="2 processes, a traced step with backward running while all-reduces were outstanding",
+)  # fmt: skip
+check_overlap_ddp = _at_world_sizes(OVERLAP_DDP, "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.")  # fmt: skip
 
 
 def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) -> list:
@@ -467,11 +366,9 @@ def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) 
 
 
 # ---------------------------------------------------------------------------- sharding
-
-
-def _shard(n, b, rank, world, epoch, seed, *, replicas=None, reshuffle=True, drop_last=False, whole=False, rng=False):
+def _shard(n, b, rank, world, epoch, seed, *, reshuffle=True, drop_last=False, whole=False, rng=False):
     """DistributedSampler's batches; each keyword set away from its default makes one named mistake."""
-    s = DistributedSampler(range(n), num_replicas=replicas or world, rank=rank, seed=seed, drop_last=drop_last)
+    s = DistributedSampler(range(n), num_replicas=world, rank=rank, seed=seed, drop_last=drop_last)
     _ = s.set_epoch(epoch) if reshuffle else None
     idx = torch.randperm(n).tolist()[rank::world] if rng else list(s)
     return [idx] if whole else [idx[i : i + b] for i in range(0, len(idx), b)]
@@ -493,49 +390,33 @@ def _shard_compare(got, want):
 
 
 # fmt: off
-_SHARD_MISTAKES = [
-    Mistake("two calls with the same arguments gave different batches",
-            "give the sampler the seed argument instead of drawing from the global random state", lambda *a: _shard(*a, rng=True), lambda o: not o.got[1]),
-    Mistake("a batch has more than batch_size indices", "cut each rank's indices into batches of batch_size", lambda *a: _shard(*a, whole=True)),
-    Mistake("every rank got the same batches: the data is not dealt out by rank",
-            "tell DistributedSampler the world size and this rank (num_replicas, rank), so that each rank takes its own share",
-            lambda n, b, r, w, e, s: _shard(n, b, 0, w, e, s), lambda o: o.got[1] and all(g == o.got[0][0] for g in o.got[0])),
-    Mistake("the ranks share examples in the same epoch",
-            "every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank", lambda n, b, r, w, e, s: _shard(n, b, r, w, e, s + r)),
-    Mistake("together the ranks do not cover the dataset",
-            "keep the sampler's default drop_last=False, which pads the last share so every example is used", lambda *a: _shard(*a, drop_last=True)),
-    Mistake("the epochs have the same order: the data is never reshuffled",
-            "call the sampler's set_epoch with the epoch number before iterating it", lambda *a: _shard(*a, reshuffle=False)),
-]
-# fmt: on
 SHARD_BATCHES = Exercise(
-    name="shard_batches",
-    cases=lambda: [
-        Case((20, 4, 2, 0, 0), label="20 examples, batches of 4, 2 ranks, epoch 0"),
-        Case((20, 4, 2, 1, 0), label="20 examples, batches of 4, 2 ranks, epoch 1"),
-        Case((11, 3, 3, 2, 5), label="11 examples, batches of 3, 3 ranks, epoch 2, seed 5"),
-    ],
-    oracle=_shard,
-    run=_shard_run,
-    compare=_shard_compare,
+    name="shard_batches", oracle=_shard, run=_shard_run, compare=_shard_compare,
+    cases=lambda: [Case((n, b, w, e, s), label=f"{n} examples, batches of {b}, {w} ranks, epoch {e}, seed {s}") for n, b, w, e, s in ((20, 4, 2, 0, 0), (20, 4, 2, 1, 0), (11, 3, 3, 2, 5))],
     hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this rank and the seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
-    mistakes=_SHARD_MISTAKES,
     passed="3 cases of sizes, ranks, epochs and seeds, equal to DistributedSampler",
+    mistakes=[
+        _m("two calls with the same arguments gave different batches. Try: give the sampler the seed argument instead of drawing from the global random state", partial(_shard, rng=True), lambda o: not o.got[1]),
+        _m("a batch has more than batch_size indices. Try: cut each rank's indices into batches of batch_size", partial(_shard, whole=True)),
+        _m("every rank got the same batches: the data is not dealt out by rank. Try: tell DistributedSampler the world size and this rank (num_replicas, rank)",
+           lambda n, b, r, w, e, s: _shard(n, b, 0, w, e, s), lambda o: o.got[1] and all(g == o.got[0][0] for g in o.got[0])),
+        _m("the ranks share examples in the same epoch. Try: every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank", lambda n, b, r, w, e, s: _shard(n, b, r, w, e, s + r)),
+        _m("together the ranks do not cover the dataset. Try: keep the sampler's default drop_last=False, which pads the last share", partial(_shard, drop_last=True)),
+        _m("the epochs have the same order: the data is never reshuffled. Try: call the sampler's set_epoch with the epoch number before iterating it", partial(_shard, reshuffle=False)),
+    ],
 )
-check_shard_batches = SHARD_BATCHES.checker(
-    "``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that ``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them."
-)
+check_shard_batches = SHARD_BATCHES.checker("``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that ``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them.")
+# fmt: on
+
 
 # ---------------------------------------------------------------------------- rank-0 checkpoint
-
-
 def _save_cases():
     out = []
     for width, epoch in ((3, 3), (5, 7)):
         model = _mlp((width, 2), "cpu", width)
         opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
         model(torch.ones(1, width)).sum().backward()
-        opt.step()
+        opt.step()  # a step with momentum: the optimizer has state to save
         out.append(Case((model, opt, epoch), label=f"a Linear({width}, 2) at epoch {epoch}"))
     return out
 
@@ -553,7 +434,7 @@ def _save_run(fn, case):
         out.update(written=os.path.exists(path), atomic=atomic, left=sorted(set(os.listdir(d)) - {"ckpt.pt"}))
         try:
             ck = torch.load(path, weights_only=True)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - no file, or one that does not load: what the check reports
             ck = None
     ck = ck if isinstance(ck, dict) else {}
     state = ck.get("model") if isinstance(ck.get("model"), dict) else {}
@@ -575,34 +456,20 @@ def _save(path, model, optimizer, epoch, rank, /, *, every_rank=False, in_place=
 
 
 # fmt: off
-_SAVE_MISTAKES = [
-    Mistake("rank 1 wrote a file too", "only rank 0 saves: return first when rank is not 0", lambda *a: _save(*a, every_rank=True)),
-    Mistake("rank 0 did not write the checkpoint", "torch.save(...) to a temporary file, then os.replace it to path", lambda *a: None),
-    Mistake("the file was written in place, not atomically: a crash mid-write would leave a corrupt checkpoint",
-            "save to a temporary file in the same folder, then rename it over the target with os.replace (one step, atomic)", lambda *a: _save(*a, in_place=True)),
-    Mistake("temporary files were left behind", "os.replace moves the temporary file onto path", lambda *a: _save(*a, leave_tmp=True)),
-    Mistake("the checkpoint cannot be loaded with weights_only=True", "save state dicts and numbers, not objects", lambda *a: _save(*a, model=a[1])),
-    Mistake("the checkpoint has no 'optimizer'",
-            "save {'model': model.state_dict(), 'optimizer': optimizer.state_dict(), 'epoch': epoch}", lambda *a: _save(*a, optimizer=None)),
-    Mistake("the saved weights differ from the model's", "save model.state_dict()",
-            lambda *a: _save(*a, model={k: 0 * t for k, t in a[1].state_dict().items()})),
-    Mistake("the optimizer state (momentum) is missing", "save optimizer.state_dict(), not its param_groups",
-            lambda *a: _save(*a, optimizer={"param_groups": a[2].state_dict()["param_groups"]})),
-    Mistake("the epoch saved is not the one given", "store the epoch argument as given", lambda p, m, o, e, r: _save(p, m, o, e + 1, r)),
-]
-# fmt: on
 SAVE_ON_RANK0 = Exercise(
-    name="save_on_rank0",
-    cases=_save_cases,
-    oracle=_save,
-    run=_save_run,
-    compare=lambda got, want: next(
-        (f"gave {k}={got[k]!r} where {w!r} was expected" for k, w in want.items() if got[k] != w), None
-    ),
+    name="save_on_rank0", cases=_save_cases, oracle=_save, run=_save_run,
+    compare=lambda got, want: next((f"gave {k}={got[k]!r} where {w!r} was expected" for k, w in want.items() if got[k] != w), None),
     hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then os.replace it onto path",
-    mistakes=_SAVE_MISTAKES,
     passed="2 models and epochs: rank 0 alone writes, atomically, everything a restart needs",
+    mistakes=[
+        _m("rank 1 wrote a file too. Try: only rank 0 saves: return first when rank is not 0", partial(_save, every_rank=True)),
+        _m("rank 0 did not write the checkpoint. Try: torch.save(...) to a temporary file, then os.replace it to path", lambda *a: None),
+        _m("the file was written in place, not atomically: a crash mid-write would corrupt it. Try: save to a temporary file in the same folder, then os.replace it onto the target", partial(_save, in_place=True)),
+        _m("temporary files were left behind. Try: os.replace moves the temporary file onto path", partial(_save, leave_tmp=True)),
+        _m("the checkpoint cannot be loaded with weights_only=True. Try: save state dicts and numbers, not objects", lambda *a: _save(*a, model=a[1])),
+        _m("the checkpoint lacks the optimizer's state (its momentum). Try: save optimizer.state_dict() under 'optimizer'", partial(_save, optimizer=None)),
+        _m("the epoch saved is not the one given. Try: store the epoch argument as given", lambda p, m, o, e, r: _save(p, m, o, e + 1, r)),
+    ],
 )
-check_save_on_rank0 = SAVE_ON_RANK0.checker(
-    "``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch to ``path`` atomically (a temporary file, then os.replace)."
-)
+check_save_on_rank0 = SAVE_ON_RANK0.checker("``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch to ``path`` atomically (a temporary file, then os.replace).")
+# fmt: on

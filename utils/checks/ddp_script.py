@@ -1,9 +1,6 @@
-"""Lab 3's torchrun script exercise (solutions/lab3_ddp.ipynb). The answer is a script FILE, run under
-torchrun on the CPU (gloo) on 2 and on 3 processes with different command lines; rank 0's saved
-weights are compared with one process on the same global batches (the serial script, simulated).
-Each rank runs it from :func:`_probe`, which records what the rank did; the named mistakes are
-recognised from those records and from the weights. A CPU run never takes the script's GPU
-branch (``set_device``, NCCL): that branch is not checked."""
+"""Lab 3's torchrun script exercise (solutions/lab3_ddp.ipynb): the answer is a script FILE, run under torchrun on the
+CPU (gloo) on 2 and 3 processes with different command lines, each rank from :func:`_probe`, which records what it
+did; rank 0's saved weights are compared with one process on the same global batches. The GPU branch is not run."""
 
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ __all__ = ["check_ddp_script", "SERIAL_SCRIPT", "SCRIPT"]
 LAB = "lab3_ddp"
 SCRIPT_TIMEOUT = 240.0  # seconds one torchrun run may take before it counts as hung
 _PROBE = ["--no-python", sys.executable, "-c", "import sys, utils.checks.ddp_script as s; s._probe(*sys.argv[1:])"]
-_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the course's root
 
 SERIAL_SCRIPT = '''\
 """train_serial.py: one process trains a small classifier. Run: python train_serial.py --epochs 3"""
@@ -109,8 +106,8 @@ class _NoCourse(importlib.abc.MetaPathFinder):
 
 
 def _probe(script: str, *args: str) -> None:
-    """One rank under torchrun: run ``script`` as __main__ (its folder first on the path, the course's
-    package not importable) and write what the rank did to ``$LAB3_PROBE_DIR/rank<r>.json``."""
+    """One rank under torchrun: run ``script`` as __main__ (its folder first on the path, the course's package not
+    importable, as on a cluster) and write what the rank did to ``$LAB3_PROBE_DIR/rank<r>.json``."""
     import runpy
     import traceback
 
@@ -121,11 +118,7 @@ def _probe(script: str, *args: str) -> None:
     rec = dict(rank=int(os.environ["RANK"]), init=0, ddp=0, saves=0, pending=0, examples=0, left=False, error="")
 
     def counted(fn, key, n=lambda *a, **k: 1):
-        def wrapper(*a, **k):
-            rec[key] += n(*a, **k)
-            return fn(*a, **k)
-
-        return wrapper
+        return lambda *a, **k: rec.update({key: rec[key] + n(*a, **k)}) or fn(*a, **k)
 
     def batch(self, x=None, *a, **k):  # examples through DDP that an optimizer step then trains on
         return len(x) if torch.is_grad_enabled() and hasattr(x, "shape") else 0
@@ -244,55 +237,33 @@ def _variant(**edit) -> Script:
     return Script(text=text)
 
 
-def _ran(o) -> list:
-    """Each rank's record, when every rank ran the script to its end; else []."""
-    return o.got["recs"] if not (o.got["hung"] or o.got["failed"]) and all(o.got["recs"]) else []
-
-
-def _crashed_with(text: str):
-    return lambda o: o.got["failed"] and text in o.got["out"]
-
-
-def _matches(**change):
-    """Rank 0's weights are those of the simulation with ``change``: a recognisable wrong run."""
-    return lambda o: difference(o.got["weights"], _simulate(**o.case.kwargs | change), 1e-4, 1e-5) is None
-
-
+# How a run shows a mistake: each rank's record when every rank ran the script to its end (else []), a crash whose
+# output holds ``text``, rank 0's weights equal to those of the simulation with ``change``.
+_ran = lambda o: o.got["recs"] if not (o.got["hung"] or o.got["failed"]) and all(o.got["recs"]) else []
+_crashed_with = lambda text: lambda o: o.got["failed"] and text in o.got["out"]
+_matches = lambda **change: lambda o: difference(o.got["weights"], _simulate(**o.case.kwargs | change), 1e-4, 1e-5) is None  # fmt: skip
 # under torchrun nobody serves that address: the ranks wait
 _HANG = 'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))'
-# One row per named mistake: its problem; its hint, the variant's edit of the right script, how the
-# run shows it, and whether that is looked for on every case (a run can be right for a wrong reason).
+# A row per mistake: "problem. Try: hint", the variant's edit of the right script, how the run shows it, and whether
+# that is looked for on every case (a run can be right for a wrong reason).
 # fmt: off
 _MISTAKES = [
-    ("your script imports the course's utils package, which a job on a cluster does not have",
-     "write it with torch.distributed and torch.nn.parallel only", {"init": "import utils.ddp_train"}, _crashed_with("No module named 'utils'"), True),
-    ("DistributedDataParallel got device_ids for a model on the CPU",
-     "pass device_ids only when the model is on a GPU", {"wrap": "lambda m: DDP(m, device_ids=[rank])"}, _crashed_with("device_ids"), True),
-    ("the script does not join the process group (init_process_group) before it uses torch.distributed or trains",
-     "call init_process_group with the backend alone (gloo on the CPU, nccl on GPUs) at the start of main: torchrun's environment variables give the rest",
+    ("your script imports the course's utils package, which a job on a cluster does not have. Try: write it with torch.distributed and torch.nn.parallel only", {"init": "import utils.ddp_train"}, _crashed_with("No module named 'utils'"), True),
+    ("DistributedDataParallel got device_ids for a model on the CPU. Try: pass device_ids only when the model is on a GPU", {"wrap": "lambda m: DDP(m, device_ids=[rank])"}, _crashed_with("device_ids"), True),
+    ("the script does not join the process group (init_process_group) before it uses torch.distributed or trains. Try: call init_process_group with the backend alone at the start of main: torchrun's environment gives the rest",
      {"init": "pass"}, lambda o: _crashed_with("has not been initialized")(o) or (_ran(o) and not any(r["init"] for r in _ran(o))), True),
-    ("the script hung under torchrun: either the ranks never met, because the group was not joined from the environment (an address, port, rank or world size written in the script), or some ranks wait in a collective that the others never reach",
-     "join with init_process_group given the backend alone, and make every rank call every collective (a barrier, the backward of DDP) the same number of times", {"init": _HANG}, lambda o: o.got["hung"], True),
-    ("the model is never wrapped in DistributedDataParallel, so the gradients are not averaged and the ranks drift apart",
-     "wrap the model in DistributedDataParallel once it is on its device", {"wrap": "lambda m: m", "inner": "model"}, lambda o: any(not r["ddp"] for r in _ran(o)), True),
-    ("every rank trained on the whole dataset every epoch: the loader it iterates deals out no shards, so the processes repeat each other's work instead of sharing it",
-     "give that DataLoader a DistributedSampler with the script's seed in place of its own order, and batch_size // world_size examples per rank",
+    ("the script hung under torchrun: the ranks never met (an address, port, rank or world size written in the script), or some wait in a collective the others never reach. Try: join with init_process_group given the backend alone, and make every rank call every collective",
+     {"init": _HANG}, lambda o: o.got["hung"], True),
+    ("the model is never wrapped in DistributedDataParallel, so the ranks drift apart. Try: wrap the model in DistributedDataParallel once it is on its device", {"wrap": "lambda m: m", "inner": "model"}, lambda o: any(not r["ddp"] for r in _ran(o)), True),
+    ("every rank trained on the whole dataset every epoch, repeating the others' work. Try: give the DataLoader a DistributedSampler with the script's seed, and batch_size // world_size examples per rank",
      {"feed": "order.tolist()", "batch": "args.batch_size"}, lambda o: any(r["examples"] >= 512 * o.case.kwargs["epochs"] for r in _ran(o)), True),
-    ("a rank other than 0 saved a checkpoint too, so several processes wrote the same file at once",
-     "save on rank 0 only", {"saver": "True"}, lambda o: any(r["saves"] for r in _ran(o)[1:]), True),
-    ("rank 0 wrote no checkpoint at the path that --ckpt gives",
-     "save the checkpoint to args.ckpt on rank 0, as the serial script does", {"saver": "False"}, lambda o: _ran(o) and o.got["weights"] is None, True),
-    ("the saved weights' names start with 'module.', so you saved the DDP wrapper",
-     "save the state dict of the model inside DDP (its module attribute), so that the file loads into the serial model",
-     {"inner": "model"}, lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"]), True),
-    ("the script never leaves the process group",
-     "call destroy_process_group at the end of main, on every rank, after a barrier", {"leave": "dist.barrier()"}, lambda o: any(r["init"] and not r["left"] for r in _ran(o)), True),
-    ("every epoch used the same order of examples, because the sampler was never told the epoch",
-     "call the sampler's set_epoch with the epoch number at the start of every epoch, on every rank", {"epoch": "pass"}, _matches(reshuffle=False), False),
-    ("the shuffle ignores --seed: it is that of seed 0, the default of DistributedSampler",
-     "pass the script's seed to the DistributedSampler", {"sampler": "DistributedSampler(data, world, rank)"}, _matches(seed=0), False),
-    ("each rank took --batch-size examples per step, so the global batch grew with the number of processes",
-     "--batch-size is the global batch: give each rank batch_size // world_size examples per step", {"batch": "args.batch_size"}, _matches(divide=False), False),
+    ("a rank other than 0 saved a checkpoint too, so several processes wrote the same file. Try: save on rank 0 only", {"saver": "True"}, lambda o: any(r["saves"] for r in _ran(o)[1:]), True),
+    ("rank 0 wrote no checkpoint at the path that --ckpt gives. Try: save the checkpoint to args.ckpt on rank 0, as the serial script does", {"saver": "False"}, lambda o: _ran(o) and o.got["weights"] is None, True),
+    ("the saved weights' names start with 'module.', so you saved the DDP wrapper. Try: save the state dict of the model inside DDP (its module attribute)", {"inner": "model"}, lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"]), True),
+    ("the script never leaves the process group. Try: call destroy_process_group at the end of main, on every rank, after a barrier", {"leave": "dist.barrier()"}, lambda o: any(r["init"] and not r["left"] for r in _ran(o)), True),
+    ("every epoch used the same order of examples: the sampler was never told the epoch. Try: call the sampler's set_epoch with the epoch number at the start of every epoch", {"epoch": "pass"}, _matches(reshuffle=False), False),
+    ("the shuffle ignores --seed: it is that of seed 0, DistributedSampler's default. Try: pass the script's seed to the DistributedSampler", {"sampler": "DistributedSampler(data, world, rank)"}, _matches(seed=0), False),
+    ("each rank took --batch-size examples per step, so the global batch grew with the processes. Try: --batch-size is the global batch: give each rank batch_size // world_size", {"batch": "args.batch_size"}, _matches(divide=False), False),
 ]
 # fmt: on
 SCRIPT = Exercise(
@@ -303,8 +274,8 @@ SCRIPT = Exercise(
     timeout_s=SCRIPT_TIMEOUT + 120,
     hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
     passed="rank 0's weights match one process on the same global batches, on 2 and on 3 CPU processes",
-    mistakes=[Mistake(p, h, _variant(**edit), when, mechanism=m) for p, h, edit, when, m in _MISTAKES],
-)
+    mistakes=[Mistake(*t.split(". Try: "), _variant(**edit), when, mechanism=m) for t, edit, when, m in _MISTAKES],
+)  # fmt: skip
 
 
 def check_ddp_script(path: str | os.PathLike) -> None:

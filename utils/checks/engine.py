@@ -74,6 +74,12 @@ class Mistake:
     mechanism: bool = False
 
 
+def mistake(text: str, variant: Any = None, when: Callable[[Outcome], bool] | None = None, **kw: Any) -> Mistake:
+    """A :class:`Mistake` from its one line, ``"problem. Try: hint"``."""
+    problem, hint = text.split(". Try: ")
+    return Mistake(problem, hint, variant, when, **kw)
+
+
 @dataclasses.dataclass
 class Exercise:
     name: str
@@ -121,15 +127,10 @@ def _number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _from_numpy(x):
-    if type(x).__module__ != "numpy":
-        return x
-    return x.item() if getattr(x, "shape", None) == () else torch.as_tensor(x)
-
-
-def _plain(x, like):
+def _plain(x, like=None):
     """``x`` shaped like ``like``: numbers as Python numbers, arrays as CPU tensors, containers item by item."""
-    x = _from_numpy(x)
+    if type(x).__module__ == "numpy":
+        x = x.item() if getattr(x, "shape", None) == () else torch.as_tensor(x)
     if _number(like):
         return x.item() if isinstance(x, torch.Tensor) and x.numel() == 1 else x
     if isinstance(like, torch.Tensor) and isinstance(x, torch.Tensor):
@@ -157,7 +158,7 @@ def _category(x) -> str:
 
 def difference(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-6) -> str | None:
     """None when ``got`` equals ``want`` within the tolerances, else what differs, in words."""
-    want = _from_numpy(want)
+    want = _plain(want)
     got = _plain(got, want)
     kinds = f"returned {_kind(got)} where {_kind(want)} was expected"
     if _number(want) and _number(got):
@@ -184,21 +185,6 @@ def difference(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-6) -> s
 
 
 # ---------------------------------------------------------------------------------------- refusing
-
-
-def _refused(refuse) -> list:
-    """[(holder, attribute, object)] for every name refused; a module stands for the public callables it defines."""
-    out = []
-    for dotted in refuse:
-        obj = pkgutil.resolve_name(dotted)
-        if not isinstance(obj, types.ModuleType):
-            out.append((pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1], obj))
-            continue
-        for attr, v in vars(obj).items():
-            mine = str(getattr(v, "__module__", "")).startswith(obj.__name__)
-            if not attr.startswith("_") and callable(v) and not isinstance(v, types.ModuleType) and mine:
-                out.append((obj, attr, v))
-    return out
 
 
 class _RefusedModule(types.ModuleType):
@@ -230,20 +216,21 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     scopes = list({id(fn.__globals__): fn.__globals__ for fn in fns}.values()) + list(scopes)
     cells = [c for fn in fns for c in (fn.__closure__ or ())]
     modules = [m for m in map(pkgutil.resolve_name, ex.refuse) if isinstance(m, types.ModuleType)]
+    refused = []  # (holder, attribute, object); a module stands for the public callables it defines
+    for dotted in ex.refuse:
+        obj = pkgutil.resolve_name(dotted)
+        if isinstance(obj, types.ModuleType):
+            public = [(a, v) for a, v in vars(obj).items() if not a.startswith("_") and callable(v)]
+            refused += [(obj, a, v) for a, v in public if str(getattr(v, "__module__", "")).startswith(obj.__name__)]
+        else:
+            refused.append((pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1], obj))
     out = []
-    for holder, attr, obj in _refused(ex.refuse):
+    for holder, attr, obj in refused:
         no = functools.partial(raise_, f"{getattr(holder, '__name__', holder)}.{attr}")
         out += [(holder, attr, no)] + [(s, k, no) for s in scopes for k, v in s.items() if v is obj]
-        out += [(c, "cell_contents", no) for c in cells if _cell(c) is obj]
+        out += [(c, "cell_contents", no) for c in cells if _try(getattr, c, "cell_contents") is obj]  # empty: None
     mods = [(s, k, v) for s in scopes for k, v in s.items() if any(v is m for m in modules)]
     return out + [(s, k, _RefusedModule(v.__name__, raise_)) for s, k, v in mods]
-
-
-def _cell(cell):
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
 
 
 def _swap(holder, attr, value):
@@ -285,33 +272,19 @@ def _strip(source: str) -> str:
     return ast.unparse(tree)
 
 
-def _class_source(cls) -> str:
-    """A notebook class's source, read from the cell of its methods: before Python 3.13 ``inspect`` looks for a
-    class only in its module's file, which a notebook's ``__main__`` does not have."""
-    for fn in _functions(cls):
-        text = "".join(linecache.getlines(fn.__code__.co_filename))
-        for node in ast.walk(ast.parse(text)) if text else ():
-            if isinstance(node, ast.ClassDef) and node.name == cls.__name__ and node.lineno <= fn.__code__.co_firstlineno <= node.end_lineno:  # fmt: skip
-                start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
-                return "".join(text.splitlines(keepends=True)[start - 1 : node.end_lineno])
-    raise OSError(f"no source for {cls.__name__}")
-
-
 def getsource(obj: Any) -> str:
-    """``inspect.getsource``, which also finds a class defined in a notebook cell (or an exec'd file)."""
+    """``inspect.getsource``, which also finds a class defined in a notebook cell: before Python 3.13 ``inspect``
+    looks for a class only in its module's file, so it is read from the cell of its methods."""
     try:
         return inspect.getsource(obj)
     except (OSError, TypeError):
-        if inspect.isclass(obj):
-            return _class_source(obj)
+        for fn in _functions(obj) if inspect.isclass(obj) else ():
+            text = "".join(linecache.getlines(fn.__code__.co_filename))
+            for node in ast.walk(ast.parse(text)) if text else ():
+                if isinstance(node, ast.ClassDef) and node.name == obj.__name__ and node.lineno <= fn.__code__.co_firstlineno <= node.end_lineno:  # fmt: skip
+                    start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
+                    return "".join(text.splitlines(keepends=True)[start - 1 : node.end_lineno])
         raise
-
-
-def _globals(obj) -> dict:
-    """The names ``obj`` sees: a function's globals, a class's methods' (a notebook's namespace), else its module's."""
-    for fn in _functions(obj):
-        return fn.__globals__
-    return vars(inspect.getmodule(obj) or types.ModuleType("x"))
 
 
 def _source(answer: Sequence) -> str:
@@ -364,11 +337,9 @@ def ship(name: str, answer: tuple) -> Shipment:
         if id(obj) in seen:
             return
         seen.add(id(obj))
-        glb = _globals(obj)
-        for n in sorted(set().union(*(_code_names(f.__code__) for f in _functions(obj)))):
-            if n not in glb:
-                continue
-            v = glb[n]
+        fns = _functions(obj)  # a function's names, or a class's methods' (a notebook's namespace)
+        glb = fns[0].__globals__ if fns else vars(inspect.getmodule(obj) or types.ModuleType("x"))
+        for n, v in [(n, glb[n]) for n in sorted(set().union(*(_code_names(f.__code__) for f in fns))) if n in glb]:
             if isinstance(v, types.ModuleType):
                 imports[n] = v.__name__
             elif _notebook_defined(v):
@@ -384,14 +355,9 @@ def ship(name: str, answer: tuple) -> Shipment:
             hint = "define it with `def` (or `class`) in a notebook cell, run that cell, then this one"
             fail(name, f"the source of {what} could not be read", hint)
 
-    shipped = []
-    for a in answer:
-        if isinstance(a, functools.partial) and not _notebook_defined(a.func):
-            shipped.append(a)  # a partial of a module's function (the checks' own variants): pickled as it is
-        else:
-            visit(a)
-            shipped.append(a.__name__)
-    return Shipment(sources, imports, constants, tuple(shipped))
+    # a partial of a module's function (the checks' own variants) is pickled as it is
+    mine = [a if isinstance(a, functools.partial) and not _notebook_defined(a.func) else visit(a) or a.__name__ for a in answer]  # fmt: skip
+    return Shipment(sources, imports, constants, tuple(mine))
 
 
 def _validate_answer(ex: Exercise, answer: tuple) -> None:
@@ -520,17 +486,10 @@ def _on_ranks(ex: Exercise, answer: tuple, source: str) -> list:
         _hung(ex, source)
     except parallel.LaunchError as e:
         _rank_failed(ex, e, source)
-    n, n_mistakes = len(res[0]["student"]), len(res[0]["mistakes"])
-    reps = [[r["mistakes"][j] for r in res] for j in range(n_mistakes)]  # per mistake, over ranks: per case, or None
-    return [
-        (
-            [r["student"][i] for r in res],
-            [r["oracle"][i] for r in res],
-            [None if any(r is None for r in rep) else [r[i] for r in rep] for rep in reps],
-            res[0]["labels"][i] or f"case {i + 1} of {n}",
-        )
-        for i in range(n)
-    ]
+    n, col = len(res[0]["student"]), lambda key, i: [r[key][i] for r in res]
+    reps = [col("mistakes", j) for j in range(len(res[0]["mistakes"]))]  # per mistake, over ranks: per case, or None
+    case_reps = [[None if None in rep else [r[i] for r in rep] for rep in reps] for i in range(n)]
+    return [(col("student", i), col("oracle", i), case_reps[i], res[0]["labels"][i] or f"case {i + 1} of {n}") for i in range(n)]  # fmt: skip
 
 
 def _try(fn, *args):
@@ -559,12 +518,25 @@ def check(ex: Exercise, *answer) -> Any:
     source = _source(answer)
     if ex.ranks:
         judge_on_ranks(ex, _on_ranks(ex, answer, source), source)
-    else:
-        cases = ex.cases()
-        for i, case in enumerate(cases):
-            got = _student_run(ex, answer, i, source)
-            want = ex.run(ex.oracle, ex.cases()[i])
-            _judge(ex, Outcome(case, got, want, source=source), None, case.label or f"case {i + 1} of {len(cases)}", i)
+    cases = [] if ex.ranks else ex.cases()
+    for i, case in enumerate(cases):
+        try:  # on a fresh copy of the case, bounded in time, refused the forbidden names
+            with refusing(ex, answer), _deadline(ex.timeout_s):
+                got = ex.run(_one(answer), ex.cases()[i])
+        except _Hung:
+            _hung(ex, source, case)
+        except CheckFailed as e:  # a refusal
+            raise e.with_traceback(None) from None
+        except NotImplementedError:
+            _not_implemented(ex)
+        except Exception as e:  # the student's code crashed: a named mistake, else where it failed
+            last = traceback.format_exception_only(type(e), e)[-1].strip()
+            _diagnose(ex, Outcome(case, error=last, source=source), [])
+            hint = "read the traceback of your code above (the last line in your cell is where it failed), fix it, then rerun both cells"
+            err = CheckFailed(message(ex.name, f"your code raised {last}", hint))
+            raise err from e.with_traceback(student_frames_only(e.__traceback__))
+        want = ex.run(ex.oracle, ex.cases()[i])
+        _judge(ex, Outcome(case, got, want, source=source), None, case.label or f"case {i + 1} of {len(cases)}", i)
     print(f"\u2714 {ex.name}: correct" + (f" ({ex.passed})" if ex.passed else ""))
 
 
@@ -585,26 +557,6 @@ def judge_on_ranks(ex: Exercise, per_case: list, source: str = "") -> None:
     for got, want, reps, label in per_case:
         reps = [r if same[j] else None for j, r in enumerate(reps)] if any(same) else reps
         _judge(ex, Outcome(None, got, want, source=source), reps, label)
-
-
-def _student_run(ex: Exercise, answer: tuple, i: int, source: str):
-    """The answer on case ``i`` (a fresh copy), bounded in time, refused the forbidden names."""
-    case = ex.cases()[i]
-    try:
-        with refusing(ex, answer), _deadline(ex.timeout_s):
-            return ex.run(_one(answer), case)
-    except _Hung:
-        _hung(ex, source, case)
-    except CheckFailed as e:  # a refusal
-        raise e.with_traceback(None) from None
-    except NotImplementedError:
-        _not_implemented(ex)
-    except Exception as e:  # the student's code crashed: a named mistake, else where it failed
-        last = traceback.format_exception_only(type(e), e)[-1].strip()
-        _diagnose(ex, Outcome(case, error=last, source=source), [])
-        hint = "read the traceback of your code above (the last line in your cell is where it failed), fix it, then rerun both cells"
-        err = CheckFailed(message(ex.name, f"your code raised {last}", hint))
-        raise err from e.with_traceback(student_frames_only(e.__traceback__))
 
 
 def _judge(ex: Exercise, o: Outcome, reps, label: str, i: int | None = None) -> None:

@@ -13,10 +13,10 @@ from .. import gradient_noise as _noise
 from .. import linear_regression as _linreg
 from .. import models as _models
 from ..linear_regression import mse_grad as _grad
-from .engine import Case, Exercise, Mistake
+from .engine import Case, Exercise
+from .engine import mistake as _m
 
 LAB = "lab1_gd_sgd_batch"
-_m = lambda text, variant, **kw: Mistake(*text.split(". Try: "), variant=variant, **kw)  # from "problem. Try: hint"
 
 
 def _converted(got, to):
@@ -264,8 +264,6 @@ NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
            "from it", partial(_b_simple, correct=False)),
         _m("tr(Sigma) divides the squared deviations by B: it is biased low. Try: divide them by B - 1",
            partial(_b_simple, ddof=0)),
-        _m("both estimates are biased (divisor B, no correction of |mean|^2). Try: divide the squared deviations by "
-           "B - 1, and subtract tr(Sigma) / B from |mean|^2", partial(_b_simple, ddof=0, correct=False)),
         _m("the ratio is upside down (|G|^2 / tr(Sigma)). Try: B_simple is tr(Sigma) over |G|^2: the noise on top",
            lambda g: 1 / _b_simple(g)),
         _m("tr(Sigma) was divided by B once more, the noise of the MEAN. Try: tr(Sigma) is the per-EXAMPLE variance: "

@@ -1,7 +1,6 @@
 """Lab 5's exercises (solutions/lab5_memory_and_model_parallel.ipynb) on the exercise engine: the tensor-parallel
 split, ZeRO memory, ZeRO-2 by hand on 2 processes (against a reference ZeRO-2, held to one process's torch.optim in
-the tests), GPipe's micro-batch loop (against one full-batch step). A mistake is a row: "problem. Try: hint", the
-variant that makes it and, when its output is no fingerprint, how it is recognised."""
+the tests), GPipe's micro-batch loop (against one full-batch step)."""
 
 from collections import defaultdict
 from collections.abc import Callable
@@ -15,19 +14,14 @@ from ..models import mlp
 from ..parallel import tensor_parallel as tp
 from ..parallel import zero_bytes
 from ..parallel.shard import CommCounter, ring_bytes
-from .engine import Case, Exercise, Mistake, check, difference
+from .engine import Case, Exercise, check, difference
+from .engine import mistake as _m
 
 __all__ = ["check_tensor_parallel", "check_zero_memory", "check_zero2", "check_gpipe_microbatches"]
 LAB = "lab5_memory_and_model_parallel"
-_m = lambda text, variant, when=None, **kw: Mistake(*text.split(". Try: "), variant, when, **kw)
 
 
 # ---------------------------------------------------------------------------- exercise 1: tensor parallelism
-def _tp_cases():
-    g = torch.Generator().manual_seed(0)
-    return [Case((mlp(16, 2, in_features=8, out_features=8, activation="gelu", seed=n), torch.randn(5, 8, generator=g), n), label=f"{n} rank(s)") for n in (1, 2, 4)]  # fmt: skip
-
-
 def _tp_run(answer, case):
     """How many times each weight and bias was cut, and every rank's partial output summed (the all-reduce) + b2."""
     (column_shard, row_shard), (block, x, n) = answer, case.args
@@ -44,8 +38,8 @@ def _tp_run(answer, case):
     return out
 
 
-def _col(linear, r, n, dim=0):
-    return linear.weight.detach().chunk(n, dim)[r], linear.bias.detach().chunk(n, 0)[r]
+def _col(linear, r, n, dim=0, bias=True):
+    return linear.weight.detach().chunk(n, dim)[r], linear.bias.detach().chunk(n if bias else 1, 0)[r if bias else 0]
 
 
 def _row(linear, r, n, dim=1):
@@ -53,28 +47,19 @@ def _row(linear, r, n, dim=1):
 
 
 TENSOR_PARALLEL = Exercise(
-    name="tensor_parallel", answer=("column_shard", "row_shard"), cases=_tp_cases, run=_tp_run,
+    name="tensor_parallel", answer=("column_shard", "row_shard"), run=_tp_run,
+    cases=lambda: [Case((mlp(16, 2, in_features=8, out_features=8, activation="gelu", seed=n), torch.randn(5, 8, generator=torch.Generator().manual_seed(n)), n), label=f"{n} rank(s)") for n in (1, 2, 4)],
     oracle=(tp.column_shard, tp.row_shard), refuse=("utils.parallel.tensor_parallel",),
     hint="rank r keeps the SAME slice r of the hidden units in both layers, in equal contiguous slices",
     passed="1, 2 and 4 ranks: the partial outputs add up to the whole MLP",
     mistakes=[
-        _m("column_shard must return a (weight, bias) pair of tensors, row_shard one weight tensor. Try: return this "
-           "rank's slices of the weight and bias from column_shard, of the weight from row_shard",
-           (lambda lin, r, n: [t.tolist() for t in _col(lin, r, n)], _row),
-           lambda o: "unpack" in o.error or None in (o.got["w1"], o.got["b1"], o.got["w2"])),
-        _m("column_shard's weight is not cut by output features. Try: a column-parallel layer splits the OUTPUT "
-           "features (nn.Linear's weight is [out, in]), each rank computing some hidden units from the whole input",
-           (lambda lin, r, n: (_col(lin, r, n, dim=1)[0], lin.bias.detach()), _row), lambda o: o.got["w1"] != o.want["w1"]),
-        _m("column_shard's bias is not cut like its weight. Try: keep the bias entries of the hidden units this rank "
-           "computes", (lambda lin, r, n: (_col(lin, r, n)[0], lin.bias.detach()), _row), lambda o: o.got["b1"] != o.want["b1"]),
-        _m("row_shard's weight is not cut by input features. Try: a row-parallel layer splits its INPUT features, the "
-           "hidden units this rank computed, and returns a partial sum of every output",
-           (_col, lambda lin, r, n: _row(lin, r, n, dim=0)), lambda o: o.got["w2"] != o.want["w2"]),
+        _m("column_shard must return a (weight, bias) pair of tensors, row_shard one weight. Try: return this rank's slices of the weight and bias from column_shard, of the weight from row_shard", (lambda lin, r, n: [t.tolist() for t in _col(lin, r, n)], _row), lambda o: "unpack" in o.error or None in (o.got["w1"], o.got["b1"], o.got["w2"])),
+        _m("column_shard's weight is not cut by output features. Try: a column-parallel layer splits the OUTPUT features (nn.Linear's weight is [out, in])", (partial(_col, dim=1, bias=False), _row), lambda o: o.got["w1"] != o.want["w1"]),
+        _m("column_shard's bias is not cut like its weight. Try: keep the bias entries of the hidden units this rank computes", (partial(_col, bias=False), _row), lambda o: o.got["b1"] != o.want["b1"]),
+        _m("row_shard's weight is not cut by input features. Try: a row-parallel layer splits its INPUT features, the hidden units this rank computed", (_col, partial(_row, dim=0)), lambda o: o.got["w2"] != o.want["w2"]),
     ],
 )  # fmt: skip
-check_tensor_parallel = TENSOR_PARALLEL.checker(
-    "``column_shard(linear, rank, world_size) -> (weight, bias)``, ``row_shard(linear, rank, world_size) -> weight``."
-)
+check_tensor_parallel = TENSOR_PARALLEL.checker("``column_shard(linear, rank, world_size) -> (weight, bias)``, ``row_shard(linear, rank, world_size) -> weight``.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- exercise 2: ZeRO memory
@@ -90,14 +75,10 @@ ZERO_MEMORY = Exercise(
     passed="every stage on 1 to 64 GPUs", refuse=("utils.parallel.zero_bytes",),
     refuse_hint="add up the bytes of parameters, gradients and optimizer state yourself",
     mistakes=[
-        _m("you divided by N at stage 0, but stage 0 is plain DDP. Try: at stage 0 every GPU holds all 16 bytes per "
-           "parameter", lambda p, n, s: 16 * p / n),
-        _m("the bytes look like fp32 parameters and gradients. Try: in mixed precision the parameters and gradients "
-           "take 2 bytes each; the fp32 master copy is part of the 12 optimizer bytes", lambda p, n, s: _zero(p, n, s, b=4)),
-        _m("you returned the bytes of another ZeRO stage than the one asked for. Try: stage 1 shards the optimizer "
-           "state (12 bytes), stage 2 also the gradients (2), stage 3 also the parameters (2)",
-           lambda p, n, s: _zero(p, n, 2 if s == 1 else s),
-           lambda o: any(abs(o.got - _zero(*o.case.args[:2], k)) < 1 for k in range(4) if k != o.case.args[2])),
+        _m("you divided by N at stage 0, but stage 0 is plain DDP. Try: at stage 0 every GPU holds all 16 bytes per parameter", lambda p, n, s: 16 * p / n),
+        _m("the bytes look like fp32 parameters and gradients. Try: in mixed precision they take 2 bytes each; the fp32 master copy is in the 12 optimizer bytes", partial(_zero, b=4)),
+        _m("you returned the bytes of another ZeRO stage. Try: stage 1 shards the optimizer state (12 bytes), stage 2 also the gradients (2), stage 3 also the parameters (2)",
+           lambda p, n, s: _zero(p, n, 2 if s == 1 else s), lambda o: any(abs(o.got - _zero(*o.case.args[:2], k)) < 1 for k in range(4) if k != o.case.args[2])),
     ],
 )  # fmt: skip
 check_zero_memory = ZERO_MEMORY.checker("``zero_memory(n_params, world_size, stage)``: bytes per GPU, mixed precision.")
@@ -139,8 +120,7 @@ def _zero2_run(answer, case):
 
 
 def _flat(tensors, world, pad="end"):
-    """One new flat vector padded with zeros at the end to a multiple of ``world`` (the mistakes: at the "front",
-    or no padding: "")."""
+    """One new flat vector padded with zeros to a multiple of ``world`` at the end (mistakes: "front", or "")."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
     fill = -flat.numel() % world
     return F.pad(flat, (0, fill) if pad == "end" else (fill, 0)) if pad else flat
@@ -148,64 +128,44 @@ def _flat(tensors, world, pad="end"):
 
 def _copy_back(tensors, full):
     """``full``'s pieces from offset 0 into ``tensors``, in order, in place; the padding, at the end, left out."""
-    n = sum(t.numel() for t in tensors)
     with torch.no_grad():
-        for t, piece in zip(tensors, full.split([t.numel() for t in tensors] + [full.numel() - n])):
+        for t, piece in zip(tensors, full.split([t.numel() for t in tensors] + [full.numel() - sum(t.numel() for t in tensors)])):  # fmt: skip
             t.copy_(piece.view_as(t))
 
 
-def _zero2_optimizer(model, optimizer_class, pad="end", copy=True, **kwargs):
+def _zero2_optimizer(model, optimizer_class, pad="end", copy=True, whole=False, **kwargs):
     """The reference (the defaults): an optimizer over this rank's own copy of its slice of the padded flat
-    parameters; ``pad`` and ``copy=False`` (a view) make named mistakes."""
+    parameters; each keyword makes a named mistake (``whole``: over the whole model)."""
     world = dist.get_world_size()
     shard = _flat(model.parameters(), world, pad).chunk(world)[dist.get_rank()]
-    return optimizer_class([(shard.clone() if copy else shard).requires_grad_()], **kwargs)
+    return optimizer_class(model.parameters() if whole else [(shard.clone() if copy else shard).requires_grad_()], **kwargs)  # fmt: skip
 
 
-def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=True, copy=True, bcast=False):
+def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=True, copy=True, bcast=False, whole=False):  # fmt: skip
     """The reference (the defaults): reduce-scatter the flat gradient, step the shard, all-gather, copy back.
-    Each keyword makes one named mistake."""
+    Each keyword makes one named mistake (``whole``: average every gradient, then step the whole model)."""
     world, params, shard = dist.get_world_size(), list(model.parameters()), opt.param_groups[0]["params"][0]
     grads = _flat([p.grad for p in params], world, pad)
     for p in params:
-        p.grad = p.grad if keep else None
+        p.grad = p.grad if keep or whole else None
+    shard = grads.new_empty(grads.numel() // world) if whole else shard
     shard.grad = torch.empty_like(shard)
     dist.reduce_scatter_tensor(shard.grad, grads)
-    if bcast:
-        dist.broadcast(torch.zeros_like(shard), 0)
+    _ = dist.broadcast(torch.zeros_like(shard), 0) if bcast else None
     shard.grad /= world**power
-    if not first:
-        opt.step()
-    full = torch.empty_like(grads) if gather else _flat(params, world, pad)
-    if gather:
-        dist.all_gather_into_tensor(full, shard.detach())
-    else:  # only this rank's shard is new
-        full.chunk(world)[dist.get_rank()].copy_(shard.detach())
-    if first:
-        opt.step()
-    if copy:
-        _copy_back(params, full)
+    if whole:
+        dist.all_gather_into_tensor(grads, shard.grad)
+        return _copy_back([p.grad for p in params], grads) or opt.step()
+    _ = None if first else opt.step()
+    full = (
+        torch.empty_like(grads) if gather else _flat(params, world, pad)
+    )  # without the all-gather only my shard is new
+    _ = dist.all_gather_into_tensor(full, shard.detach()) if gather else full.chunk(world)[dist.get_rank()].copy_(shard.detach())  # fmt: skip
+    _ = opt.step() if first else None
+    _ = _copy_back(params, full) if copy else None
 
 
-def _whole_optimizer(model, optimizer_class, **kwargs):
-    return optimizer_class(model.parameters(), **kwargs)
-
-
-def _whole_step(model, opt):  # averages the whole gradient, then steps every parameter
-    world, params = dist.get_world_size(), list(model.parameters())
-    grads = _flat([p.grad for p in params], world)
-    mine = grads.new_empty(grads.numel() // world)
-    dist.reduce_scatter_tensor(mine, grads)
-    dist.all_gather_into_tensor(grads, mine / world)
-    _copy_back([p.grad for p in params], grads)
-    opt.step()
-
-
-def _step(**wrong):  # the reference step with one keyword changed: a partial, which the ranks unpickle as it is
-    return partial(_zero2_step, **wrong)
-
-
-_REF = _zero2_optimizer
+_REF, _step = _zero2_optimizer, lambda **wrong: partial(_zero2_step, **wrong)  # partials: the ranks unpickle them
 ZERO2 = Exercise(
     name="zero2", answer=("zero2_optimizer", "zero2_step"), oracle=(_zero2_optimizer, _zero2_step), ranks=2,
     cases=_zero2_cases, run=_zero2_run, timeout_s=180,
@@ -213,41 +173,23 @@ ZERO2 = Exercise(
     refuse=("torch.distributed.all_reduce", "torch.distributed.optim.ZeroRedundancyOptimizer",
             "torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FullyShardedDataParallel",
             "torch.nn.parallel.DistributedDataParallel", "utils.parallel", "utils.parallel.shard.shard_model"),
-    refuse_hint="write the step from dist.reduce_scatter_tensor, an optimizer over your shard, and "
-    "dist.all_gather_into_tensor",
+    refuse_hint="write the step from dist.reduce_scatter_tensor, an optimizer over your shard, and dist.all_gather_into_tensor",
     hint="rank r's shard is slice r of the padded flat vector cut into N equal slices, in both the reduce-scatter "
     "and the all-gather, and its gradient is the MEAN over the ranks",
     passed="2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the optimizer "
     "state, only the shard's gradient after each step, and DDP's traffic",
     mistakes=[
-        _m("your code failed on the 57-parameter MLP, which does not divide by 2 ranks. Try: pad the flat vectors with "
-           "zeros at the end to a multiple of the world size, and leave the padding out when you copy back",
-           (partial(_REF, pad=""), _step(pad="")), lambda o: "57-parameter" in o.error),
-        _m("after a step the two ranks hold different parameters. Try: all-gather the updated shards into one full "
-           "flat vector and copy it into every parameter, on every rank",
-           (_REF, _step(gather=False)), lambda o: difference(o.got[0]["params"], o.got[1]["params"])),
-        _m("the model's parameters never change. Try: after the optimizer's step, all-gather the shards and copy the "
-           "full vector back into the parameters in place, without autograd", (_REF, _step(copy=False))),
-        _m("the parameters are one step behind: you gathered before stepping. Try: step the optimizer on your shard "
-           "first, then all-gather the updated shards", (_REF, _step(first=True))),
-        _m("the parameters moved as if the gradients were 2x too large: reduce-scatter sums. Try: divide your shard's "
-           "gradient by the world size after the reduce-scatter", (_REF, _step(power=0))),
-        _m("the parameters moved as if the gradients were 2x too small: they were averaged twice. Try: reduce-scatter "
-           "with its default operation (a sum), then divide by the world size once", (_REF, _step(power=2))),
-        _m("the 57-parameter MLP went wrong where the 44-parameter one was right: the padding sits at the front. Try: "
-           "pad at the END, so the parameters start at offset 0 and the padding is the tail you leave out",
-           (partial(_REF, pad="front"), _step(pad="front"))),
-        _m("a rank's shard is a view into the whole flat vector, which then stays in memory. Try: copy your slice into "
-           "a tensor of its own", (partial(_REF, copy=False), _zero2_step), lambda o: any(r["view"] for r in o.got)),
-        _m("a rank's optimizer holds the whole model's state. Try: give the optimizer only your shard (a new leaf "
-           "tensor of 1/N of the padded elements); the all-gather brings the other ranks' updates",
-           (_whole_optimizer, _whole_step), lambda o: o.got[0]["held"] >= o.got[0]["numel"]),
-        _m("after its step a rank still holds the model's full gradients. Try: once the gradients are flattened for "
-           "the reduce-scatter, free each parameter's gradient",
-           (_REF, _step(keep=True)), lambda o: any(any(r["grads"]) for r in o.got)),
-        _m("a rank sent more or fewer bytes per step than DDP's all-reduce of the padded vector. Try: one "
-           "reduce-scatter of the whole padded flat gradient and one all-gather of your shard per step, in float32, "
-           "and no other collective", (_REF, _step(bcast=True)), lambda o: o.got[0]["sent"] != o.want[0]["sent"]),
+        _m("your code failed on the 57-parameter MLP, which does not divide by 2 ranks. Try: pad the flat vectors with zeros at the end to a multiple of the world size", (partial(_REF, pad=""), _step(pad="")), lambda o: "57-parameter" in o.error),
+        _m("after a step the two ranks hold different parameters. Try: all-gather the updated shards and copy the full vector into the parameters, on every rank", (_REF, _step(gather=False)), lambda o: difference(o.got[0]["params"], o.got[1]["params"])),
+        _m("the model's parameters never change. Try: after the step, all-gather the shards and copy them back into the parameters in place, without autograd", (_REF, _step(copy=False))),
+        _m("the parameters are one step behind: you gathered before stepping. Try: step the optimizer on your shard first, then all-gather", (_REF, _step(first=True))),
+        _m("the parameters moved as if the gradients were 2x too large: reduce-scatter sums. Try: divide your shard's gradient by the world size", (_REF, _step(power=0))),
+        _m("the parameters moved as if the gradients were 2x too small: they were averaged twice. Try: reduce-scatter with a sum, then divide by the world size once", (_REF, _step(power=2))),
+        _m("the 57-parameter MLP went wrong where the 44-parameter one was right: the padding sits at the front. Try: pad at the END, so the parameters start at offset 0", (partial(_REF, pad="front"), _step(pad="front"))),
+        _m("a rank's shard is a view into the whole flat vector, which then stays in memory. Try: copy your slice into a tensor of its own", (partial(_REF, copy=False), _zero2_step), lambda o: any(r["view"] for r in o.got)),
+        _m("a rank's optimizer holds the whole model's state. Try: give the optimizer only your shard, a new leaf tensor of 1/N of the padded elements", (partial(_REF, whole=True), _step(whole=True)), lambda o: o.got[0]["held"] >= o.got[0]["numel"]),
+        _m("after its step a rank still holds the model's full gradients. Try: free each parameter's gradient once it is flattened for the reduce-scatter", (_REF, _step(keep=True)), lambda o: any(any(r["grads"]) for r in o.got)),
+        _m("a rank sent more or fewer bytes per step than DDP's all-reduce. Try: one reduce-scatter of the padded flat gradient and one all-gather of your shard per step, and no other collective", (_REF, _step(bcast=True)), lambda o: o.got[0]["sent"] != o.want[0]["sent"]),
     ],
 )  # fmt: skip
 _SEEN: list = []  # what the answer measured, case by case (the compare sees it): check_zero2 hands back the last
@@ -267,8 +209,8 @@ def check_zero2(zero2_optimizer: Callable, zero2_step: Callable) -> dict:
 # ---------------------------------------------------------------------------- exercise 4: GPipe's micro-batch loop
 def _gpipe_cases():
     g = torch.Generator().manual_seed(1)
-    stages = [(mlp(12, 2, in_features=6, out_features=o, activation="tanh", seed=m + o) for o in (6, 3)) for m in (1, 2, 4)]  # fmt: skip
-    return [Case((*s, torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g), m), label=f"{m} micro-batch(es)") for s, m in zip(stages, (1, 2, 4))]  # fmt: skip
+    stages = lambda m: [mlp(12, 2, in_features=6, out_features=o, activation="tanh", seed=m + o) for o in (6, 3)]
+    return [Case((*stages(m), torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g), m), label=f"{m} micro-batch(es)") for m in (1, 2, 4)]  # fmt: skip
 
 
 def _gpipe_run(answer, case):
@@ -303,9 +245,8 @@ def _gpipe(s0, s1, x, y, m, cut="leaf", div=True, fb=False, zero=False, back=Tru
 
     def backward(out0, boundary, loss):
         loss.backward(retain_graph=cut == "retain")
-        grad = out0.grad if cut == "retain" else boundary.grad
         if back:
-            out0.backward(grad)
+            out0.backward(out0.grad if cut == "retain" else boundary.grad)
         losses.append(loss.item())
 
     for xi, yi in zip(x.chunk(m), y.chunk(m)):
@@ -328,30 +269,14 @@ GPIPE = Exercise(
     hint="backpropagate stage 0's output with the gradient of the leaf that stage 1 received, once per micro-batch",
     passed="1, 2 and 4 micro-batches: the GPipe order, and the gradients of one full-batch step",
     mistakes=[
-        _m("stage0's backward got no gradient from the boundary. Try: the boundary activation must be a leaf that "
-           "requires grad, so its .grad can be sent back: cut it off stage0's graph, then ask it to require a gradient",
-           lambda *a: _gpipe(*a, cut="none"), lambda o: any(k in o.error for k in _NO_BOUNDARY_GRAD)),
-        _m("stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into m equal "
-           "micro-batches and run each through stage0 once",
-           lambda *a: _full_batch(*a), lambda o: o.got["order"].count("F") != o.case.args[4], mechanism=True),
-        _m("the forwards and backwards are interleaved, but GPipe runs all m forwards, then all m backwards. Try: first "
-           "a loop of all forwards (keep each micro-batch's boundary and loss in lists), then a loop of all backwards",
-           lambda *a: _gpipe(*a, fb=True), lambda o: "B" in o.got["order"][: o.got["order"].rfind("F")], mechanism=True),
-        _m("the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch loss is the "
-           "mean of the m micro-batch losses", lambda *a: _gpipe(*a, div=False)),
-        _m("stage0's gradients are twice too large. Try: cut the graph at the boundary (a new leaf with stage0's "
-           "values): otherwise the loss's backward already reaches stage0, and stage0's own backward adds its "
-           "gradient a second time", lambda *a: _gpipe(*a, cut="retain")),
-        _m("stage0's parameters got no gradient. Try: backpropagate each micro-batch's loss through stage1, then "
-           "stage0's output with the gradient that arrived at the boundary",
-           lambda *a: _gpipe(*a, back=False), lambda o: not o.got["stage0"].any()),
-        _m("stage1's gradients differ from the full batch's: gradients from before the call or from an earlier "
-           "micro-batch are gone. Try: do not zero the gradients inside: the caller zeroes them once before the step, "
-           "and every micro-batch's backward adds to what is there",
-           lambda *a: _gpipe(*a, zero=True), lambda o: difference(o.got["stage1"], o.want["stage1"])),
-        _m("the returned loss differs from the full batch's. Try: return the sum of the m micro-batch losses, each "
-           "already divided by m, as a float", lambda *a: _gpipe(*a) / a[4],
-           lambda o: o.got["loss"] is None or difference(o.got["loss"], o.want["loss"])),
+        _m("stage0's backward got no gradient from the boundary. Try: make the boundary a leaf that requires grad (cut off stage0's graph), so its .grad can be sent back", partial(_gpipe, cut="none"), lambda o: any(k in o.error for k in _NO_BOUNDARY_GRAD)),
+        _m("stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into m equal micro-batches and run each through stage0 once", lambda *a: _full_batch(*a), lambda o: o.got["order"].count("F") != o.case.args[4], mechanism=True),
+        _m("the forwards and backwards are interleaved, but GPipe runs all m forwards, then all m backwards. Try: a loop of all forwards, keeping each boundary and loss, then a loop of all backwards", partial(_gpipe, fb=True), lambda o: "B" in o.got["order"][: o.got["order"].rfind("F")], mechanism=True),
+        _m("the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch loss is their mean", partial(_gpipe, div=False)),
+        _m("stage0's gradients are twice too large: the loss's backward already reached stage0. Try: cut the graph at the boundary with a new leaf holding stage0's values", partial(_gpipe, cut="retain")),
+        _m("stage0's parameters got no gradient. Try: after each loss's backward, backpropagate stage0's output with the gradient that arrived at the boundary", partial(_gpipe, back=False), lambda o: not o.got["stage0"].any()),
+        _m("stage1's gradients differ from the full batch's: earlier gradients are gone. Try: do not zero the gradients inside: the caller zeroes them, and each backward adds to them", partial(_gpipe, zero=True), lambda o: difference(o.got["stage1"], o.want["stage1"])),
+        _m("the returned loss differs from the full batch's. Try: return the sum of the m micro-batch losses, each already divided by m, as a float", lambda *a: _gpipe(*a) / a[4], lambda o: o.got["loss"] is None or difference(o.got["loss"], o.want["loss"])),
     ],
 )  # fmt: skip
 check_gpipe_microbatches = GPIPE.checker("``gpipe_microbatches(stage0, stage1, x, y, m)``: one GPipe step, its loss.")

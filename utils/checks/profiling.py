@@ -15,12 +15,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .. import data, profiling
 from ..bench import SlowDataset
 from ..train import Callback
-from .engine import Case, Exercise, Mistake, difference
+from .engine import Case, Exercise, difference
+from .engine import mistake as _m
 
 __all__ = [f"check_{n}" for n in ("self_times", "data_wait_fraction", "syncs_per_step", "fixed_loader", "loss_log", "standardize")]  # fmt: skip
 LAB = "lab6_profiling"
 UA, SYNC, STEP = "user_annotation", "aten::_local_scalar_dense", "ProfilerStep#"
-_m = lambda text, variant, **kw: Mistake(*text.split(". Try: "), variant=variant, **kw)  # from "problem. Try: hint"
 
 
 def _trace(rows, scale=1.0, shift=0.0):
@@ -180,12 +180,10 @@ FIXED_LOADER = Exercise(
     hint="return a loader of (x, y) batches in utils.data's order for this seed, each batch a slice of the dataset's "
     "tensors", passed="the original's batches for two epochs and two seeds, with no per-image reads",
     mistakes=[
-        _m("your loader reads the images in worker processes, still paying the per-image work every epoch. Try: serve "
-           "each batch as a slice of the dataset's tensors", partial(_loader, kind="dataloader", num_workers=2),
-           when=lambda o: o.got["worker processes"], mechanism=True),
-        _m("your loader reads the images one at a time (dataset[i]), paying the per-image work every epoch. Try: serve "
-           "each batch as a slice of the dataset's tensors", partial(_loader, kind="dataloader"),
-           when=lambda o: o.got["per-image reads"], mechanism=True),
+        _m("your loader reads the images one at a time (dataset[i], in this process or in workers), paying the "
+           "per-image work every epoch. Try: serve each batch as a slice of the dataset's tensors",
+           partial(_loader, kind="dataloader"), when=lambda o: o.got["worker processes"] or o.got["per-image reads"],
+           mechanism=True),
         _m("epoch 1 repeats epoch 0 or differs from the original's. Try: use a loader with set_epoch, as utils.data's are",
            partial(_loader, listed=True), when=lambda o: _same_epoch(o, 0) and not _same_epoch(o, 1)),
         _m("your batches come in the dataset's order. Try: shuffle, with the seed you are given",

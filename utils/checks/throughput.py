@@ -11,11 +11,11 @@ from functools import partial
 import torch
 
 from .. import models
-from .engine import Case, Exercise, Mistake, difference
+from .engine import Case, Exercise, difference
+from .engine import mistake as _m
 
 __all__ = ["check_state_bytes", "check_time_step", "check_wait_fraction", "STATE_BYTES", "TIME_STEP", "WAIT_FRACTION"]
 LAB = "lab2_throughput"
-_m = lambda text, variant, **kw: Mistake(*text.split(". Try: "), variant=variant, **kw)  # from "problem. Try: hint"
 _STATE_CASES = [("adam", 0.0, torch.float32, False, "Adam"), ("sgd", 0.9, torch.float32, False, "SGD, momentum 0.9"),
                 ("sgd", 0.0, torch.float32, False, "plain SGD (momentum 0)"), ("adam", 0.0, torch.bfloat16, False,
                 "Adam, in bfloat16"), ("adam", 0.0, torch.float32, True, "Adam, its first layer frozen")]  # fmt: skip
@@ -76,8 +76,8 @@ check_state_bytes = STATE_BYTES.checker("``state_bytes(model, optimizer, momentu
 
 
 class _Machine:
-    """A host clock ``now``; ``step()`` queues ``work[i]`` s on a device (the launch costs the host 20 us),
-    ``sync()`` waits for it; iterated, a loader whose batch i comes ``loads[i]`` s after it is asked for."""
+    """A host clock ``now``; ``step()`` queues ``work[i]`` s on a device (its launch costs the host 20 us), ``sync()``
+    waits for it; iterated, a loader whose batch i comes ``loads[i]`` s after it is asked for."""
 
     def __init__(self, work=(0.0,), loads=()):
         self.now = self.free = 0.0
@@ -121,8 +121,7 @@ def _clock(machine: _Machine, answer):
             scope[k] = v
 
 
-def _compare(got, want):
-    """(result, what step() saw) against the oracle's: the calls first, then the number."""
+def _compare(got, want):  # (result, what step() saw) against the oracle's: the calls first, then the number
     said = [f"{t} times" if isinstance(t, int) else f"on batches {t[:12]}" for t in (got[1], want[1])]
     return f"called step() {said[0]}, not {said[1]}" if got[1] != want[1] else difference(got[0], want[0], 1e-3, 1e-9)
 
@@ -164,7 +163,6 @@ TIME_STEP = Exercise(
         _m("it measured far less than the work each step queues. Try: the step only QUEUES work, as on a GPU: call "
            "sync() before reading the clock at the end of each timed repeat (and before starting it)",
            partial(_timer, synced=False), when=lambda o: o.got[0] < o.want[0] / 4),
-        _m("it returns the total of the repeats. Try: return their median, not the sum", partial(_timer, pick=sum)),
         _m("it returns milliseconds. Try: return seconds, the difference of two perf_counter readings",
            partial(_timer, pick=lambda t: 1e3 * statistics.median(t))),
         _m("the slow warm-up calls were timed with the repeats. Try: keep the `warmup` calls out of the times",

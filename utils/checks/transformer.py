@@ -1,9 +1,9 @@
-"""Lab 7's exercises (solutions/lab7_tensor_parallel_transformer.ipynb) as specs on the exercise engine: the f
-and g operators, one transformer block's weights split over ranks, its tensor-parallel forward on 2 processes, and
-the same with sequence parallelism, each against one process. The known-wrong answers are small variants of the
-reference ones here, one keyword per mistake."""
+"""Lab 7's exercises (solutions/lab7_tensor_parallel_transformer.ipynb) on the exercise engine: the f and g
+operators, a transformer block's weights split over ranks, its tensor-parallel forward on 2 processes and the same
+with sequence parallelism, each against one process. Each known-wrong answer is a reference with one keyword changed."""
 
 import copy
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -12,40 +12,29 @@ from torch import nn
 
 from ..gpt import Block, GPTConfig
 from ..parallel.shard import CommCounter
-from . import engine
-from .engine import Case, Exercise, Mistake
+from .engine import Case, Exercise, difference
+from .engine import mistake as _m
 
 __all__ = ["check_tp_operators", "check_shard_block", "check_tp_block", "check_sp_block"]
 LAB = "lab7_tensor_parallel_transformer"
-REFUSE = (
-    "utils.parallel.tensor_parallel",
-    "torch.distributed.tensor.parallel.parallelize_module",
-    "torch.distributed.tensor.distribute_tensor",
-    "torch.distributed.nn.functional",
-)
-REFUSE_HINT = (
-    "write the collectives yourself with torch.distributed (all_reduce, all_gather_into_tensor, reduce_scatter_tensor)"
-)
+REFUSE = ("utils.parallel.tensor_parallel", "torch.distributed.tensor.parallel.parallelize_module",
+          "torch.distributed.tensor.distribute_tensor", "torch.distributed.nn.functional")  # fmt: skip
+REFUSE_HINT = "write the collectives yourself with torch.distributed (all_reduce, all_gather_into_tensor, reduce_scatter_tensor)"  # fmt: skip
 
 
-# ---------------------------------------------------------------------------- the reference operators
 def _op(fwd, bwd):
     """An autograd Function: ``fwd`` and ``bwd`` each one of "id", "all_reduce", "gather", "scatter" (dim 1)."""
 
     def apply(kind, t):
         t, n = t.contiguous(), dist.get_world_size()
-        if kind == "all_reduce":
-            t = t.clone()  # not the caller's tensor, in place
-            dist.all_reduce(t)
-        elif kind == "gather":  # every rank's sequence shard, side by side in rank order
-            parts = [torch.empty_like(t) for _ in range(n)]
-            dist.all_gather(parts, t)
-            t = torch.cat(parts, 1)
-        elif kind == "scatter":  # rank r gets the sum over the ranks of sequence shard r
-            out = t.new_empty(t.shape[0], t.shape[1] // n, *t.shape[2:])
+        if kind == "gather":  # every rank's sequence shard, side by side in rank order
+            return _gather(t, 1)
+        out = t.new_empty(t.shape[0], t.shape[1] // n, *t.shape[2:]) if kind == "scatter" else t.clone()
+        if kind == "scatter":  # rank r gets the sum over the ranks of sequence shard r
             dist.reduce_scatter_tensor(out, torch.cat(t.chunk(n, 1), 0).contiguous())
-            t = out
-        return t.view_as(t) if kind == "id" else t
+        elif kind == "all_reduce":  # a copy: never the caller's tensor, in place
+            dist.all_reduce(out)
+        return out
 
     class Op(torch.autograd.Function):
         forward = staticmethod(lambda ctx, t: apply(fwd, t))
@@ -54,15 +43,16 @@ def _op(fwd, bwd):
     return Op
 
 
-COPY, REDUCE = _op("id", "all_reduce"), _op("all_reduce", "id")  # f, g
+def _gather(t, dim):
+    dist.all_gather(parts := [torch.empty_like(t) for _ in range(dist.get_world_size())], t.contiguous())
+    return torch.cat(parts, dim)
+
+
+COPY, REDUCE, NONE = _op("id", "all_reduce"), _op("all_reduce", "id"), _op("id", "id")  # f, g, neither
 GATHER, SCATTER = _op("gather", "scatter"), _op("scatter", "gather")  # sequence parallelism's f and g
 
 
 # ---------------------------------------------------------------------------- exercise 1: f and g
-def _ops_cases(ctx):
-    return [Case((rows, d, rows + d, ctx), label=f"{rows} rows of width {d}") for rows, d in ((3, 4), (5, 6))]
-
-
 def _ops_run(answer, case):
     """y = g(f(x) @ W_rank) on every rank, with the gradient of sum(y * probe) for x."""
     (f, g), (rows, d, seed, ctx) = answer, case.args
@@ -74,49 +64,42 @@ def _ops_run(answer, case):
     return {"y": y.detach(), "x_grad": x.grad}
 
 
-# fmt: off
 TP_OPERATORS = Exercise(
-    name="tp_operators", answer=("CopyToTP", "ReduceFromTP"), oracle=(COPY, REDUCE), ranks=2, cases=_ops_cases,
-    run=_ops_run, refuse=REFUSE, refuse_hint=REFUSE_HINT,
+    name="tp_operators", answer=("CopyToTP", "ReduceFromTP"), oracle=(COPY, REDUCE), ranks=2, run=_ops_run,
+    cases=lambda ctx: [Case((r, d, r + d, ctx), label=f"{r} rows of width {d}") for r, d in ((3, 4), (5, 6))],
+    refuse=REFUSE, refuse_hint=REFUSE_HINT,
     hint="f is the identity forward and sums the gradient over the ranks backward; g is the mirror image",
     passed="2 processes: the partial products summed forward, the input's gradient summed backward",
     mistakes=[
-        Mistake("the output is this rank's partial product, not the sum over the ranks: g's forward does not all-reduce", "g's forward must all-reduce (sum) its input across the ranks and return the sum", variant=(COPY, _op("id", "id"))),
-        Mistake("the output is N times too large: f's forward all-reduces, so each rank multiplies the sum of N copies of x", "f's forward is the identity (every rank already holds the whole input); only its backward all-reduces", variant=(_op("all_reduce", "all_reduce"), REDUCE)),
-        Mistake("the input's gradient is this rank's part only: f's backward does not all-reduce", "each rank's gradient covers only its own slice of the layer; f's backward must sum it over the ranks", variant=(_op("id", "id"), REDUCE)),
-        Mistake("the input's gradient is N times too large: g's backward all-reduces a gradient every rank already holds whole", "g's backward is the identity: the output's gradient is the same on every rank", variant=(COPY, _op("all_reduce", "all_reduce"))),
+        _m("the output is this rank's partial product: g's forward does not all-reduce. Try: g's forward must sum its input over the ranks", (COPY, NONE)),
+        _m("the output is N times too large: f's forward all-reduces the whole input every rank already holds. Try: f's forward is the identity; only its backward all-reduces", (_op("all_reduce", "all_reduce"), REDUCE)),
+        _m("the input's gradient is this rank's part only: f's backward does not all-reduce. Try: f's backward must sum the gradient over the ranks", (NONE, REDUCE)),
+        _m("the input's gradient is N times too large: g's backward all-reduces a gradient every rank already holds whole. Try: g's backward is the identity", (COPY, _op("all_reduce", "all_reduce"))),
     ],
-)
-# fmt: on
-check_tp_operators = TP_OPERATORS.checker(
-    "``CopyToTP`` (f) and ``ReduceFromTP`` (g), autograd Functions, on 2 processes."
-)
+)  # fmt: skip
+check_tp_operators = TP_OPERATORS.checker("``CopyToTP`` (f) and ``ReduceFromTP`` (g), autograd Functions, on 2 processes.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- exercise 2: the block's shards
 def _shard(block, r, n, qkv="heads", dims=(0, 1)):
     """Rank r's shards (the reference, with the defaults): q, k and v of its heads; fc's outputs; the projections'
     inputs. ``qkv="chunk"`` cuts the fused weight plainly and ``dims`` chooses the dims: the named mistakes."""
-    col, row = dims
+    (col, row), cut = dims, lambda t, dim=0: t.detach().chunk(n, dim)[r].clone()
     w, b = block.attn.qkv.weight.detach(), block.attn.qkv.bias.detach()
     if qkv == "heads":  # [3d, d] -> [3, d, d]: the q, k and v parts of this rank's heads
-        w, b = w.unflatten(0, (3, -1)).chunk(n, 1)[r].flatten(0, 1), b.unflatten(0, (3, -1)).chunk(n, 1)[r].flatten()
-    else:
-        w, b = w.chunk(n, col)[r], b.chunk(n)[r]
-    return {
-        "qkv_weight": w.clone(),
-        "qkv_bias": b.clone(),
-        "attn_proj_weight": block.attn.proj.weight.detach().chunk(n, row)[r].clone(),
-        "fc_weight": block.mlp.fc.weight.detach().chunk(n, col)[r].clone(),
-        "fc_bias": block.mlp.fc.bias.detach().chunk(n)[r].clone(),
-        "mlp_proj_weight": block.mlp.proj.weight.detach().chunk(n, row)[r].clone(),
-    }
+        w, b = cut(w.unflatten(0, (3, -1)), 1).flatten(0, 1), cut(b.unflatten(0, (3, -1)), 1).flatten()
+    return {"qkv_weight": w if qkv == "heads" else cut(w, col), "qkv_bias": b if qkv == "heads" else cut(b),
+            "attn_proj_weight": cut(block.attn.proj.weight, row), "fc_weight": cut(block.mlp.fc.weight, col),
+            "fc_bias": cut(block.mlp.fc.bias), "mlp_proj_weight": cut(block.mlp.proj.weight, row)}  # fmt: skip
 
 
 def _block(d, heads, seed):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)  # nn.Linear's own initialisation: every bias non-zero
         return Block(GPTConfig(width=d, heads=heads, context=64, layers=1))
+
+
+_mlp = lambda s, h: F.linear(F.gelu(F.linear(h, s["fc_weight"], s["fc_bias"])), s["mlp_proj_weight"])
 
 
 def _attention(s, h, heads):
@@ -126,17 +109,12 @@ def _attention(s, h, heads):
     return F.linear(y, s["attn_proj_weight"])
 
 
-def _mlp(s, h):
-    return F.linear(F.gelu(F.linear(h, s["fc_weight"], s["fc_bias"])), s["mlp_proj_weight"])
-
-
 def _shard_run(shard_block, case):
     """Every rank's shards, their partial outputs summed in this process (the all-reduce) and the bias added once."""
-    (d, heads, n, seed), out = case.args, {}
-    block = _block(d, heads, seed)
-    h = torch.randn(2, 5, d, generator=torch.Generator().manual_seed(seed))
+    d, heads, n, seed = case.args
+    block, h = _block(d, heads, seed), torch.randn(2, 5, d, generator=torch.Generator().manual_seed(seed))
     shards = [shard_block(block, r, n) for r in range(n)]
-    out["shapes"] = str([{k: tuple(v.shape) for k, v in sorted(s.items())} for s in shards])
+    out = {"shapes": str([{k: tuple(v.shape) for k, v in sorted(s.items())} for s in shards])}
     for name, part, layer in (("attn", lambda s: _attention(s, h, heads // n), block.attn.proj), ("mlp", lambda s: _mlp(s, h), block.mlp.proj)):  # fmt: skip
         try:
             out[name] = (sum(part(s) for s in shards) + layer.bias).detach()
@@ -145,36 +123,24 @@ def _shard_run(shard_block, case):
     return out
 
 
-def _differs(got, want):
-    return engine.difference(got["shapes"], want["shapes"]) or engine.difference(
-        (got["attn"], got["mlp"]), (want["attn"], want["mlp"]), atol=1e-5
-    )
-
-
-# fmt: off
 SHARD_BLOCK = Exercise(
-    name="shard_block", oracle=_shard,
-    cases=lambda: [
-        Case((d, h, n, d), label=f"width {d}, {h} heads on {n} ranks")
-        for d, h, n in ((8, 2, 2), (12, 6, 3), (16, 4, 4))
-    ],  # fmt: skip
-    run=_shard_run, compare=_differs, refuse=REFUSE,
+    name="shard_block", oracle=_shard, run=_shard_run, refuse=REFUSE,
+    cases=lambda: [Case((d, h, n, d), label=f"width {d}, {h} heads on {n} ranks") for d, h, n in ((8, 2, 2), (12, 6, 3), (16, 4, 4))],
+    compare=lambda got, want: difference(got["shapes"], want["shapes"])
+    or difference((got["attn"], got["mlp"]), (want["attn"], want["mlp"]), atol=1e-5),
     hint="rank r keeps the q, k and v rows of heads r*H/N to (r+1)*H/N, fc's hidden units r*4d/N to (r+1)*4d/N, and the same slices of the projections' inputs",
     passed="2, 3 and 4 ranks: the partial outputs add up to the block's attention and MLP",
     mistakes=[
-        Mistake("a shard has the wrong shape: a weight was cut along the wrong dimension", "nn.Linear stores its weight as [out, in]: the column-parallel qkv and fc keep a slice of the OUTPUT features (dim 0), the row-parallel projections a slice of the INPUT features (dim 1)", variant=lambda b, r, n: _shard(b, r, n, dims=(1, 0))),
-        Mistake("the shapes are right but the attention differs: the fused qkv weight was cut in plain slices, so a rank holds the queries of some heads and the keys of others", "the qkv weight is [q; k; v] stacked: view it as 3 parts of d rows each, take this rank's heads' rows of every part, then stack them back", variant=lambda b, r, n: _shard(b, r, n, qkv="chunk")),
+        _m("a shard has the wrong shape: a weight was cut along the wrong dimension. Try: nn.Linear's weight is [out, in]: qkv and fc keep a slice of the OUTPUT features (dim 0), the projections of the INPUT features (dim 1)", partial(_shard, dims=(1, 0))),
+        _m("the shapes are right but the attention differs: a plain slice of the fused qkv weight mixes the heads' queries, keys and values. Try: view it as 3 parts [q; k; v] of d rows and take this rank's heads' rows of each", partial(_shard, qkv="chunk")),
     ],
-)
-# fmt: on
-check_shard_block = SHARD_BLOCK.checker(
-    "``shard_block(block, rank, world_size)``: one rank's shards of a Block's Linears."
-)
+)  # fmt: skip
+check_shard_block = SHARD_BLOCK.checker("``shard_block(block, rank, world_size)``: one rank's shards of a Block's Linears.")  # fmt: skip
 
 
 # ---------------------------------------------------------------------------- exercises 3 and 4: the block on ranks
 class _TPBlock(nn.Module):
-    """The reference: this rank's part of a Block (f, column-parallel, row-parallel, g), ``how`` the mistakes."""
+    """The reference: this rank's part of a Block (f, column-parallel, row-parallel, g); ``how`` makes the mistakes."""
 
     def __init__(self, block, rank, world_size, how=""):
         super().__init__()
@@ -184,126 +150,87 @@ class _TPBlock(nn.Module):
         self.attn_proj_bias = nn.Parameter(block.attn.proj.bias.detach().clone())
         self.mlp_proj_bias = nn.Parameter(block.mlp.proj.bias.detach().clone())
 
+    def branches(self):
+        return ((self.norm1, lambda h: _attention(self.shards, h, self.heads), self.attn_proj_bias),
+                (self.norm2, lambda h: _mlp(self.shards, h), self.mlp_proj_bias))  # fmt: skip
+
     def forward(self, x):
-        f, g = (_op("id", "id") if k in self.how else op for k, op in (("no f", COPY), ("no g", REDUCE)))
+        f, g = NONE if "no f" in self.how else COPY, NONE if "no g" in self.how else REDUCE
         early = "bias" in self.how  # the row-parallel bias added before g, on every rank
-        a = _attention(self.shards, f.apply(self.norm1(x)), self.heads)
-        x = x + g.apply(a + early * self.attn_proj_bias) + (not early) * self.attn_proj_bias
-        m = _mlp(self.shards, f.apply(self.norm2(x)))
-        return x + g.apply(m + early * self.mlp_proj_bias) + (not early) * self.mlp_proj_bias
+        for norm, branch, bias in self.branches():
+            x = x + g.apply(branch(f.apply(norm(x))) + early * bias) + (not early) * bias
+        return x
 
 
 class _SPBlock(_TPBlock):
-    """The same with sequence parallelism: x is this rank's sequence shard; ``how`` the mistakes."""
+    """The same with sequence parallelism: x is this rank's sequence shard."""
 
     def forward(self, x):
         full = "full norm" in self.how  # the LayerNorm run after the all-gather, on the whole sequence
         g = REDUCE if "all_reduce" in self.how else SCATTER
-        for norm, branch, bias in ((self.norm1, lambda h: _attention(self.shards, h, self.heads), self.attn_proj_bias), (self.norm2, lambda h: _mlp(self.shards, h), self.mlp_proj_bias)):  # fmt: skip
-            h = norm(GATHER.apply(x)) if full else GATHER.apply(norm(x))
-            y = g.apply(branch(h))
+        for norm, branch, bias in self.branches():
+            y = g.apply(branch(norm(GATHER.apply(x)) if full else GATHER.apply(norm(x))))
             x = x + (y.chunk(dist.get_world_size(), 1)[dist.get_rank()] if g is REDUCE else y) + bias
         return x
 
 
-def _gather(t, dim):
-    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
-    dist.all_gather(parts, t.contiguous())
-    return torch.cat(parts, dim)
-
-
-SPLIT = {"qkv_weight": 1, "qkv_bias": 1, "fc_weight": 0, "fc_bias": 0, "attn_proj_weight": 1, "mlp_proj_weight": 1}
+SPLIT = {"fc_weight": 0, "fc_bias": 0, "attn_proj_weight": 1, "mlp_proj_weight": 1}
 
 
 def _block_run(answer, case, sp=False):
     """The block on this rank (x whole, or with ``sp`` its sequence shard); the output, the input's gradient and
-    every weight's gradient, gathered whole; with ``sp`` the calls of each collective and the LayerNorms' rows."""
+    every weight's gradient, gathered whole; the calls of all_reduce and the rows each LayerNorm saw."""
     d, heads, t, seed, ctx = case.args
     block, gen, n, rank = _block(d, heads, seed), torch.Generator().manual_seed(seed), ctx.world_size, ctx.rank
     x, probe = (torch.randn(2, t, d, generator=gen).to(ctx.device) for _ in range(2))
     mine = (lambda v: v.chunk(n, 1)[rank]) if sp else (lambda v: v)
     part, rows, xs = answer(block, rank, n).to(ctx.device), [], mine(x).clone().requires_grad_()
-    seen = [
-        norm.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[1])) for norm in (part.norm1, part.norm2)
-    ]
+    seen = [norm.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[1])) for norm in (part.norm1, part.norm2)]  # fmt: skip
     with CommCounter(n) as comm:
         y = part(xs)
         (y * mine(probe)).sum().backward()
     [h.remove() for h in seen]
-    params = dict(part.named_parameters())
-    grads = {k: params[k].grad if params[k].grad is not None else torch.zeros_like(params[k]) for k in params}
-    out = {k: _gather(v.unflatten(0, (3, -1)), 1).flatten(0, 1) if k.endswith("qkv_weight") or k.endswith("qkv_bias") else _gather(v, SPLIT[k.split(".")[-1]]) for k, v in grads.items() if k.split(".")[-1] in SPLIT}  # fmt: skip
-    for k, v in grads.items():  # replicated: whole on every rank under TP, a sum of sequence shards' under SP
-        out[k] = _gather(v[None], 0).sum(0) if sp and k not in out else out.get(k, v)
+    out = {}  # each shard's gradient gathered whole; a replicated one whole under TP, summed over the shards under SP
+    for k, p in part.named_parameters():
+        v, cut = torch.zeros_like(p) if p.grad is None else p.grad, SPLIT.get(k.split(".")[-1])
+        if k.endswith(("qkv_weight", "qkv_bias")):
+            out[k] = _gather(v.unflatten(0, (3, -1)), 1).flatten(0, 1)
+        else:
+            out[k] = _gather(v, cut) if cut is not None else _gather(v[None], 0).sum(0) if sp else v
     res = {"y": _gather(y.detach(), 1) if sp else y.detach(), "x_grad": _gather(xs.grad, 1) if sp else xs.grad}
     return res | {"grads": out, "norm_rows": rows, "all_reduce": comm.calls.get("all_reduce", 0)}
 
 
-def _same_numbers(got, want):
-    """The outputs and gradients of every rank; what the mechanism mistakes read is left out."""
-    keep = lambda rs: [{k: r[k] for k in ("y", "x_grad", "grads")} for r in rs]  # noqa: E731
-    return engine.difference(keep(got), keep(want), atol=1e-5)
-
-
-def _block_cases(ctx):
-    return [Case((d, h, t, d + t, ctx), label=f"width {d}, {h} heads, {t} tokens") for d, h, t in ((8, 2, 6), (12, 4, 4))]  # fmt: skip
-
-
-# the known-wrong blocks, defined at module level so that a rank can be sent their source
-def _bias_every_rank(block, rank, world_size):
-    return _TPBlock(block, rank, world_size, "bias")
-
-
-def _no_g(block, rank, world_size):
-    return _TPBlock(block, rank, world_size, "no g")
-
-
-def _no_f(block, rank, world_size):
-    return _TPBlock(block, rank, world_size, "no f")
-
-
-def _sp_all_reduce(block, rank, world_size):
-    return _SPBlock(block, rank, world_size, "all_reduce")
-
-
-def _sp_full_norm(block, rank, world_size):
-    return _SPBlock(block, rank, world_size, "full norm")
-
-
-# fmt: off
+_block_cases = lambda ctx: [Case((d, h, t, d + t, ctx), label=f"width {d}, {h} heads, {t} tokens") for d, h, t in ((8, 2, 6), (12, 4, 4))]  # fmt: skip
+_numbers = lambda rs: [{k: r[k] for k in ("y", "x_grad", "grads")} for r in rs]  # not what the mechanism mistakes read
+_BLOCK = dict(
+    ranks=2,
+    cases=_block_cases,
+    compare=lambda got, want: difference(_numbers(got), _numbers(want), atol=1e-5),
+    timeout_s=120,
+    refuse=REFUSE,
+    refuse_hint=REFUSE_HINT,
+)
 TP_BLOCK = Exercise(
-    name="tp_block", answer=("TPBlock",), oracle=_TPBlock, ranks=2, cases=_block_cases, run=_block_run,
-    compare=_same_numbers, timeout_s=120, refuse=REFUSE, refuse_hint=REFUSE_HINT,
+    name="tp_block", answer=("TPBlock",), oracle=_TPBlock, run=_block_run, **_BLOCK,
     hint="per branch: LayerNorm, f, the column-parallel layer, the rank's heads (or GELU), the row-parallel layer, g, then the bias once and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block",
     mistakes=[
-        Mistake("the output is off by (N - 1) times the projections' biases: the bias of a row-parallel layer was added on every rank before the all-reduce", "add a row-parallel layer's bias once, after g has summed the partial outputs", variant=_bias_every_rank),
-        Mistake("the output is a partial sum: g is missing after a row-parallel layer", "each rank's projection output is a partial sum over its heads (or hidden units): pass it through g before the bias and the residual", variant=_no_g),
-        Mistake("the output is right but the gradients are one rank's part: f is missing before a column-parallel layer", "pass each LayerNorm's output through f before the qkv and fc layers, so backward sums their input gradients over the ranks", variant=_no_f),
+        _m("the output is off by (N - 1) times the projections' biases: a row-parallel bias was added on every rank before the all-reduce. Try: add it once, after g", partial(_TPBlock, how="bias")),
+        _m("the output is a partial sum: g is missing after a row-parallel layer. Try: pass each projection's output through g before the bias and the residual", partial(_TPBlock, how="no g")),
+        _m("the output is right but the gradients are one rank's part: f is missing before a column-parallel layer. Try: pass each LayerNorm's output through f before qkv and fc", partial(_TPBlock, how="no f")),
     ],
-)
-# fmt: on
-check_tp_block = TP_BLOCK.checker(
-    "``TPBlock(block, rank, world_size)``: a Block's tensor-parallel forward on 2 processes."
-)
-
-
-def _sp_run(answer, case):
-    return _block_run(answer, case, sp=True)
-
-
-# fmt: off
+)  # fmt: skip
+check_tp_block = TP_BLOCK.checker("``TPBlock(block, rank, world_size)``: a Block's tensor-parallel forward on 2 processes.")  # fmt: skip
 SP_BLOCK = Exercise(
-    name="sp_block", answer=("SPBlock",), oracle=_SPBlock, ranks=2, cases=_block_cases, run=_sp_run,
-    compare=_same_numbers, timeout_s=120, refuse=REFUSE, refuse_hint=REFUSE_HINT,
+    name="sp_block", answer=("SPBlock",), oracle=_SPBlock, run=partial(_block_run, sp=True), **_BLOCK,
     hint="per branch: LayerNorm on your sequence shard, all-gather the sequence, the column- and row-parallel layers, reduce-scatter back to your shard, then the bias and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block, with no all-reduce",
     mistakes=[
-        Mistake("your block called an all-reduce: sequence parallelism replaces g's all-reduce with a reduce-scatter", "after a row-parallel layer, reduce-scatter the partial sums along the sequence: each rank gets the summed rows of its own shard, for half the traffic of an all-reduce and no copy of the whole sequence", variant=_sp_all_reduce, when=lambda o: any(r["all_reduce"] for r in o.got), mechanism=True),
-        Mistake("a LayerNorm ran on the whole sequence: the numbers are right, but every rank normalised (and kept for backward) all the rows", "run each LayerNorm on your own sequence shard first, then all-gather its output for the column-parallel layer", variant=_sp_full_norm, when=lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]), mechanism=True),
+        _m("your block called an all-reduce: sequence parallelism replaces g's all-reduce with a reduce-scatter. Try: after a row-parallel layer, reduce-scatter the partial sums along the sequence",
+           partial(_SPBlock, how="all_reduce"), lambda o: any(r["all_reduce"] for r in o.got), mechanism=True),
+        _m("a LayerNorm ran on the whole sequence: every rank normalised (and kept) all the rows. Try: run each LayerNorm on your own sequence shard, then all-gather its output",
+           partial(_SPBlock, how="full norm"), lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]), mechanism=True),
     ],
-)
-# fmt: on
-check_sp_block = SP_BLOCK.checker(
-    "``SPBlock(block, rank, world_size)``: a Block with sequence parallelism on 2 processes."
-)
+)  # fmt: skip
+check_sp_block = SP_BLOCK.checker("``SPBlock(block, rank, world_size)``: a Block with sequence parallelism on 2 processes.")  # fmt: skip

@@ -22,7 +22,6 @@ the sandbox's outermost process (never from a file).
 """
 
 import ctypes
-import ctypes.util
 import json
 import os
 import resource
@@ -44,7 +43,9 @@ MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVA
     1 << 18,
 )
 MNT_DETACH = 2
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+# libc through the interpreter's own symbols: find_library would run `ldconfig -p`, a process outside the
+# job's cgroup while this runs.
+_LIBC = ctypes.CDLL(None, use_errno=True)
 
 
 def _check(ret, what):

@@ -166,14 +166,31 @@ class Seen:
     cgroup: str = ""  # /proc/PID/cgroup when first seen
 
 
+def _pin_pidns(pid: int, start_ticks: int) -> tuple[str, int] | None:
+    """(name, fd) of the PID namespace of process ``pid`` (started at ``start_ticks``), held open.
+    The kernel gives a freed namespace's number to the next new one within a second or so, and
+    another grader's job may be that one: while this fd is open the number stays this job's."""
+    try:
+        fd = os.open(f"/proc/{pid}/ns/pid", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = _stat(pid)
+    if st is None or st[2] != start_ticks:  # the pid was reused before the open: not the job's
+        os.close(fd)
+        return None
+    return f"pid:[{os.fstat(fd).st_ino}]", fd
+
+
 class Watch:
     """Every process below ``root`` (the sandbox's outermost process), one /proc scan per tick:
-    pid, start time, rank, cgroup membership, and the job's PID namespace."""
+    pid, start time, rank, cgroup membership, and the job's PID namespace (held open until
+    :meth:`close`, so that its name cannot come to mean another job's)."""
 
     def __init__(self, root: int):
         self.root = root
         self.seen: dict[tuple[int, int], Seen] = {}
         self.pidns: str | None = None
+        self._pidns_fd: int | None = None
         self.host_ns = _pidns("self")
         self.host_net = _netns("self")
         self.loopback_octets = 0  # the job's network namespace: IP bytes in, loopback only
@@ -199,10 +216,12 @@ class Watch:
         for pid in below:
             ppid, _, start = table[pid]
             key = (pid, start)
-            if self.pidns is None:
-                ns = _pidns(pid)
-                if ns and ns != self.host_ns:
-                    self.pidns = ns
+            if self.pidns is None and _pidns(pid) not in (None, self.host_ns):
+                pinned = _pin_pidns(pid, start)
+                if pinned is not None and pinned[0] != self.host_ns:
+                    self.pidns, self._pidns_fd = pinned
+                elif pinned is not None:
+                    os.close(pinned[1])
             if sample is None and _netns(pid) not in (None, self.host_net):
                 sample = pid
             if key in self.seen and self.seen[key].worker:
@@ -231,6 +250,16 @@ class Watch:
 
     def still_alive(self) -> list[Seen]:
         return [s for s in self.seen.values() if alive(s.pid, s.start_ticks)]
+
+    def job_processes(self) -> list[int]:
+        """The live processes of the job's PID namespace; [] where it was never seen (then the
+        job had ended before a tick, and its init's exit emptied the namespace)."""
+        return processes_in_pidns(self.pidns) if self._pidns_fd is not None else []
+
+    def close(self) -> None:
+        if self._pidns_fd is not None:
+            os.close(self._pidns_fd)
+            self._pidns_fd = None
 
 
 def _rlimits(pid: int) -> dict:
@@ -1173,14 +1202,14 @@ def run(
         proc.wait()
     # The init's own report: what it killed, and its PID namespace (a job that ends between two
     # ticks is never seen in it from outside).
-    stragglers = []
+    stragglers, reported_ns = [], None
     status_r.setblocking(False)
     try:
         rec = json.loads(status_r.recv(1 << 16))
         stragglers = [str(x)[:120] for x in (rec.get("stragglers") or [])][:20]
         ns = rec.get("pidns")
-        if watch.pidns is None and isinstance(ns, str) and ns.startswith("pid:[") and ns != watch.host_ns:
-            watch.pidns = ns
+        if isinstance(ns, str) and ns.startswith("pid:[") and ns != watch.host_ns:
+            reported_ns = ns  # for the report only: the namespace is gone, its number free again
     except (OSError, ValueError, AttributeError):
         pass
     status_r.close()
@@ -1188,10 +1217,10 @@ def run(
     # once the sandbox's first process is gone is killed, then looked for again.
     leftovers = []
     grace = time.perf_counter() + 3.0
-    while time.perf_counter() < grace and processes_in_pidns(watch.pidns):
+    while time.perf_counter() < grace and watch.job_processes():
         time.sleep(0.05)
     for _ in range(50):
-        live = processes_in_pidns(watch.pidns) + [s.pid for s in watch.still_alive()]
+        live = watch.job_processes() + [s.pid for s in watch.still_alive()]
         if cg is not None:
             live += list(cg.members(live_only=True))
         live = sorted(set(live))
@@ -1204,7 +1233,8 @@ def run(
             except OSError:
                 pass
         time.sleep(0.02)
-    remaining = [_cmdline(p) for p in processes_in_pidns(watch.pidns)]
+    remaining = [_cmdline(p) for p in watch.job_processes()]
+    watch.close()
     if cg is not None:
         remaining += [_cmdline(p) for p in cg.kill_and_remove()]
     messages = chan.finish() if chan is not None else []
@@ -1225,7 +1255,7 @@ def run(
         sorted(set(leftovers)),
         remaining,
         watch.loopback_octets,
-        watch.pidns,
+        watch.pidns or reported_ns,
         list(watch.seen.values()),
         escapes,
         {"version": cg.version, "applied": cg.applied} if cg is not None else None,

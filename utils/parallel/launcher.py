@@ -50,8 +50,8 @@ class WorkerNotImportable(ValueError):
 
 
 _NOT_IMPORTABLE = (
-    "launch() cannot use {what}: the processes it starts are fresh Python interpreters (start method "
-    "'spawn'), and they find the worker by importing it by module and name. A function defined in a "
+    "launch() cannot use {what}: the processes it starts do not share the notebook's memory, and they "
+    "find the worker by importing it by module and name. A function defined in a "
     "notebook lives in its __main__, which a new process cannot import. Either put the worker in a file "
     "and import it from there (in a notebook: a cell starting `%%writefile my_worker.py`, then "
     "`from my_worker import worker`), or use a worker that ships with utils (e.g. utils.ddp_train.train)."
@@ -91,15 +91,44 @@ def _to_cpu(obj):
 
 
 def _watch_parent(parent_pid: int) -> None:
-    """Exit if the notebook that started us goes away (kernel restart): never an orphan."""
+    """Exit if the notebook that started us goes away (kernel restart): never an orphan. Our parent is
+    the notebook (spawn) or the fork server, which exits with the notebook (forkserver): either way it
+    changes when the notebook is gone."""
+    ppid = os.getppid()
     while True:
         time.sleep(1.0)
-        if os.getppid() != parent_pid:
+        try:
+            os.kill(parent_pid, 0)
+        except OSError:  # gone, or the number reused by another user's process
+            os._exit(3)
+        if os.getppid() != ppid:
             os._exit(3)
 
 
-def _entry(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, parent_pid, timeout):
-    """Runs in each spawned process: the environment torchrun would set, then the worker."""
+# Ranks start from a fork server that has imported these once: a rank is ready in well under a second,
+# where a fresh interpreter spends seconds importing torch. The server is an interpreter of its own (it
+# never touched CUDA), started at the first launch and stopped with the notebook.
+PRELOAD = ["torch", "torch.distributed", "utils.parallel"]
+
+
+def _context():
+    """The multiprocessing context ranks start from: 'forkserver', or 'spawn' where there is none (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
+def _entry(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, parent_pid, timeout, where):
+    """Runs in each rank: the notebook's environment, path and folder (``where``: a rank forked from the
+    fork server starts with the server's), the variables torchrun would set, then the worker."""
+    env, path, cwd = where
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
+    with contextlib.suppress(OSError):
+        os.chdir(cwd)
     with contextlib.suppress(OSError, AttributeError):
         os.setpgrp()  # own process group: the parent can stop our children too
     log = open(os.path.join(workdir, f"rank{rank}.log"), "w", buffering=1)
@@ -228,7 +257,8 @@ def launch(
     """Run ``worker(*args, **kwargs)`` in ``nprocs`` new processes and return their results,
     a list indexed by rank.
 
-    Each process is started with 'spawn' (safe after CUDA is initialised), gets the environment
+    Each process is forked from a fork server that imported torch once ('spawn' where there is none;
+    either is safe after CUDA is initialised), gets the notebook's environment plus what
     torchrun would give it (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT on a free
     port) and calls the worker, which calls :func:`setup`. The backend is NCCL when there are at
     least ``nprocs`` GPUs (one per rank), gloo otherwise. Each rank's output is printed here
@@ -254,7 +284,8 @@ def launch(
                 f"Use nprocs <= {n}, or backend='gloo' (several processes may share a device)."
             )
     threads = threads or 1  # more would oversubscribe the cores: each rank is one busy process
-    ctx = mp.get_context("spawn")
+    ctx = _context()
+    where = (dict(os.environ), list(sys.path), os.getcwd())
     workdir = tempfile.mkdtemp(prefix="launch-")
     # The ranks meet in a store held here, on a port the OS assigns as it is bound: no window in
     # which another program could take the port (as with "find a free port, pass it on").
@@ -267,7 +298,20 @@ def launch(
             p = ctx.Process(
                 target=_entry,
                 name=f"rank{rank}",
-                args=(worker, args, kwargs, rank, nprocs, port, backend, threads, workdir, os.getpid(), timeout + 60.0),
+                args=(
+                    worker,
+                    args,
+                    kwargs,
+                    rank,
+                    nprocs,
+                    port,
+                    backend,
+                    threads,
+                    workdir,
+                    os.getpid(),
+                    timeout + 60.0,
+                    where,
+                ),
             )
             p.start()
             procs.append(p)
