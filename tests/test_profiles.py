@@ -118,6 +118,11 @@ def test_stage1_sweeps_fit_their_data(name):
     assert cfg.sgd_base_lr <= cfg.sgd_max_lr
     assert 0.1 < cfg.sgd_target_acc < 1  # above chance, reachable
     assert cfg.sgd_epochs >= 1 and cfg.sgd_max_steps >= 1
+    grid = cfg.sgd_lr_grid
+    assert len(grid) >= 3 and all(b == 2 * a for a, b in zip(grid, grid[1:])), "a log grid, a factor 2 apart"
+    first = cfg.sgd_base_lr * min(cfg.sgd_target_batch_sizes) / cfg.sgd_base_batch  # where the tuning starts
+    assert grid[0] < first < grid[-1], "the tuning starts inside the grid, with room to walk both ways"
+    assert all(0 <= f <= 1 for f in cfg.noise_run_fractions) and max(cfg.noise_run_fractions) == 1
 
 
 @pytest.mark.parametrize("name", config.PROFILE_NAMES)

@@ -1,14 +1,18 @@
 """What batch size does to the lecture CNN (stage 1): batch-size sweeps and the critical batch.
 
-The sweeps train :func:`utils.models.net_for` with :func:`utils.train.fit`: a fixed epoch budget
-at every batch size (:func:`sweep_fixed_epochs`), and steps to a target accuracy (with
-``eval_every`` and :class:`utils.train.StopAtAccuracy`, :func:`sweep_steps_to_target`), to which
-:func:`fit_critical_batch` fits McCandlish et al.'s S(B) = S_min (1 + B_crit / B). The rate for
-each batch comes from the caller (e.g. :func:`utils.schedules.lr_for_batch`).
+The sweeps train :func:`utils.models.net_for` with :func:`utils.train.fit` and SGD with momentum:
+a fixed epoch budget at every batch size, the rate from the caller (:func:`sweep_fixed_epochs`);
+steps to a target accuracy (:func:`steps_to_target`, with ``eval_every`` and
+:class:`utils.train.StopAtAccuracy`) with the rate tuned at every batch size on a grid, as Shallue
+et al. (2018) do (:func:`tune_steps_to_target`, :func:`search_rate`, :func:`pick_rate`), to whose
+tuned points (:func:`tuned_rows`) :func:`fit_critical_batch` fits McCandlish et al.'s
+S(B) = S_min (1 + B_crit / B); and the gradient noise scale B_simple at several points of one run
+(:func:`noise_scale_along_run`). Each has its plot.
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
@@ -18,6 +22,7 @@ import numpy as np
 import torch
 
 from . import data as _data
+from . import gradient_noise as _noise
 from . import models as _models
 from . import plots as _plots
 from . import train as _train
@@ -28,14 +33,38 @@ if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
 
-def _cnn_run(splits, batch_size, lr, *, momentum, width, seed, device, desc, **fit_kw):
+def _cnn_run(splits, batch_size, lr, *, momentum, width, seed, device, desc, keep_steps=(), callbacks=(), **fit_kw):
+    """One SGD run of the lecture CNN; ``keep_steps``: the optimizer steps after which a copy of the
+    model is kept (0: the initial weights). Returns (model, history, {step: copy})."""
     torch.manual_seed(seed)
     model = _models.net_for(splits.shape, width).to(device)
+    keep = _Snapshots(model, keep_steps)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     train_loader = _data.make_loader(splits.train, batch_size, device=device, seed=seed)
     val_loader = _data.make_loader(splits.val, 1024, shuffle=False, device=device)
-    hist = _train.fit(model, train_loader, opt, val_loader=val_loader, device=device, desc=desc, **fit_kw)
-    return model, hist
+    hist = _train.fit(
+        model,
+        train_loader,
+        opt,
+        val_loader=val_loader,
+        device=device,
+        desc=desc,
+        callbacks=[*callbacks, keep],
+        **fit_kw,
+    )
+    return model, hist, keep.models
+
+
+class _Snapshots(_train.Callback):
+    """Copies of the model after the given optimizer steps (step 0: before training)."""
+
+    def __init__(self, model: torch.nn.Module, steps: Iterable[int]):
+        self.steps = set(steps)
+        self.models = {0: copy.deepcopy(model)} if 0 in self.steps else {}
+
+    def on_step_end(self, state) -> None:
+        if state.step in self.steps:
+            self.models[state.step] = copy.deepcopy(state.model)
 
 
 def sweep_fixed_epochs(
@@ -57,7 +86,7 @@ def sweep_fixed_epochs(
     rows = []
     for B in batch_sizes:
         lr = lr_fn(B)
-        _, h = _cnn_run(
+        _, h, _ = _cnn_run(
             splits,
             B,
             lr,
@@ -82,10 +111,114 @@ def sweep_fixed_epochs(
     return rows
 
 
-def sweep_steps_to_target(
+def steps_to_target(
+    splits: _data.Splits,
+    batch_size: int,
+    lr: float,
+    *,
+    target_acc: float,
+    max_steps: int,
+    eval_images: int = 32,
+    momentum: float = 0.9,
+    width: int = 32,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> dict:
+    """Train the lecture CNN at one batch size and rate until the validation accuracy first reaches
+    ``target_acc``, or for ``max_steps`` steps. Evaluation every ``max(1, eval_images // B)`` steps,
+    so a small batch is evaluated about every ``eval_images`` training images and a big one every step.
+
+    Returns {batch_size, lr, steps_to_target (None if not reached), eval_every, images}."""
+    device = device or get_device()
+    every = max(1, eval_images // batch_size)
+    _, h, _ = _cnn_run(
+        splits,
+        batch_size,
+        lr,
+        momentum=momentum,
+        width=width,
+        seed=seed,
+        device=device,
+        desc=f"B={batch_size} lr={lr:g}",
+        callbacks=[_train.StopAtAccuracy(target_acc)],
+        steps=max_steps,
+        eval_every=every,
+        progress=progress,
+    )
+    s = h.steps_to(target_acc)
+    return {
+        "batch_size": batch_size,
+        "lr": lr,
+        "steps_to_target": s,
+        "eval_every": every,
+        "images": None if s is None else s * batch_size,
+    }
+
+
+def search_rate(
+    steps_at: Callable[[float, int], int | None], grid: Sequence[float], start: float, max_steps: int
+) -> list[dict]:
+    """Walk a grid of learning rates (sorted, e.g. a factor of 2 apart) to the one that reaches
+    the target in the fewest steps, as Shallue et al. tune the rate at every batch size.
+
+    ``steps_at(lr, limit)`` trains at ``lr`` for at most ``limit`` steps and returns the steps it
+    took to reach the target, or None. The walk tries the grid rate nearest ``start``, then the
+    next rate up for as long as each beats the best so far, and, when the first step up did not,
+    the rates down the same way: at least three rates unless the best is at an end of the grid.
+    Every trial after the first is limited to the best steps so far: a rate that cannot beat the
+    best stops there, so a trial costs at most the best run's steps.
+
+    Returns the trials in the order run: [{"lr", "steps" (None: not reached within "limit"), "limit"}]."""
+    grid = sorted(grid)
+    if not grid:
+        raise ValueError("search_rate: the grid of rates is empty. Try: give at least one rate.")
+    trials: list[dict] = []
+
+    def best_steps() -> int | None:
+        done = [t["steps"] for t in trials if t["steps"] is not None]
+        return min(done) if done else None
+
+    def improves(i: int) -> bool:
+        before = best_steps()
+        limit = max_steps if before is None else before
+        s = steps_at(grid[i], limit)
+        trials.append({"lr": grid[i], "steps": s, "limit": limit})
+        return s is not None and (before is None or s < before)
+
+    i = min(range(len(grid)), key=lambda k: abs(math.log(grid[k] / start)))
+    improves(i)
+    j = i
+    while j + 1 < len(grid) and improves(j + 1):
+        j += 1
+    if j == i:
+        while j - 1 >= 0 and improves(j - 1):
+            j -= 1
+    return trials
+
+
+def pick_rate(trials: Sequence[dict], grid: Sequence[float]) -> dict:
+    """The trial that reached the target in the fewest steps (ties: the one tried first), and how
+    sure that pick is: {"lr" (None when no rate reached the target), "steps", "ties" (other rates
+    that reached it in as few steps), "bracketed" (the grid rates on both sides of the pick were
+    tried and did no better; False at an end of the grid)}."""
+    reached = [t for t in trials if t["steps"] is not None]
+    if not reached:
+        return {"lr": None, "steps": None, "ties": [], "bracketed": False}
+    best = min(reached, key=lambda t: t["steps"])  # min keeps the first of equal steps
+    ties = [t["lr"] for t in reached if t["steps"] == best["steps"] and t is not best]
+    grid = sorted(grid)
+    k = grid.index(best["lr"])
+    tried = {t["lr"] for t in trials}
+    bracketed = 0 < k < len(grid) - 1 and grid[k - 1] in tried and grid[k + 1] in tried
+    return {"lr": best["lr"], "steps": best["steps"], "ties": ties, "bracketed": bracketed}
+
+
+def tune_steps_to_target(
     splits: _data.Splits,
     batch_sizes: Iterable[int],
-    lr_fn: Callable[[int], float],
+    lr_grid: Sequence[float],
+    start_lr: float,
     *,
     target_acc: float,
     max_steps: int,
@@ -95,46 +228,104 @@ def sweep_steps_to_target(
     seed: int = 0,
     device: torch.device | str | None = None,
     progress: bool = True,
-    keep_models: bool = False,
-) -> list[dict] | tuple[list[dict], dict[int, torch.nn.Module]]:
-    """Train the lecture CNN at each batch size until the validation accuracy first reaches
-    ``target_acc`` (or ``max_steps``). Evaluation every ``max(1, eval_images // B)`` steps, so a
-    small batch is evaluated about every ``eval_images`` training images and a big one every step.
+) -> list[dict]:
+    """Steps to ``target_acc`` at each batch size with its learning rate tuned on ``lr_grid``
+    (:func:`search_rate`, :func:`pick_rate`). The smallest batch starts its walk at ``start_lr``,
+    each next batch at the rate the previous one picked: a rate that trained a smaller batch trains
+    a bigger one too, so the first trial is not wasted, and the walk goes down where that rate was
+    already too high.
 
-    Returns rows {batch_size, lr, steps_to_target (None if not reached), eval_every, images}, and,
-    with ``keep_models``, also {batch_size: trained model} (parameters where the run stopped)."""
+    Returns one row per batch size: {batch_size, lr (the pick; None if no rate reached the target),
+    steps_to_target, eval_every, images, ties, bracketed, trials (every rate tried, see
+    :func:`search_rate`)}. Every run starts from the same initial weights and data order (``seed``)."""
     device = device or get_device()
-    rows, models = [], {}
-    for B in batch_sizes:
-        lr = lr_fn(B)
-        every = max(1, eval_images // B)
-        model, h = _cnn_run(
-            splits,
-            B,
-            lr,
-            momentum=momentum,
-            width=width,
-            seed=seed,
-            device=device,
-            steps=max_steps,
-            eval_every=every,
-            progress=progress,
-            desc=f"B={B}",
-            callbacks=[_train.StopAtAccuracy(target_acc)],
-        )
-        s = h.steps_to(target_acc)
+    rows, start = [], start_lr
+    for B in sorted(batch_sizes):
+
+        def steps_at(lr: float, limit: int, B: int = B) -> int | None:
+            return steps_to_target(
+                splits,
+                B,
+                lr,
+                target_acc=target_acc,
+                max_steps=limit,
+                eval_images=eval_images,
+                momentum=momentum,
+                width=width,
+                seed=seed,
+                device=device,
+                progress=progress,
+            )["steps_to_target"]
+
+        trials = search_rate(steps_at, lr_grid, start, max_steps)
+        pick = pick_rate(trials, lr_grid)
+        s = pick["steps"]
         rows.append(
             {
                 "batch_size": B,
-                "lr": lr,
+                "lr": pick["lr"],
                 "steps_to_target": s,
-                "eval_every": every,
+                "eval_every": max(1, eval_images // B),
                 "images": None if s is None else s * B,
+                "ties": pick["ties"],
+                "bracketed": pick["bracketed"],
+                "trials": trials,
             }
         )
-        if keep_models:
-            models[B] = model
-    return (rows, models) if keep_models else rows
+        start = pick["lr"] or start
+    return rows
+
+
+def tuned_rows(rows: Iterable[dict]) -> list[dict]:
+    """The rows whose rate is tuned: a rate reached the target and the grid rates on both sides of
+    it did no better. The critical-batch fit uses only these."""
+    return [r for r in rows if r["steps_to_target"] is not None and r["bracketed"]]
+
+
+def noise_scale_along_run(
+    splits: _data.Splits,
+    batch_size: int,
+    lr: float,
+    steps: Sequence[int],
+    *,
+    b_small: int,
+    b_big: int,
+    draws: int,
+    momentum: float = 0.9,
+    width: int = 32,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+) -> list[dict]:
+    """B_simple (McCandlish et al.'s two-batch estimator) at several points of one run: the lecture
+    CNN trained at ``batch_size`` and ``lr`` (the same seed as :func:`tune_steps_to_target`'s runs,
+    so the same run) for ``max(steps)`` steps, a copy kept after each of ``steps`` (0: the
+    initial weights), each measured on the training set.
+
+    Returns [{"step", "b_simple", "G2", "tr_sigma", "log_se" (bootstrap standard error of
+    log B_simple)}], in step order."""
+    device = device or get_device()
+    steps = sorted(set(int(s) for s in steps))
+    _, _, kept = _cnn_run(
+        splits,
+        batch_size,
+        lr,
+        momentum=momentum,
+        width=width,
+        seed=seed,
+        device=device,
+        desc=f"B={batch_size} lr={lr:g}",
+        keep_steps=steps,
+        steps=max(max(steps), 1),
+        progress=progress,
+    )
+    out = []
+    for s in steps:
+        small, big = _noise.grad_sq_norms(kept[s], splits.train, b_small, b_big, draws, seed=seed, device=device)
+        ns = _noise.noise_scale(small, big, b_small, b_big)
+        se = _noise.bootstrap_log_se(small, big, b_small, b_big)
+        out.append({"step": s, "b_simple": ns.b_simple, "G2": ns.G2, "tr_sigma": ns.tr_sigma, "log_se": se})
+    return out
 
 
 def fit_critical_batch(batch_sizes: Sequence[float], steps: Sequence[float]) -> tuple[float, float]:
@@ -157,22 +348,21 @@ def plot_steps_to_target(
     ax: Axes | None = None,
     regime_factor: float = 4.0,
     title: str = "Steps to target accuracy vs batch size",
-    lr_cap: float | None = None,
 ) -> tuple[Figure, dict[str, float]]:
     """Log-log steps-to-target with the perfect-scaling line from the smallest batch, the fitted
     S_min (1 + B_crit/B), the three regimes shaded and B_simple marked.
 
-    The regime boundaries B_crit/regime_factor and B_crit*regime_factor (4 by default) are this
-    course's convention for drawing McCandlish et al.'s curve, not lines Shallue et al. draw.
-    With ``lr_cap`` (the cap on the scaled rate), the rows that trained at the cap are drawn
-    hollow, labelled "rate capped": they all share one rate, so part of their bend is the cap.
-    Returns (figure, {"s_min", "b_crit"})."""
+    The fit uses the tuned rows only (:func:`tuned_rows`); a row whose best rate sits at an end of
+    the grid is drawn hollow and left out of the fit. The regime boundaries B_crit/regime_factor and
+    B_crit*regime_factor (4 by default) are this course's convention for drawing McCandlish et al.'s
+    curve, not lines Shallue et al. draw. Returns (figure, {"s_min", "b_crit"})."""
     if ax is None:
         fig, ax = plt.subplots(figsize=(6.4, 4.4))
     done = [r for r in rows if r["steps_to_target"] is not None]
     B = np.array([r["batch_size"] for r in done], dtype=float)
     S = np.array([r["steps_to_target"] for r in done], dtype=float)
-    s_min, b_crit = fit_critical_batch(B, S)
+    tuned = np.array([r.get("bracketed", True) for r in done], dtype=bool)
+    s_min, b_crit = fit_critical_batch(B[tuned], S[tuned])
     lo, hi = B.min() / 2, B.max() * 2
     grid = np.geomspace(lo, hi, 200)
     if math.isfinite(b_crit) and b_crit > 0:
@@ -189,18 +379,10 @@ def plot_steps_to_target(
             label=f"fit $S_{{min}}(1+B_{{crit}}/B)$, $B_{{crit}}$={b_crit:.0f}",
         )
     ax.loglog(grid, S[0] * B[0] / grid, "k:", label="perfect scaling (steps ∝ 1/B)")
-    capped = np.array([lr_cap is not None and r["lr"] >= lr_cap * (1 - 1e-9) for r in done], dtype=bool)
-    ax.loglog(B[~capped], S[~capped], "o", color="tab:blue", ms=7, label="measured")
-    if capped.any():
+    ax.loglog(B[tuned], S[tuned], "o", color="tab:blue", ms=7, label="measured, rate tuned")
+    if (~tuned).any():
         ax.loglog(
-            B[capped],
-            S[capped],
-            "o",
-            mfc="none",
-            mec="tab:blue",
-            mew=2,
-            ms=9,
-            label=f"measured, rate capped at {lr_cap:g}",
+            B[~tuned], S[~tuned], "o", mfc="none", mec="tab:blue", mew=2, ms=9, label="best rate at the grid's end"
         )
     for r in rows:
         if r["steps_to_target"] is None:
@@ -215,6 +397,62 @@ def plot_steps_to_target(
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7, loc="upper right")
     return ax.figure, {"s_min": s_min, "b_crit": b_crit}
+
+
+def plot_tuned_rates(
+    rows: list[dict],
+    linear: Callable[[int], float] | None = None,
+    ax: Axes | None = None,
+    title: str = "The learning rate tuned at each batch size",
+) -> Figure:
+    """Every rate tried at each batch size (gray: reached the target, x: did not within its step
+    limit), the pick of each (blue), and, with ``linear``, the linear scaling rule's rate for
+    comparison."""
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    for r in rows:
+        for t in r["trials"]:
+            ax.plot(r["batch_size"], t["lr"], "o" if t["steps"] is not None else "x", color="gray", ms=5)
+    picked = [r for r in rows if r["lr"] is not None]
+    B = [r["batch_size"] for r in rows]
+    ax.plot([r["batch_size"] for r in picked], [r["lr"] for r in picked], "o-", color="tab:blue", ms=8, label="tuned")
+    ax.plot([], [], "o", color="gray", ms=5, label="tried: reached the target")
+    ax.plot([], [], "x", color="gray", ms=5, label="tried: slower than the best, or never")
+    if linear is not None:
+        ax.plot(B, [linear(b) for b in B], "k:", label="linear scaling rule")
+    ax.set(
+        xscale="log", yscale="log", title=title, xlabel="batch size B (images)", ylabel="learning rate (SGD, momentum)"
+    )
+    _plots.plain_ticks(ax, "x", B)
+    _plots.plain_ticks(ax, "y")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left")
+    return ax.figure
+
+
+def plot_noise_scale_along_run(
+    points: list[dict],
+    ax: Axes | None = None,
+    title: str = "Gradient noise scale during training",
+    label: str = "",
+) -> Figure:
+    """B_simple against the optimizer step (:func:`noise_scale_along_run`), with error bars of one
+    bootstrap standard error (on the log scale, drawn as the factor exp(±se)). A point whose estimate
+    is not a positive number (|G|^2 estimated at or below 0) is left out."""
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(6.4, 4))
+    shown = [p for p in points if math.isfinite(p["b_simple"]) and p["b_simple"] > 0]  # a log axis
+    x = np.array([p["step"] for p in shown], dtype=float)
+    y = np.array([p["b_simple"] for p in shown], dtype=float)
+    se = np.array([p["log_se"] if math.isfinite(p["log_se"]) else 0.0 for p in shown])
+    ax.errorbar(x, y, yerr=[y - y * np.exp(-se), y * np.exp(se) - y], fmt="o-", capsize=3, label=label or None)
+    ax.set(yscale="log", title=title, xlabel="optimizer step", ylabel="$B_{simple}$ = tr(Σ)/|G|² (images)")
+    ax.set_xticks(x)
+    _plots.plain_ticks(ax, "y")
+    ax.grid(alpha=0.3, which="both")
+    if label:
+        ax.legend(fontsize=8)
+    return ax.figure
 
 
 def plot_fixed_epoch_sweep(rows: list[dict], title: str = "Fixed epoch budget: what batch size buys") -> Figure:

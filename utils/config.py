@@ -49,7 +49,7 @@ TABLE: dict[str, tuple] = {
     "var_draws": (200, 500, 2000),  # minibatches drawn per batch size
     "sgd_dataset": ("digits", "fashion_mnist", "fashion_mnist"),
     "sgd_batch_sizes": ((8, 32, 128, 512), (16, 64, 256, 1024), (16, 64, 256, 1024, 4096)),  # fixed epochs
-    "sgd_epochs": (2, 2, 10),  # fixed epoch budget of the sweep
+    "sgd_epochs": (1, 2, 10),  # fixed epoch budget of the sweep
     "sgd_target_batch_sizes": (
         (4, 16, 64, 256),
         (8, 32, 128, 512),
@@ -60,11 +60,21 @@ TABLE: dict[str, tuple] = {
     "sgd_eval_images": (32, 1024, 1024),  # evaluate every ~this many images (>= every step)
     "sgd_base_lr": (0.02, 0.01, 0.01),  # SGD (momentum 0.9) rate at sgd_base_batch
     "sgd_base_batch": (8, 16, 16),  # batch the base rate was tuned for (images)
-    "sgd_max_lr": (0.05, 0.1, 0.1),  # cap on the linearly scaled rate
+    "sgd_max_lr": (0.05, 0.1, 0.1),  # ceiling on the linearly scaled rate of the fixed-epoch sweep
+    "sgd_lr_grid": (
+        (0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32),
+        (0.00125, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32),
+        (0.00125, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64),
+    ),  # SGD (momentum 0.9) rates, a factor 2 apart, that the steps-to-target tuning walks
     "sgd_momentum": (0.9, 0.9, 0.9),
     "noise_b_small": (8, 16, 32),  # two-batch estimator: small batch (images)
     "noise_b_big": (512, 1024, 4096),  # two-batch estimator: big batch (images)
     "noise_draws": (20, 30, 50),  # (small, big) pairs averaged
+    "noise_run_fractions": (
+        (0, 0.25, 0.5, 1.0),
+        (0, 0.25, 0.5, 1.0),
+        (0, 0.25, 0.5, 1.0),
+    ),  # where B_simple is measured along the smallest batch's run to target (fractions of its steps)
     # --- stage 2: CPU vs GPU throughput ---
     "bench_batch_sizes": ((2, 4, 64), (2, 4, 16, 64, 256), (2, 4, 16, 64, 256, 1024)),
     "bench_cnn_widths": (
