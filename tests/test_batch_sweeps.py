@@ -191,3 +191,8 @@ def test_tuned_rates_plot_shows_every_trial_the_picks_and_the_linear_rule():
         (16, 0.01),
         (16, 0.02),
     ]
+
+
+def test_fit_critical_batch_with_one_point_says_what_to_change():
+    with pytest.raises(ValueError, match=r"1 batch size\(s\) reached the target.*Try: raise sgd_max_steps"):
+        batch_sweeps.fit_critical_batch([16], [120])

@@ -899,6 +899,36 @@ def test_a_finished_jobs_namespace_never_names_a_later_job():
             p.wait()
 
 
+def test_the_watch_takes_the_jobs_namespace_not_one_the_job_made_inside_it():
+    """A job may make PID namespaces of its own; the job's namespace is the one nearest the sandbox's
+    first process, and the watch must name that one, whatever order /proc lists them in."""
+    if shutil.which("unshare") is None or subprocess.run(["unshare", "--user", "--pid", "--fork", "true"]).returncode:
+        pytest.skip("unshare cannot make a user and PID namespace here")
+    inner = "unshare --user --map-root-user --pid --fork --kill-child sleep 30 & sleep 30"
+    job = subprocess.Popen(
+        ["unshare", "--user", "--map-root-user", "--pid", "--fork", "--kill-child", "sh", "-c", inner]
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the inner namespace's sleep runs
+            shell = _children(job.pid)
+            names = {sandbox._pidns(p) for p in shell} | {sandbox._pidns(q) for p in shell for q in _children(p)}
+            names |= {sandbox._pidns(r) for p in shell for q in _children(p) for r in _children(q)}
+            if len(names - {None}) >= 2:
+                break
+            time.sleep(0.05)
+        assert shell and len(names - {None}) >= 2, "the job's inner namespace never started"
+        watch = sandbox.Watch(job.pid)
+        try:
+            watch.tick()
+            assert watch.pidns == sandbox._pidns(shell[0]), (watch.pidns, names)
+        finally:
+            watch.close()
+    finally:
+        job.kill()
+        job.wait()
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]

@@ -334,7 +334,10 @@ def fit_critical_batch(batch_sizes: Sequence[float], steps: Sequence[float]) -> 
     B = np.asarray(batch_sizes, dtype=float)
     S = np.asarray(steps, dtype=float)
     if len(B) < 2:
-        raise ValueError("need at least two batch sizes that reached the target")
+        raise ValueError(
+            f"fit_critical_batch: {len(B)} batch size(s) reached the target with a tuned rate, and the fit needs "
+            "two. Try: raise sgd_max_steps or widen sgd_lr_grid (utils/config.py), or lower sgd_target_acc."
+        )
     A = np.stack([np.ones_like(B), 1.0 / B], 1) / S[:, None]
     (s_min, k), *_ = np.linalg.lstsq(A, np.ones_like(S), rcond=None)
     if s_min <= 0:  # no floor visible: every B was still in perfect scaling

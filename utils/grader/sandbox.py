@@ -206,11 +206,13 @@ class Watch:
         children: dict[int, list[int]] = {}
         for pid, (ppid, _, _) in table.items():
             children.setdefault(ppid, []).append(pid)
-        below, todo = set(), [self.root]
+        # nearest the root first: the job's own namespace is the first one met, never one that a
+        # process of the job made below it
+        below, todo = {}, [self.root]
         while todo:
-            for c in children.get(todo.pop(), []):
+            for c in children.get(todo.pop(0), []):
                 if c not in below:
-                    below.add(c)
+                    below[c] = None
                     todo.append(c)
         sample = None
         for pid in below:
