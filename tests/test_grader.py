@@ -401,7 +401,7 @@ BAD_SCRIPTS = {
 }
 
 REFERENCE_BUDGET_S = 300  # the reference and the serial script (spec fixture)
-HANG_BUDGET_S = 30  # the bad inputs' budget: long enough for torchrun to start on a busy 2-core box
+HANG_BUDGET_S = 45  # the bad inputs' budget: long enough for torchrun to start on a busy 2-core box
 
 # student -> (status, reason code that must be among the reasons, words in the reason)
 EXPECTED = {
@@ -801,3 +801,23 @@ def test_feedback_names_the_failing_rank_and_its_own_error():
     long = "\n".join(f"line {i} " + "x" * 500 for i in range(50))
     _, err = failing_rank(quiet, {"0": {"stdout": "", "stderr": long}})
     assert err.count("line ") == 3 and "line 49 " in err and len(err) < 800, err
+
+
+def test_a_failed_write_is_named_even_when_the_job_then_ran_out_of_time(spec):
+    """A rank whose write hit the file-size limit, in a job that then timed out (its launcher slow
+    to notice on a busy machine): the student is told both, the failed write among them."""
+    from utils.grader.core import judge_run
+
+    full = "[rank0]: OSError: [Errno 27] File too large\n"
+    for timed_out, returncode, want in [(True, None, ["timeout", "output_limit"]), (False, 1, ["output_limit"])]:
+        res = sandbox.RunResult(returncode, spec.time_budget_s, timed_out, [], [], [], [])
+        report = {"reasons": []}
+        judge_run(
+            res, {"launcher": "", "0": {"stdout": "", "stderr": full}, "1": {"stdout": "", "stderr": ""}}, spec, report
+        )
+        assert [r["code"] for r in report["reasons"]] == want, report["reasons"]
+        assert f"{spec.max_output_mb} MiB limit" in report["reasons"][-1]["message"]
+    res = sandbox.RunResult(None, spec.time_budget_s, True, [], [], [], [])
+    report = {"reasons": []}
+    judge_run(res, {"launcher": "", "0": {"stdout": "epoch 1\n", "stderr": ""}}, spec, report)
+    assert [r["code"] for r in report["reasons"]] == ["timeout"]

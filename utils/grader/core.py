@@ -821,6 +821,13 @@ def judge_run(res: sandbox.RunResult, logs: dict, spec: Spec, report: dict) -> N
                 "(launch to exit, measured by the grader): all its processes were killed",
             )
         )
+        if limit_hit:  # a rank's write failed before the budget ran out: that is the cause to fix first
+            reasons.append(
+                _reason(
+                    "output_limit",
+                    f"a file (a log or the model) grew past the {spec.max_output_mb} MiB limit and the write failed",
+                )
+            )
     elif res.returncode != 0:
         rank, err = failing_rank(logs["launcher"], logs)
         detail = (
