@@ -15,7 +15,10 @@ median, IQR, min-max and repeat count. ``hand loop (again) / hand loop`` is the 
 same code against itself, so its distance from 1 is how far this run's medians move by chance.
 Each variant's row gives its tokens/s (from its median time) and its MFU: tokens/s times the
 model's FLOPs per token (``flops.gpt_flops_per_token``) over the peak that
-``bench.matmul_flops_per_s`` measures on the same device and precision.
+``bench.matmul_flops_per_s`` measures on the same device and precision (with ``--clock cpu``,
+the same multiply in CPU seconds: :func:`peak_flops_per_s`). On a CPU without bf16 instructions
+(``device.cpu_bf16_features``) a bf16 multiply is emulated and slow, so the bf16 "peak" is no
+peak and the bf16 MFU can pass 100%.
 
 On a GPU the same pair runs under bf16 autocast and with ``torch.compile`` (on top of bf16
 where it is on); on a CPU both are off unless asked (``--bf16``, ``--compile``: compiling takes
@@ -24,7 +27,7 @@ it outside the model). The last line is ``ratio <median of fit / hand loop>``, w
 or compile. On a machine other work loads, ``--threads 1 --clock cpu`` times this process's CPU
 seconds, so the waits for a core drop out of both sides of the ratio.
 
-    python benchmarks/gpt_step.py [--steps 3] [--repeats 7] [--batch 16] [--threads 1 --clock cpu]
+    python benchmarks/gpt_step.py [--steps 3] [--repeats 7] [--batch N] [--threads 1 --clock cpu]
                                   [--bf16] [--compile] [--device cpu]
 """
 
