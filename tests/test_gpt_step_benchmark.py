@@ -49,3 +49,21 @@ def test_main_prints_tokens_per_second_mfu_and_the_ratio(capsys):
     assert [r.split("  ")[0] for r in rows] == ["hand loop", "hand loop (again)", "fit"], rows
     mfus = [float(re.search(r"MFU ([\d.]+)%", r).group(1)) / 100 for r in rows]
     assert all(0 < m < 1 for m in mfus), mfus
+
+
+@pytest.mark.slow  # compiling on a CPU takes a minute or more
+def test_compiled_loops_take_the_eager_hand_loops_steps():
+    """``--compile``: fit and the hand loop on torch.compile(model) against the eager hand loop.
+    Compiled kernels sum in another order, so the losses agree to float32's tolerance, not to the bit."""
+    tokens = data.load_tokens("stdlib", 20_000).train
+    losses = {}
+    for name, loop, wrap in (
+        ("eager hand loop", gpt_step.hand_loop, lambda m: m),
+        ("compiled hand loop", gpt_step.hand_loop, torch.compile),
+        ("compiled fit", gpt_step.fit_loop, torch.compile),
+    ):
+        model = gpt.GPT(TINY, seed=0)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+        losses[name] = loop(wrap(model), data.TokenBatches(tokens, 4, TINY.context, seed=0), opt, 4)
+    for name in ("compiled hand loop", "compiled fit"):
+        torch.testing.assert_close(losses[name], losses["eager hand loop"], msg=name)
