@@ -147,6 +147,7 @@ check-labs: $(VENV)/.installed-lab
 
 bench: $(VENV)/.installed-lab
 	$(PY) benchmarks/train_loop_overhead.py
+	$(PY) benchmarks/gpt_step.py
 	$(PY) benchmarks/throughput.py
 	$(PY) benchmarks/optimizer_step.py
 	$(PY) benchmarks/launch_startup.py

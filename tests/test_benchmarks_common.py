@@ -58,7 +58,12 @@ def test_quartiles_and_table():
 
 @pytest.mark.parametrize(
     "script,last",
-    [("optimizer_step.py", "ratio "), ("train_loop_overhead.py", "ratio "), ("throughput.py", "speedup ")],
+    [
+        ("gpt_step.py", "ratio "),
+        ("optimizer_step.py", "ratio "),
+        ("train_loop_overhead.py", "ratio "),
+        ("throughput.py", "speedup "),
+    ],
 )
 def test_each_benchmark_documents_its_last_line(script, last):
     text = (ROOT / "benchmarks" / script).read_text()
