@@ -15,6 +15,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from utils import config, diagrams, gpt, parallel  # noqa: E402
 from utils.demos import gpt_tp_demo  # noqa: E402
+from utils.parallel import shard  # noqa: E402
 from utils.parallel.tensor_parallel import SplitQKVAttention, split_qkv  # noqa: E402
 
 ARCH = gpt.GPTConfig(context=16, width=32, layers=2, heads=4)
@@ -111,6 +112,13 @@ def test_tensor_and_sequence_parallel_gpt_on_2_ranks_equal_one_process():
         "backward": {"all_gather": 2 * L + 1, "reduce_scatter": 2 * L},
     }
     assert r["sp"]["counts"]["head"]["forward"] == {"all_gather": 1}
+    # every collective moves one activation, batch x T x d floats: TP's 4L all-reduces; SP's
+    # 4L + 2 all-gathers and 4L reduce-scatters, half an all-reduce's bytes each on a ring
+    buf = batch * arch.context * arch.width * 4
+    assert r["tp"]["nbytes"] == {"all_reduce": 4 * L * buf}
+    assert r["sp"]["nbytes"] == {"all_gather": (4 * L + 2) * buf, "reduce_scatter": 4 * L * buf}
+    assert r["tp"]["sent"] == 4 * L * shard.ring_bytes("all_reduce", buf, 2)
+    assert r["sp"]["sent"] == r["tp"]["sent"] + 2 * shard.ring_bytes("all_gather", buf, 2)
     assert r["sp"]["norm_grad_placements"] == ["P(sum)"] and r["tp"]["norm_grad_placements"] == []
 
     # the figure's collectives are the ones counted in a block (the last: the first one also gathers

@@ -12,6 +12,7 @@ import torch
 
 from ..gpt import GPT, GPTConfig
 from ..parallel import exact_fp32, setup, teardown
+from ..parallel.shard import CommCounter
 from ..parallel.tensor_parallel import gpt_plan, split_qkv
 
 __all__ = ["PLANS", "worker", "full_grads", "module_counts"]
@@ -66,8 +67,9 @@ def full_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def worker(arch: GPTConfig, batch_size: int, seed: int = 0) -> dict:
     """On every rank: the same batch of random token ids and the same GPT. Returns the one-process
     reference (``"ref"``: logits, loss, gradients) and, for each plan of :data:`PLANS`, the split
-    model's logits, loss, whole gradients, the collectives per module and pass, the local shapes of
-    a few weights and the placements of the LayerNorms' gradients."""
+    model's logits, loss, whole gradients, the collectives per module and pass (``CommDebugMode``),
+    their bytes (``parallel.shard.CommCounter``: the buffers, and what a ring sends per rank), the
+    local shapes of a few weights and the placements of the LayerNorms' gradients."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import parallelize_module
@@ -94,7 +96,7 @@ def worker(arch: GPTConfig, batch_size: int, seed: int = 0) -> dict:
         for name, kw in PLANS.items():
             model = split_qkv(GPT(arch, seed=seed)).to(ctx.device)
             parallelize_module(model, mesh, gpt_plan(arch.layers, **kw))
-            with CommDebugMode() as comm, warnings.catch_warnings():
+            with CommDebugMode() as comm, CommCounter(ctx.world_size) as sent, warnings.catch_warnings():
                 # its module tracker's backward hooks warn when a module's inputs need no gradient
                 warnings.simplefilter("ignore", UserWarning)
                 logits, loss = model(x, y)
@@ -106,6 +108,8 @@ def worker(arch: GPTConfig, batch_size: int, seed: int = 0) -> dict:
                 "loss": loss.detach().cpu(),
                 "grads": full_grads(model),
                 "counts": counts,
+                "nbytes": dict(sent.nbytes),  # the full buffer of each kind, summed
+                "sent": sent.sent,  # bytes a ring sends per rank for them all
                 "local_shapes": {
                     n: tuple(getattr(getattr(block, a), b).weight.to_local().shape)
                     for n, (a, b) in {
