@@ -1,7 +1,9 @@
-"""Tensor and sequence parallelism of the course's GPT (notebook 07): the split attention against
-``utils.gpt``'s fused one, its heads split by hand against the whole layer, and the
+"""Tensor, sequence and pipeline parallelism of the course's GPT (notebook 07): the split attention
+against ``utils.gpt``'s fused one, its heads split by hand against the whole layer, and the
 ``parallelize_module`` plans on 2 ranks against one process on the whole model, with the collectives
-``CommDebugMode`` counts against the hand-derived formula and against ``diagrams.block_layouts``."""
+``CommDebugMode`` counts against the hand-derived formula and against ``diagrams.block_layouts``;
+the GPT cut into pipeline stages, chained in one process and scheduled on 2 ranks, against the
+whole model."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from utils import config, diagrams, gpt, parallel  # noqa: E402
-from utils.demos import gpt_tp_demo  # noqa: E402
-from utils.parallel import shard  # noqa: E402
+from utils.demos import gpt_pp_demo, gpt_tp_demo  # noqa: E402
+from utils.parallel import pipeline, shard  # noqa: E402
 from utils.parallel.tensor_parallel import SplitQKVAttention, split_qkv  # noqa: E402
 
 ARCH = gpt.GPTConfig(context=16, width=32, layers=2, heads=4)
@@ -129,3 +131,48 @@ def test_tensor_and_sequence_parallel_gpt_on_2_ranks_equal_one_process():
         for phase in ("forward", "backward"):
             kinds = [c[phase].replace("-", "_") for c in drawn if c[phase]]
             assert {k: kinds.count(k) for k in set(kinds)} == block[phase], (name, phase)
+
+
+@pytest.mark.parametrize("p", [1, 2])
+def test_gpt_stages_chained_are_the_whole_model(p):
+    arch = gpt.GPTConfig(context=16, width=32, layers=2, heads=4)
+    whole = gpt.GPT(arch, seed=0)
+    stages = pipeline.gpt_stages(gpt.GPT(arch, seed=0), p)
+    x, y = _tokens(arch, 3)
+    logits, loss = whole(x, y)
+    h = x
+    for stage in stages:
+        h = stage(h)
+    torch.testing.assert_close(h, logits)
+    loss.backward()
+    pipeline.gpt_loss(h, y).backward()
+    ref = dict(whole.named_parameters())
+    names = [n for stage in stages for n, _ in stage.named_parameters()]
+    extra = 1 if p > 1 else 0  # the head's own copy of the token table
+    assert len(names) == len(set(names)) == len(ref) + extra
+    grads = {n: q.grad for stage in stages for n, q in stage.named_parameters()}
+    for n, q in ref.items():
+        if n != "tok.weight":
+            torch.testing.assert_close(grads[n], q.grad, msg=n)
+    tied = grads["tok.weight"] + (grads["head.weight"] if p > 1 else 0)  # the two copies' parts, summed
+    torch.testing.assert_close(tied, ref["tok.weight"].grad)
+    with pytest.raises(ValueError, match="do not split evenly"):
+        pipeline.gpt_stages(whole, 3)
+
+
+@pytest.mark.slow
+def test_gpt_pipeline_on_2_ranks_equals_one_process():
+    arch = gpt.config_for(config.profile("smoke"))
+    ranks = parallel.launch(gpt_pp_demo.worker, 2, arch, 8, 4, stream=False)
+    for r in ranks:
+        for kind, s in r["schedules"].items():
+            assert s["grads"].keys() == r["ref"]["grads"].keys()
+            for n, g in r["ref"]["grads"].items():
+                torch.testing.assert_close(s["grads"][n], g, msg=f"rank {r['rank']} {kind}: {n}")
+            # before the all-reduce, each copy of the tied table held only its own stage's part
+            assert not torch.allclose(s["tied_alone"], r["ref"]["grads"]["head.weight" if r["rank"] else "tok.weight"])
+    last = ranks[-1]
+    for s in last["schedules"].values():
+        assert s["loss"] == pytest.approx(last["ref"]["loss"], rel=1e-6)
+    assert {n.split(".")[0] for n in ranks[0]["schedules"]["gpipe"]["grads"]} == {"tok", "pos", "blocks"}
+    assert {n.split(".")[0] for n in last["schedules"]["gpipe"]["grads"]} == {"blocks", "norm", "head"}

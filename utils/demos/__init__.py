@@ -17,6 +17,7 @@ from here. A notebook shows a worker's code with :func:`show_source` before laun
 ``tp_demo``          notebook 05: the Megatron split by hand and with parallelize_module
 ``pp_demo``          notebook 05: GPipe by hand and the library's GPipe/1F1B schedules
 ``gpt_tp_demo``      notebook 07: the GPT's blocks under tensor and sequence parallelism
+``gpt_pp_demo``      notebook 07: the GPT in pipeline stages, GPipe and 1F1B
 ===================== ==================================================================
 """
 
