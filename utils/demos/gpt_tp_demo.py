@@ -7,6 +7,7 @@ each module issues counted by PyTorch's ``CommDebugMode``. Launched by
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -14,6 +15,9 @@ from ..gpt import GPT, GPTConfig
 from ..parallel import exact_fp32, setup, teardown
 from ..parallel.shard import CommCounter
 from ..parallel.tensor_parallel import gpt_plan, split_qkv
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor.debug import CommDebugMode
 
 __all__ = ["PLANS", "worker", "full_grads", "module_counts"]
 
@@ -26,7 +30,7 @@ PLANS = {
 _KINDS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter"}
 
 
-def module_counts(mode) -> dict[str, dict[str, dict[str, int]]]:
+def module_counts(mode: CommDebugMode) -> dict[str, dict[str, dict[str, int]]]:
     """``CommDebugMode``'s per-module counts as plain names: ``{"blocks.0.attn": {"forward":
     {"all_reduce": 1}, "backward": {...}}, ...}`` (the model's own name prefix dropped; ``"total"``
     for everything)."""
