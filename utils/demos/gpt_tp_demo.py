@@ -73,7 +73,9 @@ def worker(arch: GPTConfig, batch_size: int, seed: int = 0) -> dict:
     reference (``"ref"``: logits, loss, gradients) and, for each plan of :data:`PLANS`, the split
     model's logits, loss, whole gradients, the collectives per module and pass (``CommDebugMode``),
     their bytes (``parallel.shard.CommCounter``: the buffers, and what a ring sends per rank), the
-    local shapes of a few weights and the placements of the LayerNorms' gradients."""
+    local shapes of a few weights and the placements of the LayerNorms' gradients. Every rank
+    computes the same; rank 0 returns it, the others only their rank (whole gradients of a large
+    model are not worth sending back twice)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.debug import CommDebugMode
     from torch.distributed.tensor.parallel import parallelize_module
@@ -124,6 +126,6 @@ def worker(arch: GPTConfig, batch_size: int, seed: int = 0) -> dict:
                 },
                 "norm_grad_placements": [str(p) for p in getattr(block.norm1.weight.grad, "placements", ())],
             }
-        return out
+        return out if ctx.rank == 0 else {"rank": ctx.rank}
     finally:
         teardown()
