@@ -773,3 +773,79 @@ def test_scaling_figure_curves():
             assert list(lines[f"{kind}:{f:g}"].get_ydata()) == pytest.approx(diagrams.scaling_speedup(workers, f)[kind])
         assert ax.get_xlabel() == "workers N"
     assert sum(ln.get_linestyle() == ":" for ln in fig.axes[0].lines) == len(fractions)  # Amdahl's ceilings
+
+
+# ---------------------------------------------------------------------------------------
+# A GPT block split over ranks, and sequence parallelism's layouts
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("width,heads,n", [(16, 4, 2), (24, 6, 3), (32, 8, 4)])
+def test_gpt_tp_owners_give_each_rank_whole_heads(width, heads, n):
+    s = diagrams.gpt_tp_owners(width, heads, n)
+    hw, per_rank = width // heads, heads // n
+    for part in "qkv":  # by hand: head h on rank h // (heads / N), all of its features
+        assert s[part]["owner"] == [(i // hw) // per_rank for i in range(width)]
+        assert s[part]["label"] == [f"{part}{i // hw}" for i in range(width)]
+    assert s["attn.proj"]["owner"] == s["q"]["owner"] and s["attn.proj"]["split"] == "inputs"
+    for key in ("mlp.fc", "mlp.proj"):  # hidden units in N equal contiguous blocks
+        assert s[key]["owner"] == [i // (4 * width // n) for i in range(4 * width)]
+    # the fused weight cut in N contiguous pieces: rank r gets rows r*3d/N to (r+1)*3d/N
+    fused = s["fused qkv"]
+    assert fused["owner"] == [i // (3 * width // n) for i in range(3 * width)]
+    rank0 = {lab for lab, o in zip(fused["label"], fused["owner"]) if o == 0}
+    assert rank0 != {f"{p}{h}" for p in "qkv" for h in range(per_rank)}  # not its heads of q, k and v
+    if n == 2:  # all of q and the first half of k
+        assert rank0 == {f"q{h}" for h in range(heads)} | {f"k{h}" for h in range(heads // 2)}
+
+
+def test_gpt_tp_figure_draws_a_cell_per_feature():
+    width, heads, n = 16, 4, 2
+    fig = _quiet(diagrams.gpt_tp_figure, width, heads, n)
+    ax = fig.axes[0]
+    cells = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_gid()]
+    assert len(cells) == 3 * width + 4 * width + 2 * 4 * width  # fused, q, k, v, proj, fc, mlp proj
+    s = diagrams.gpt_tp_owners(width, heads, n)
+    colours = {r: diagrams._colour(r) for r in range(n)}
+    for p in cells:
+        key, i = p.get_gid().rsplit(":", 1)
+        assert p.get_facecolor()[:3] == pytest.approx(colours[s[key]["owner"][int(i)]][:3])
+    assert ax.get_title() and ax.get_xlabel()
+
+
+def test_block_layouts_by_hand():
+    tp, sp = diagrams.block_layouts(False), diagrams.block_layouts(True)
+    assert [s["layout"] for s in tp["stages"]] == [
+        "replicated", "replicated", "hidden", "replicated", "replicated", "hidden", "replicated"
+    ]  # fmt: skip
+    assert [s["layout"] for s in sp["stages"]] == [
+        "sequence", "sequence", "hidden", "sequence", "sequence", "hidden", "sequence"
+    ]  # fmt: skip
+    pairs = lambda s: [(c["after"], c["forward"], c["backward"]) for c in s["collectives"]]  # noqa: E731
+    assert pairs(tp) == [
+        (1, None, "all-reduce"),
+        (2, "all-reduce", None),
+        (4, None, "all-reduce"),
+        (5, "all-reduce", None),
+    ]
+    assert pairs(sp) == [
+        (1, "all-gather", "reduce-scatter"),
+        (2, "reduce-scatter", "all-gather"),
+        (4, "all-gather", "reduce-scatter"),
+        (5, "reduce-scatter", "all-gather"),
+    ]
+
+
+def test_sequence_parallel_figure_colours_every_stage_and_writes_every_collective():
+    fig = _quiet(diagrams.sequence_parallel_figure)
+    ax = fig.axes[0]
+    for row, sp in enumerate((False, True)):
+        s = diagrams.block_layouts(sp)
+        boxes = sorted(
+            (p.get_gid() for p in ax.patches if (p.get_gid() or "").startswith(f"{row}:stage:")),
+            key=lambda g: int(g.split(":")[2]),
+        )
+        assert [g.split(":")[3] for g in boxes] == [st["layout"] for st in s["stages"]]
+        for phase in ("forward", "backward"):
+            written = [t.get_text().strip("()") for t in ax.texts if t.get_gid() == f"{row}:{phase}"]
+            assert written == [c[phase] for c in s["collectives"] if c[phase]]

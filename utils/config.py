@@ -192,6 +192,7 @@ TABLE: dict[str, tuple] = {
     "gpt_timing_repeats": (5, 3, 10),  # timed training steps (median)
     "gpt_mem_batch": (4, 4, 8),  # sequences per batch in the memory measurements
     "gpt_mem_seq_lens": ((16, 32, 64), (32, 64, 128), (256, 512, 1024)),  # tokens; the last is gpt_context
+    "gpt_pp_micro_batches": (4, 4, 8),  # micro-batches of the GPT's pipeline step (each divides gpt_batch)
 }
 # fmt: on
 

@@ -12,7 +12,11 @@ Each figure has a pure function that computes what is drawn, so the picture stay
 * :func:`zero_segments`: what each rank holds of parameters, gradients and optimizer state under
   DDP and ZeRO-1/2/3, sized by ``parallel.shard.zero_bytes``; :func:`zero_stages_figure`.
 * :func:`megatron_shapes`: the shards of ``parallel.tensor_parallel.column_shard`` and
-  ``row_shard`` on a real block; :func:`megatron_split_figure`.
+  ``row_shard`` on a real block; :func:`megatron_split_figure`. :func:`gpt_tp_owners`: which rank
+  holds each feature of a GPT block's weights, heads marked, and the fused qkv weight cut
+  contiguously; :func:`gpt_tp_figure`. :func:`block_layouts`: a GPT block's activations
+  replicated, split by position or by heads and hidden units, and the collectives between them,
+  read from ``tensor_parallel.gpt_plan``; :func:`sequence_parallel_figure`.
 * :func:`pipeline_schedule_figure`: GPipe and 1F1B from ``parallel.pipeline.schedule``.
 * :func:`collective_states`: broadcast, reduce, all-reduce, all-gather and reduce-scatter run on
   numbers, what each rank holds before and after; :func:`collectives_figure`.
@@ -605,6 +609,189 @@ def megatron_split_figure(width: int = 8, n_ranks: int = 2, *, expand: int = 4, 
         "$W_1$ split by output columns, $W_2$ by input rows, one all-reduce in forward",
         fontsize=10,
     )
+    fig.tight_layout()
+    return fig
+
+
+def gpt_tp_owners(width: int = 16, heads: int = 4, n_ranks: int = 2) -> dict[str, dict[str, list]]:
+    """Which rank holds each feature of a GPT block's split dimensions, by
+    ``tensor_parallel.column_shard`` (output features) and ``row_shard`` (input features) run on
+    Linears whose weights number their features. Per weight: ``owner`` (a rank per feature),
+    ``label`` (``"q0"``: query head 0, ``"k1"``, ... for attention, else ``""``) and ``split``
+    (``"outputs"`` or ``"inputs"``). ``"fused qkv"`` is ``utils.gpt``'s one Linear (d -> 3d, laid
+    out (3, heads, head_width)) cut into N contiguous pieces; ``"q"``, ``"k"``, ``"v"`` are
+    :class:`tensor_parallel.SplitQKVAttention`'s three Linears, each cut alone."""
+    d, hw = width, width // heads
+
+    def owners(n_features, split):
+        lin = nn.Linear(n_features, n_features)
+        with torch.no_grad():  # the weight numbers its features: row i is i, column j is j
+            idx = torch.arange(n_features, dtype=torch.float32)
+            lin.weight.copy_(idx[:, None] if split == "outputs" else idx[None, :].expand(n_features, -1))
+        owner = [0] * n_features
+        for r in range(n_ranks):
+            held = (
+                tensor_parallel.column_shard(lin, r, n_ranks)[0][:, 0]
+                if split == "outputs"
+                else tensor_parallel.row_shard(lin, r, n_ranks)[0]
+            )
+            for i in held.long().tolist():
+                owner[i] = r
+        return owner
+
+    def head_labels(n_features, parts):
+        return [f"{parts[i // d]}{(i % d) // hw}" for i in range(n_features)]
+
+    out = {"fused qkv": {"owner": owners(3 * d, "outputs"), "label": head_labels(3 * d, "qkv"), "split": "outputs"}}
+    for part in "qkv":
+        out[part] = {"owner": owners(d, "outputs"), "label": head_labels(d, part), "split": "outputs"}
+    out["attn.proj"] = {"owner": owners(d, "inputs"), "label": head_labels(d, "h"), "split": "inputs"}
+    out["mlp.fc"] = {"owner": owners(4 * d, "outputs"), "label": [""] * 4 * d, "split": "outputs"}
+    out["mlp.proj"] = {"owner": owners(4 * d, "inputs"), "label": [""] * 4 * d, "split": "inputs"}
+    return out
+
+
+def gpt_tp_figure(width: int = 16, heads: int = 4, n_ranks: int = 2) -> Figure:
+    """A GPT block's weights split over ``n_ranks`` (:func:`gpt_tp_owners`): one bar per weight
+    along the dimension that is split, one cell per feature coloured by the rank that holds it,
+    attention's head boundaries marked. The fused qkv weight cut into contiguous pieces is on top:
+    its pieces do not line up with heads."""
+    s = gpt_tp_owners(width, heads, n_ranks)
+    names = {
+        "fused qkv": "fused qkv (utils.gpt),\ncut into contiguous pieces",
+        "q": "q, column-wise",
+        "k": "k, column-wise",
+        "v": "v, column-wise",
+        "attn.proj": "attention proj, row-wise\n(its inputs: the heads)",
+        "mlp.fc": "MLP fc, column-wise",
+        "mlp.proj": "MLP proj, row-wise",
+    }
+    fig, ax = plt.subplots(figsize=(11, 4.6))
+    for row, (key, w) in enumerate(s.items()):
+        y = len(s) - 1 - row
+        for i, r in enumerate(w["owner"]):
+            ax.add_patch(Rectangle((i, y + 0.1), 1, 0.8, facecolor=_colour(r), alpha=0.6, lw=0, gid=f"{key}:{i}"))
+        runs, start = [], 0  # runs of one head label: a box and its name
+        for i in range(1, len(w["label"]) + 1):
+            if i == len(w["label"]) or w["label"][i] != w["label"][start]:
+                runs.append((start, i, w["label"][start]))
+                start = i
+        for a, b, label in runs:
+            ax.add_patch(Rectangle((a, y + 0.1), b - a, 0.8, fill=False, edgecolor="black", lw=0.6))
+            if label:
+                ax.text((a + b) / 2, y + 0.5, label, ha="center", va="center", fontsize=7)
+        ax.text(-1, y + 0.5, names[key], ha="right", va="center", fontsize=8)
+    ax.set_xlim(-0.32 * 4 * width - 1, 4 * width + 1)
+    ax.set_ylim(0, len(s))
+    ax.set_yticks([])
+    ax.set_xticks([t for t in ax.get_xticks() if 0 <= t <= 4 * width])
+    ax.set_xlabel(f"feature index along the split dimension (d = {width}, {heads} heads of {width // heads})")
+    for side in ("left", "right", "top"):
+        ax.spines[side].set_visible(False)
+    ax.legend(
+        handles=[Patch(color=_colour(r), alpha=0.6, label=f"held by rank {r}") for r in range(n_ranks)],
+        loc="lower right",
+        fontsize=8,
+    )
+    ax.set_title(
+        f"A GPT block on {n_ranks} ranks: q, k, v split by heads, MLP by hidden units\n"
+        "(q0 = query head 0; the fused qkv weight cut contiguously gives a rank whole q and part of k)",
+        fontsize=10,
+    )
+    fig.tight_layout()
+    return fig
+
+
+def block_layouts(sequence_parallel: bool) -> dict[str, list[dict[str, Any]]]:
+    """How the activations of one GPT block are laid out over the ranks, read from
+    ``tensor_parallel.gpt_plan``'s styles: ``stages`` in forward order, each with its ``layout``
+    (``"replicated"``: every rank holds the whole tensor; ``"sequence"``: each rank its positions;
+    ``"hidden"``: each rank its heads or hidden units), and the ``collectives`` between them (after
+    stage ``after``: the ``forward`` one and the ``backward`` one, None for none)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    plan = tensor_parallel.gpt_plan(1, sequence_parallel=sequence_parallel)
+    p = "blocks.0."
+    stages, collectives = [], []
+
+    def norm(name):
+        sp = isinstance(plan.get(p + name), SequenceParallel)
+        return "sequence" if sp else "replicated"
+
+    residual = norm("norm1")
+    stages.append({"name": "residual x", "layout": residual})
+    for norm_name, branch, inner, proj in (
+        ("norm1", "attn", "q, k, v,\nattention", "attn.proj"),
+        ("norm2", "mlp", "fc, GELU", "mlp.proj"),
+    ):
+        stages.append({"name": f"LayerNorm {norm_name[-1]}", "layout": norm(norm_name)})
+        entry = plan.get(p + branch)
+        gathers = isinstance(entry, PrepareModuleInput) and isinstance(entry.input_layouts[0], Shard)
+        collectives.append(
+            {"after": len(stages) - 1, "forward": "all-gather" if gathers else None,
+             "backward": "reduce-scatter" if gathers else "all-reduce"}
+        )  # fmt: skip
+        stages.append({"name": inner, "layout": "hidden"})
+        scatters = isinstance(plan[p + proj].output_layouts[0], Shard)
+        collectives.append(
+            {"after": len(stages) - 1, "forward": "reduce-scatter" if scatters else "all-reduce",
+             "backward": "all-gather" if scatters else None}
+        )  # fmt: skip
+        stages.append(
+            {"name": f"{proj.split('.')[0]} proj\n+ residual", "layout": "sequence" if scatters else "replicated"}
+        )
+    return {"stages": stages, "collectives": collectives}
+
+
+_LAYOUT_COLOURS = {"replicated": "0.8", "sequence": "tab:blue", "hidden": "tab:orange"}
+
+
+def sequence_parallel_figure() -> Figure:
+    """One GPT block's activations under tensor parallelism (top) and tensor plus sequence
+    parallelism (below), from :func:`block_layouts`: each stage coloured by how its activation is
+    split over the ranks, each collective between stages written in, forward above the arrow and
+    backward (in brackets) below it."""
+    fig, ax = plt.subplots(figsize=(13, 4.2))
+    titles = {False: "tensor parallelism", True: "tensor + sequence parallelism"}
+    step, box_w, n_stages = 2.7, 1.4, 0
+    for row, sp in enumerate((False, True)):
+        s = block_layouts(sp)
+        y0 = 3.2 * (1 - row)
+        n_stages = len(s["stages"])
+        for i, stage in enumerate(s["stages"]):
+            ax.add_patch(
+                Rectangle((i * step, y0), box_w, 1, facecolor=_LAYOUT_COLOURS[stage["layout"]], alpha=0.6,
+                          edgecolor="black", lw=0.8, gid=f"{row}:stage:{i}:{stage['layout']}")
+            )  # fmt: skip
+            ax.text(i * step + box_w / 2, y0 + 0.5, stage["name"], ha="center", va="center", fontsize=8)
+            if i:
+                ax.annotate("", (i * step, y0 + 0.5), (i * step - step + box_w, y0 + 0.5),
+                            arrowprops={"arrowstyle": "->", "lw": 0.8})  # fmt: skip
+        for c in s["collectives"]:
+            x = c["after"] * step + (box_w + step) / 2
+            if c["forward"]:
+                ax.text(x, y0 + 0.6, c["forward"], ha="center", va="bottom", fontsize=7, color="tab:red",
+                        gid=f"{row}:forward")  # fmt: skip
+            if c["backward"]:
+                ax.text(x, y0 + 0.4, f"({c['backward']})", ha="center", va="top", fontsize=7, color="tab:purple",
+                        gid=f"{row}:backward")  # fmt: skip
+        ax.text(-0.2, y0 + 1.35, titles[sp], ha="left", va="bottom", fontsize=9, weight="bold")
+    ax.set_xlim(-0.3, n_stages * step - step + box_w + 0.3)
+    ax.set_ylim(-0.5, 5.0)
+    ax.axis("off")
+    meaning = {
+        "replicated": "replicated: every rank all of it",
+        "sequence": "split by position (sequence)",
+        "hidden": "split by heads / hidden units",
+    }
+    ax.legend(
+        handles=[Patch(color=c, alpha=0.6, label=meaning[k]) for k, c in _LAYOUT_COLOURS.items()]
+        + [Line2D([], [], color="tab:red", label="collective in forward"),
+           Line2D([], [], color="tab:purple", label="(collective in backward)")],
+        loc="lower center", ncol=5, fontsize=8, frameon=False,
+    )  # fmt: skip
+    ax.set_title("Activations of one GPT block over the ranks, and the collectives between them", fontsize=10)
     fig.tight_layout()
     return fig
 

@@ -7,6 +7,8 @@
 * :func:`gpipe_step` is the micro-batch loop by hand, with ``send``/``recv`` between stages,
   recording when each stage computes; :func:`measured_bubble` turns those timestamps into the
   idle share.
+* :func:`gpt_stages` cuts ``utils.gpt.GPT`` into stages of whole blocks, the embeddings on the
+  first and the final LayerNorm and head on the last, each with its own copy of the tied table.
 * :func:`pp_worker` runs the hand loop for several micro-batch counts, then
   ``torch.distributed.pipelining`` (``ScheduleGPipe``, ``Schedule1F1B``), each against the
   gradients of one process on the whole batch.
@@ -38,6 +40,8 @@ __all__ = [
     "library_step",
     "split_stages",
     "mse",
+    "gpt_stages",
+    "gpt_loss",
 ]
 
 
@@ -233,10 +237,17 @@ def measured_bubble(traces: list) -> float:
 
 
 def library_step(
-    kind: str, stage_mod: nn.Module, x: torch.Tensor, y: torch.Tensor, m: int, ctx: DistContext
+    kind: str,
+    stage_mod: nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    m: int,
+    ctx: DistContext,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = mse,
 ) -> float | None:
-    """One step with torch.distributed.pipelining; the loss scaled by 1/m ourselves, so the
-    gradients mean the same on every version (2.6+ can scale them itself: scale_grads)."""
+    """One step with torch.distributed.pipelining; the loss (``loss_fn(output, target)`` of a
+    micro-batch) scaled by 1/m ourselves, so the gradients mean the same on every version (2.6+
+    can scale them itself: scale_grads). Returns the whole batch's loss on the last stage."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     p, r = ctx.world_size, ctx.rank
@@ -247,7 +258,7 @@ def library_step(
     stage = PipelineStage(stage_mod, r, p, ctx.device, **kw)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[kind]
     skw = {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
-    sched = cls(stage, n_microbatches=m, loss_fn=lambda out, tgt: mse(out, tgt) / m, **skw)
+    sched = cls(stage, n_microbatches=m, loss_fn=lambda out, tgt: loss_fn(out, tgt) / m, **skw)
     losses = []
     if r == 0:
         sched.step(x)
@@ -256,3 +267,48 @@ def library_step(
     else:
         sched.step()
     return float(sum(v.detach().item() for v in losses)) if losses else None
+
+
+class _GPTStage(nn.Module):
+    """Blocks ``first`` to ``first + len(blocks) - 1`` of a GPT; the first stage also embeds the
+    token ids, the last also applies the final LayerNorm and the output head. Its parameters are
+    named as in the whole GPT (``blocks.<global index>...``), so gradients compare by name."""
+
+    def __init__(self, model: nn.Module, first: int, last: int):
+        super().__init__()
+        self.embeds, self.ends = first == 0, last == len(model.blocks)
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(first, last)})
+        if self.embeds:
+            self.tok, self.pos, self.in_dropout = model.tok, model.pos, model.in_dropout
+        if self.ends:
+            self.norm = model.norm
+            self.head = nn.Linear(model.cfg.width, model.cfg.vocab_size, bias=False)
+            with torch.no_grad():  # the tied table: a copy here when the token table is on another stage
+                self.head.weight = model.tok.weight if self.embeds else nn.Parameter(model.tok.weight.clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embeds:  # token ids in
+            x = self.in_dropout(self.tok(x) + self.pos(torch.arange(x.shape[1], device=x.device)))
+        for block in self.blocks.values():
+            x = block(x)
+        return self.head(self.norm(x)) if self.ends else x
+
+
+def gpt_stages(model: nn.Module, p: int) -> list[nn.Module]:
+    """``p`` stages of a ``utils.gpt.GPT``, ``L/p`` consecutive blocks each: token ids into the
+    first, hidden states ``(batch, t, d)`` between stages, logits out of the last.
+
+    The output head and the token table are one tensor in the whole model; on two stages each holds
+    a copy, and the copies stay equal only if both step with the sum of their two gradients (one
+    all-reduce between the first and the last stage after backward, as Megatron-LM does)."""
+    n = len(model.blocks)
+    if n % p:
+        raise ValueError(
+            f"gpt_stages: {n} blocks do not split evenly into {p} stages. Try: a number of stages that divides {n}."
+        )
+    return [_GPTStage(model, s * n // p, (s + 1) * n // p) for s in range(p)]
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's loss: mean cross-entropy of every position's logits against its next token."""
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
