@@ -192,6 +192,7 @@ TABLE: dict[str, tuple] = {
     "gpt_timing_repeats": (5, 3, 10),  # timed training steps (median)
     "gpt_mem_batch": (4, 4, 8),  # sequences per batch in the memory measurements
     "gpt_mem_seq_lens": ((16, 32, 64), (32, 64, 128), (256, 512, 1024)),  # tokens; the last is gpt_context
+    "gpt_dp_steps": (4, 4, 10),  # AdamW steps of the 2-rank DDP and FSDP2 runs (utils.demos.gpt_ddp) and of one process
 }
 # fmt: on
 
