@@ -1081,42 +1081,49 @@ def gpt_rank_bytes_figure(
 ) -> Figure:
     """What each rank holds of a GPT's model state (parameters, gradients, AdamW state: 16 bytes
     per fp32 element) under DDP and under FSDP2 with one unit per block: a stacked bar per rank,
-    one segment per unit, from :func:`gpt_rank_bytes`. ``measured``: ``{"ddp": [bytes per rank],
-    "fsdp2": [...]}``, drawn as a marker on each bar."""
+    one segment per unit (the blocks in two alternating blues, the rest in green), from
+    :func:`gpt_rank_bytes`. ``measured``: ``{"ddp": [bytes per rank], "fsdp2": [...]}``, drawn as
+    a marker on each bar."""
     held = gpt_rank_bytes(arch, n_ranks)
     names = {"ddp": "DDP", "fsdp2": "FSDP2 per block"}
     units = list(held["ddp"][0])
+    colours = {u: ("tab:blue", "lightsteelblue")[i % 2] for i, u in enumerate(units)} | {GPT_REST: "tab:green"}
     mib = 2**20
+    top = max(sum(u.values()) for ranks in held.values() for u in ranks) / mib
     fig, ax = plt.subplots(figsize=(7.5, 4))
     x = 0
     ticks, labels = [], []
     for strategy, ranks in held.items():
         for r, per_unit in enumerate(ranks):
             bottom = 0.0
-            for i, u in enumerate(units):
+            for u in units:
                 ax.bar(
-                    x, per_unit[u] / mib, bottom=bottom / mib, width=0.7, color=_colour(i), edgecolor="white",
-                    label=u if x == 0 else None, gid=f"{strategy}:{r}:{u}",
+                    x, per_unit[u] / mib, bottom=bottom / mib, width=0.7, color=colours[u], edgecolor="white",
+                    gid=f"{strategy}:{r}:{u}",
                 )  # fmt: skip
                 bottom += per_unit[u]
-            ax.text(x, bottom / mib, f"{bottom / mib:.2f}", ha="center", va="bottom", fontsize=8)
+            ax.text(x, bottom / mib + 0.04 * top, f"{bottom / mib:.2f} MiB", ha="center", va="bottom", fontsize=8)
             if measured is not None:
-                ax.plot(
-                    x, measured[strategy][r] / mib, "kx", ms=9, mew=2,
-                    label="measured (local shards, to_local())" if x == 0 else None,
-                )  # fmt: skip
+                ax.plot(x, measured[strategy][r] / mib, "kx", ms=9, mew=2)
             ticks.append(x)
             labels.append(f"{names[strategy]}\nrank {r}")
             x += 1
         x += 0.5  # a gap between the strategies
     ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_ylim(0, top * 1.3)
     ax.set_ylabel("parameters + gradients + AdamW state (MiB)")
     ax.set_title(
         f"What each of {n_ranks} ranks holds: GPT d={arch.width}, L={arch.layers}, "
         f"{gpt.parameter_count(arch):,} parameters, fp32 AdamW",
         fontsize=10,
     )
-    ax.legend(fontsize=7, loc="upper right")
+    handles = [
+        Patch(color="tab:blue", label=f"blocks 0 to {arch.layers - 1}, one segment each"),
+        Patch(color=colours[GPT_REST], label=f"{GPT_REST} (root unit)"),
+    ]
+    if measured is not None:
+        handles.append(Line2D([], [], color="black", marker="x", ls="", mew=2, label="measured (local shards)"))
+    ax.legend(handles=handles, fontsize=7, loc="upper right")
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig

@@ -16,6 +16,7 @@ from here. A notebook shows a worker's code with :func:`show_source` before laun
 ``shard_demo``       notebook 05: DDP, ZeRO-1 and FSDP2 trained side by side, bytes and traffic
 ``tp_demo``          notebook 05: the Megatron split by hand and with parallelize_module
 ``pp_demo``          notebook 05: GPipe by hand and the library's GPipe/1F1B schedules
+``gpt_ddp``          notebook 07: the GPT under DDP or FSDP2 per block (run with ``torchrun -m``)
 ===================== ==================================================================
 """
 
