@@ -121,6 +121,10 @@ def main(argv: list[str] | None = None) -> None:
         for i, v in enumerate(result["losses"]):
             print(f"{args.strategy} step {i}: loss {v:.6f}")
         print("bytes per rank (parameters + gradients + AdamW state):", [sum(b.values()) for b in result["rank_bytes"]])
+    # Free the model before leaving the group. DDP's C++ Reducer holds the process group; were it the
+    # last holder when main() returns, the group would be destroyed with the GIL held, while gloo's
+    # worker thread may still need the GIL to free the last collective's tensors: both would wait for good.
+    del model, opt
     dist.barrier()  # every rank is done before any leaves
     teardown()  # destroy_process_group, given up after a bounded wait: gloo can wait for good on a peer's goodbye
 
