@@ -28,7 +28,7 @@ from torch.utils.data import DistributedSampler  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from utils import diagrams, memory, models  # noqa: E402
-from utils.parallel import collectives, pipeline, tensor_parallel  # noqa: E402
+from utils.parallel import collectives, pipeline, shard, tensor_parallel  # noqa: E402
 
 MIB = 1024 * 1024
 
@@ -849,3 +849,50 @@ def test_sequence_parallel_figure_colours_every_stage_and_writes_every_collectiv
         for phase in ("forward", "backward"):
             written = [t.get_text().strip("()") for t in ax.texts if t.get_gid() == f"{row}:{phase}"]
             assert written == [c[phase] for c in s["collectives"] if c[phase]]
+
+
+# ---------------------------------------------------------------------------- the GPT's state per rank
+
+
+@pytest.mark.parametrize("rows", range(1, 10))
+@pytest.mark.parametrize("n", [1, 2, 3, 4])
+def test_dim0_shard_numel_is_torch_chunks_split(rows, n):
+    chunks = torch.chunk(torch.empty(rows, 3), n)  # FSDP2 splits dimension 0 as torch.chunk does
+    want = [c.numel() for c in chunks] + [0] * (n - len(chunks))
+    assert [shard.dim0_shard_numel((rows, 3), n, r) for r in range(n)] == want
+
+
+def test_gpt_rank_bytes_divide_one_copy_by_units():
+    from utils import gpt
+
+    arch = gpt.GPTConfig(context=7, width=8, layers=3, heads=2)
+    units = diagrams.gpt_units(arch)
+    model = gpt.GPT(arch)
+    assert list(units) == ["block 0", "block 1", "block 2", diagrams.GPT_REST]
+    assert units["block 1"] == [tuple(p.shape) for p in model.blocks[1].parameters()]
+    held = diagrams.gpt_rank_bytes(arch, 3)
+    whole = 16 * gpt.parameter_count(arch)
+    assert all(sum(r.values()) == whole for r in held["ddp"])
+    assert sum(sum(r.values()) for r in held["fsdp2"]) == whole
+    # by hand, 3 ranks, outside the blocks: the 256-row token table gives 86, 86 and 84 rows of 8,
+    # the 7-row position table 3, 3 and 1, the final LayerNorm's weight and bias 3, 3 and 2 each
+    rest = [16 * 8 * (p + t) + 16 * 2 * ln for (p, t), ln in zip(((3, 86), (3, 86), (1, 84)), (3, 3, 2))]
+    assert [r[diagrams.GPT_REST] for r in held["fsdp2"]] == rest
+
+
+def test_gpt_rank_bytes_figure_draws_every_rank_and_unit():
+    from utils import gpt
+
+    arch = gpt.GPTConfig(context=7, width=8, layers=2, heads=2)
+    held = diagrams.gpt_rank_bytes(arch, 2)
+    measured = {s: [sum(r.values()) for r in ranks] for s, ranks in held.items()}
+    fig = diagrams.gpt_rank_bytes_figure(arch, 2, measured=measured)
+    bars = {p.get_gid(): p for p in fig.axes[0].patches if p.get_gid()}
+    for strategy, ranks in held.items():
+        for r, units in enumerate(ranks):
+            for unit, nbytes in units.items():
+                assert bars[f"{strategy}:{r}:{unit}"].get_height() == pytest.approx(nbytes / MIB)
+    marks = [line for line in fig.axes[0].lines if line.get_marker() == "x"]
+    assert sorted(m.get_ydata()[0] for m in marks) == pytest.approx(sorted(v / MIB for v in sum(measured.values(), [])))
+    ax = fig.axes[0]
+    assert ax.get_title() and "MiB" in ax.get_ylabel()

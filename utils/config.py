@@ -193,6 +193,7 @@ TABLE: dict[str, tuple] = {
     "gpt_mem_batch": (4, 4, 8),  # sequences per batch in the memory measurements
     "gpt_mem_seq_lens": ((16, 32, 64), (32, 64, 128), (256, 512, 1024)),  # tokens; the last is gpt_context
     "gpt_pp_micro_batches": (4, 4, 8),  # micro-batches of the GPT's pipeline step (each divides gpt_batch)
+    "gpt_dp_steps": (4, 4, 10),  # AdamW steps of the 2-rank DDP and FSDP2 runs (utils.demos.gpt_ddp) and of one process
 }
 # fmt: on
 

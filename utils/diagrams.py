@@ -28,6 +28,9 @@ Each figure has a pure function that computes what is drawn, so the picture stay
 * :func:`step_memory`: the bytes held through one training step of ``memory.block_mlp``, with
   and without activation checkpointing, from ``memory.budget`` and ``memory.mlp_activation_bytes``;
   :func:`step_memory_figure`.
+* :func:`gpt_rank_bytes`: the bytes of parameters, gradients and AdamW state each rank holds of
+  each FSDP unit of ``gpt.GPT`` (its blocks, and the rest) under DDP and under FSDP2, from
+  ``parallel.shard.dim0_shard_numel``; :func:`gpt_rank_bytes_figure`.
 * :func:`fsdp_timeline`: FSDP's per-block all-gather, compute and reduce-scatter, with and without
   prefetch, costed by ``parallel.shard.ring_bytes``; :func:`fsdp_figure`.
 * :func:`rendezvous_sequence`: torchrun's agents meeting in the c10d store, the node ranks and
@@ -52,7 +55,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 from torch import nn
 
-from utils import data, memory, models, plots
+from utils import data, gpt, memory, models, plots
 from utils.parallel import collectives, pipeline, shard, tensor_parallel
 from utils.parallel import env as parallel_env
 
@@ -80,6 +83,9 @@ __all__ = [
     "rank_layout_figure",
     "step_memory",
     "step_memory_figure",
+    "gpt_units",
+    "gpt_rank_bytes",
+    "gpt_rank_bytes_figure",
     "fsdp_timeline",
     "fsdp_figure",
     "rendezvous_sequence",
@@ -1213,6 +1219,99 @@ def step_memory_figure(
         f"Memory through one training step: block MLP d = {width}, {depth} blocks, batch {batch_size}, {optimizer}",
         fontsize=11,
     )
+    fig.tight_layout()
+    return fig
+
+
+# ----------------------------------------------------------------------------------------
+# 10a. The GPT's model state per rank: DDP against FSDP2 per block
+# ----------------------------------------------------------------------------------------
+
+GPT_REST = "tables and final LayerNorm"  # the root unit: what fully_shard(model) keeps after the blocks
+
+
+def gpt_units(arch: gpt.GPTConfig) -> dict[str, list[tuple[int, ...]]]:
+    """The shapes of ``gpt.GPT(arch)``'s parameters by FSDP unit, as ``fully_shard`` on each
+    block and then on the model groups them: ``"block i"`` for each block, then :data:`GPT_REST`
+    (the token table, which is also the output projection, counted once; the position table; the
+    final LayerNorm). Built on the meta device: no memory, whatever the size."""
+    with torch.device("meta"):
+        model = gpt.GPT(arch)
+    units = {f"block {i}": [tuple(p.shape) for p in b.parameters()] for i, b in enumerate(model.blocks)}
+    in_blocks = {id(p) for p in model.blocks.parameters()}
+    units[GPT_REST] = [tuple(p.shape) for p in model.parameters() if id(p) not in in_blocks]
+    return units
+
+
+def gpt_rank_bytes(arch: gpt.GPTConfig, n_ranks: int, *, bytes_per_element: int = 16) -> dict[str, list[dict]]:
+    """Bytes each of ``n_ranks`` ranks holds of each unit of ``gpt.GPT(arch)`` (:func:`gpt_units`)
+    for parameters, gradients and optimizer state together, ``bytes_per_element`` per element
+    held (fp32 AdamW: 4 + 4 + 8 = 16). ``{"ddp": [per rank {unit: bytes}], "fsdp2": [...]}``:
+    under DDP every rank holds every tensor whole; under FSDP2 rank r holds its dim-0 shard of
+    each (``parallel.shard.dim0_shard_numel``), so the ranks' bytes sum to DDP's one copy."""
+    units = gpt_units(arch)
+    whole = {u: bytes_per_element * sum(int(np.prod(s)) for s in shapes) for u, shapes in units.items()}
+    return {
+        "ddp": [dict(whole) for _ in range(n_ranks)],
+        "fsdp2": [
+            {
+                u: bytes_per_element * sum(shard.dim0_shard_numel(s, n_ranks, r) for s in shapes)
+                for u, shapes in units.items()
+            }
+            for r in range(n_ranks)
+        ],
+    }
+
+
+def gpt_rank_bytes_figure(
+    arch: gpt.GPTConfig, n_ranks: int = 2, *, measured: dict[str, list[float]] | None = None
+) -> Figure:
+    """What each rank holds of a GPT's model state (parameters, gradients, AdamW state: 16 bytes
+    per fp32 element) under DDP and under FSDP2 with one unit per block: a stacked bar per rank,
+    one segment per unit (the blocks in two alternating blues, the rest in green), from
+    :func:`gpt_rank_bytes`. ``measured``: ``{"ddp": [bytes per rank], "fsdp2": [...]}``, drawn as
+    a marker on each bar."""
+    held = gpt_rank_bytes(arch, n_ranks)
+    names = {"ddp": "DDP", "fsdp2": "FSDP2 per block"}
+    units = list(held["ddp"][0])
+    colours = {u: ("tab:blue", "lightsteelblue")[i % 2] for i, u in enumerate(units)} | {GPT_REST: "tab:green"}
+    mib = 2**20
+    top = max(sum(u.values()) for ranks in held.values() for u in ranks) / mib
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    x = 0
+    ticks, labels = [], []
+    for strategy, ranks in held.items():
+        for r, per_unit in enumerate(ranks):
+            bottom = 0.0
+            for u in units:
+                ax.bar(
+                    x, per_unit[u] / mib, bottom=bottom / mib, width=0.7, color=colours[u], edgecolor="white",
+                    gid=f"{strategy}:{r}:{u}",
+                )  # fmt: skip
+                bottom += per_unit[u]
+            ax.text(x, bottom / mib + 0.04 * top, f"{bottom / mib:.2f} MiB", ha="center", va="bottom", fontsize=8)
+            if measured is not None:
+                ax.plot(x, measured[strategy][r] / mib, "kx", ms=9, mew=2)
+            ticks.append(x)
+            labels.append(f"{names[strategy]}\nrank {r}")
+            x += 1
+        x += 0.5  # a gap between the strategies
+    ax.set_xticks(ticks, labels, fontsize=8)
+    ax.set_ylim(0, top * 1.3)
+    ax.set_ylabel("parameters + gradients + AdamW state (MiB)")
+    ax.set_title(
+        f"What each of {n_ranks} ranks holds: GPT d={arch.width}, L={arch.layers}, "
+        f"{gpt.parameter_count(arch):,} parameters, fp32 AdamW",
+        fontsize=10,
+    )
+    handles = [
+        Patch(color="tab:blue", label=f"blocks 0 to {arch.layers - 1}, one segment each"),
+        Patch(color=colours[GPT_REST], label=f"{GPT_REST} (root unit)"),
+    ]
+    if measured is not None:
+        handles.append(Line2D([], [], color="black", marker="x", ls="", mew=2, label="measured (local shards)"))
+    ax.legend(handles=handles, fontsize=7, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     return fig
 

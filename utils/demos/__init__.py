@@ -18,6 +18,7 @@ from here. A notebook shows a worker's code with :func:`show_source` before laun
 ``pp_demo``          notebook 05: GPipe by hand and the library's GPipe/1F1B schedules
 ``gpt_tp_demo``      notebook 07: the GPT's blocks under tensor and sequence parallelism
 ``gpt_pp_demo``      notebook 07: the GPT in pipeline stages, GPipe and 1F1B
+``gpt_ddp``          notebook 07: the GPT under DDP or FSDP2 per block (run with ``torchrun -m``)
 ===================== ==================================================================
 """
 

@@ -4,6 +4,8 @@ sharded checkpoints.
 * :func:`zero_bytes`: the ZeRO paper's bytes per rank for stage 0 (DDP), 1 (optimizer state
   sharded), 2 (+ gradients), 3 (+ parameters, = FSDP): ``(P + G + O) / N`` for what is sharded.
 * :func:`rank_bytes`: the bytes one rank really holds (DTensor shards counted locally).
+* :func:`dim0_shard_numel`: the elements of one tensor a rank holds when FSDP2 splits it on its
+  first dimension, in closed form.
 * :class:`CommCounter`: every collective a rank issues (DDP's all-reduce, FSDP's all-gather and
   reduce-scatter, ZeRO's broadcast), with the bytes a ring moves per rank for each.
 * :func:`zero_traffic`: the ZeRO paper's communication per step and stage, as the collectives it
@@ -50,6 +52,7 @@ __all__ = [
     "ZERO_STAGES",
     "zero_bytes",
     "rank_bytes",
+    "dim0_shard_numel",
     "CommCounter",
     "ring_bytes",
     "zero_traffic",
@@ -126,6 +129,23 @@ def rank_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, 
     )
     out["total"] = out["params"] + out["grads"] + out["optimizer"]
     return out
+
+
+def dim0_shard_numel(shape: tuple[int, ...], world_size: int, rank: int) -> int:
+    """Elements of a tensor of ``shape`` that ``rank`` holds when FSDP2 shards it on dimension 0,
+    as ``torch.chunk`` splits it: ``ceil(rows / N)`` rows to each rank in turn, so the last ranks get
+    fewer rows, or none. FSDP2 pads every shard to the longest for its collectives; the padding is
+    not part of the shard ``to_local()`` returns, and is not counted here. A 0-dimensional tensor is
+    held whole by every rank."""
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if not shape:
+        return 1
+    rows, rest = shape[0], 1
+    for n in shape[1:]:
+        rest *= n
+    per = -(-rows // world_size)  # ceil
+    return max(0, min(per, rows - rank * per)) * rest
 
 
 # ----------------------------------------------------------------------------------------
