@@ -12,13 +12,23 @@ its spread, so that a noisy (shared, throttled, busy) machine cannot fool one fi
 
 from __future__ import annotations
 
+import argparse
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from utils.bench import quartiles  # the one summary of repeats (re-exported for the benchmarks)
 
-__all__ = ["interleave", "Ratio", "paired_ratio", "quartiles", "time_table", "machine_note", "cpu_seconds"]
+__all__ = [
+    "interleave",
+    "Ratio",
+    "paired_ratio",
+    "quartiles",
+    "time_table",
+    "machine_note",
+    "cpu_seconds",
+    "clock_args",
+]
 
 
 def interleave(
@@ -128,3 +138,21 @@ def cpu_seconds(fn: Callable[[], object], number: int = 1) -> float:
     for _ in range(number):
         fn()
     return (time.process_time() - t0) / number
+
+
+def clock_args(ap: argparse.ArgumentParser) -> None:
+    """The options every benchmark takes for a shared machine: ``--threads`` (torch's CPU threads;
+    the benchmark sets them) and ``--clock`` (``wall``: elapsed time; ``cpu``: :func:`cpu_seconds`)."""
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's); 1 gives steadier figures on a shared machine",
+    )
+    ap.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="wall: elapsed time (CUDA events on a GPU); cpu: this process's CPU time, steadier on a "
+        "machine others load (CPU device only, use with --threads 1)",
+    )

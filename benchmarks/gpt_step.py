@@ -46,7 +46,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import cpu_seconds, interleave, machine_note, paired_ratio, quartiles, time_table  # noqa: E402
+from benchmarks._common import clock_args, cpu_seconds, interleave, machine_note, paired_ratio, quartiles, time_table  # noqa: E402
 from utils import bench, config, data, device, flops, gpt, train  # noqa: E402
 
 TEXT_BYTES = 1_000_000  # of the standard library's sources: on every machine, no download
@@ -134,19 +134,7 @@ def main(argv=None):
         default=None,
         help="also time both loops on torch.compile(model) (default: on a GPU)",
     )
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads (default: torch's); 1 gives steadier figures on a shared machine",
-    )
-    ap.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall: elapsed time; cpu: this process's CPU time, steadier on a machine others "
-        "load (CPU only, use with --threads 1)",
-    )
+    clock_args(ap)
     args = ap.parse_args(argv)
     where = device.get_device(args.device)
     if args.clock == "cpu" and where.type != "cpu":

@@ -40,7 +40,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import cpu_seconds, interleave, machine_note, paired_ratio, time_table  # noqa: E402
+from benchmarks._common import clock_args, cpu_seconds, interleave, machine_note, paired_ratio, time_table  # noqa: E402
 from utils import bench, models  # noqa: E402
 from utils import device as dev
 from utils.optim import LARS, lars_param_groups  # noqa: E402
@@ -99,14 +99,7 @@ def main(argv=None):
     ap.add_argument("--models", default="resnet9,mlp50", help=f"comma-separated, from {', '.join(MODELS)}")
     ap.add_argument("--repeats", type=int, default=31, help="interleaved rounds (the ratio is their median)")
     ap.add_argument("--min-round-s", type=float, default=0.1, help="seconds each timed round lasts at least")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    ap.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall: elapsed time (CUDA events on a GPU); cpu: this process's CPU time, "
-        "steadier on a machine others load (CPU device, use with --threads 1)",
-    )
+    clock_args(ap)
     args = ap.parse_args(argv)
     names = [n.strip() for n in args.models.split(",") if n.strip()]
     unknown = [n for n in names if n not in MODELS]

@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-from benchmarks._common import cpu_seconds, interleave, machine_note, paired_ratio, time_table  # noqa: E402
+from benchmarks._common import clock_args, cpu_seconds, interleave, machine_note, paired_ratio, time_table  # noqa: E402
 from utils import data, device, models, train  # noqa: E402
 
 
@@ -67,19 +67,7 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=15, help="interleaved rounds (the ratio is their median)")
     ap.add_argument("--batch", type=int, default=64, help="images per step")
     ap.add_argument("--width", type=int, default=32, help="Net hidden channels")
-    ap.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch threads (default: torch's); 1 gives steadier figures on a shared machine",
-    )
-    ap.add_argument(
-        "--clock",
-        choices=("wall", "cpu"),
-        default="wall",
-        help="wall: elapsed time; cpu: this process's CPU time, steadier on a machine others "
-        "load (use with --threads 1)",
-    )
+    clock_args(ap)
     args = ap.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
