@@ -60,6 +60,25 @@ def test_cpu_peak_replays_allocations_in_order():
     assert memory.peak_bytes(fn) == 3 << 20
 
 
+def test_cpu_held_bytes_counts_what_outlives_the_call():
+    def fn():
+        kept = torch.empty(3 << 20, dtype=torch.uint8)  # 3 MiB returned
+        scratch = torch.empty(5 << 20, dtype=torch.uint8)  # 5 MiB freed before returning
+        del scratch
+        return kept
+
+    held, out = memory.held_bytes(fn)
+    assert held == 3 << 20 and out.numel() == 3 << 20
+
+
+def test_held_bytes_sees_the_saved_tensors_of_a_forward():
+    # the Linear's input and weight exist before the call; GELU saves its input, the Linear's output
+    x = torch.randn(64, 32, requires_grad=True)
+    lin = torch.nn.Linear(32, 16)
+    held, out = memory.held_bytes(lambda: torch.nn.functional.gelu(lin(x)))
+    assert held == 2 * out.numel() * 4  # GELU's input (saved) and its output (returned)
+
+
 @pytest.mark.parametrize("opt", memory.OPTIMIZER_SETTINGS)
 def test_budget_parts_are_exact_and_the_peak_within_tolerance(opt):
     W, L, B = 32, 2, 32

@@ -190,6 +190,7 @@ TABLE: dict[str, tuple] = {
     "gpt_sample_bytes": (200, 200, 300),  # bytes the trained model writes after a prompt
     "gpt_timing_warmup": (2, 1, 3),  # untimed training steps before the timed ones
     "gpt_timing_repeats": (5, 3, 10),  # timed training steps (median)
+    "gpt_compile": (False, True, True),  # also time a torch.compile'd step (compiling takes about a minute on a CPU)
     "gpt_mem_batch": (4, 4, 8),  # sequences per batch in the memory measurements
     "gpt_mem_seq_lens": ((16, 32, 64), (32, 64, 128), (256, 512, 1024)),  # tokens; the last is gpt_context
     "gpt_pp_micro_batches": (4, 4, 8),  # micro-batches of the GPT's pipeline step (each divides gpt_batch)

@@ -475,6 +475,35 @@ def peak_bytes(fn: Callable[[], Any], device: torch.device | str | None = None) 
     return peak
 
 
+def held_bytes(fn: Callable[[], Any], device: torch.device | str | None = None) -> tuple[int, Any]:
+    """Bytes that ``fn()`` allocates and still holds when it returns, and what it returned.
+
+    For a forward pass: what autograd keeps for backward plus the outputs, whoever keeps it
+    (saved-tensor hooks see only what autograd saves, not a checkpoint's own cache). CUDA: the
+    allocator's ``memory_allocated`` after minus before. CPU: the profiler's allocations minus
+    its frees (``profile_memory=True``)."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type == "cuda":
+        _cublas_warm_up(device)
+        torch.cuda.synchronize(device)  # sync point: a clean baseline
+        base = torch.cuda.memory_allocated(device)
+        out = fn()
+        torch.cuda.synchronize(device)  # sync point: read the allocator's counter
+        return torch.cuda.memory_allocated(device) - base, out
+    if device.type != "cpu":
+        raise ValueError(f"held_bytes measures cuda and cpu devices, not {device.type!r}")
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_profiler(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    held = sum(
+        e.nbytes()  # + allocation, - free
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
+    )
+    return held, out
+
+
 def _optimizer_setting(label: str) -> tuple[str, float]:
     if label not in OPTIMIZER_SETTINGS:
         raise ValueError(f"unknown optimizer {label!r}; use one of {', '.join(OPTIMIZER_SETTINGS)}")
