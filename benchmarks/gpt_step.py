@@ -136,6 +136,9 @@ def main(argv=None):
     )
     clock_args(ap)
     args = ap.parse_args(argv)
+    for name in ("steps", "repeats", "batch", "threads"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1, got {getattr(args, name)}. Try: leave it out for the default.")
     where = device.get_device(args.device)
     if args.clock == "cpu" and where.type != "cpu":
         ap.error(f"--clock cpu counts CPU seconds, not the work of {where}. Try: --clock wall, or --device cpu.")
@@ -146,7 +149,7 @@ def main(argv=None):
     compiled = on_gpu if args.compile is None else args.compile
 
     cfg = config.profile()
-    arch, batch = gpt.config_for(cfg), args.batch or cfg.gpt_batch
+    arch, batch = gpt.config_for(cfg), args.batch if args.batch is not None else cfg.gpt_batch
     tokens = data.load_tokens("stdlib", TEXT_BYTES).train
     net = gpt.GPT(arch, seed=0).to(where)
     init = {k: v.clone() for k, v in net.state_dict().items()}

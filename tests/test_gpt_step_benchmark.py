@@ -83,3 +83,11 @@ def test_compiled_loops_take_the_eager_hand_loops_steps():
     test in the same process has imported the standard library's distutils."""
     r = subprocess.run([sys.executable, "-c", COMPILED, str(ROOT)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "compiled losses agree" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--repeats", "--batch", "--threads"])
+def test_a_count_below_one_is_refused_with_what_to_do(flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        gpt_step.main([flag, "0"])
+    assert exit_.value.code == 2
+    assert f"{flag} must be at least 1, got 0. Try:" in capsys.readouterr().err

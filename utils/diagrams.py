@@ -102,6 +102,12 @@ _MB = 1024 * 1024  # DDP's bucket_cap_mb is in MiB
 _COLOURS = plt.get_cmap("tab10").colors
 
 
+def _rank_legend(ax, n_ranks: int, alpha: float) -> None:
+    """A legend of one colour patch per rank, "held by rank r"."""
+    handles = [Patch(color=_colour(r), alpha=alpha, label=f"held by rank {r}") for r in range(n_ranks)]
+    ax.legend(handles=handles, loc="lower right", fontsize=8)
+
+
 def _colour(i: int) -> tuple:
     return _COLOURS[i % len(_COLOURS)]
 
@@ -605,11 +611,7 @@ def megatron_split_figure(width: int = 8, n_ranks: int = 2, *, expand: int = 4, 
     fig.set_size_inches(11, 11 * y_max / (x_max + 14 * u) + 0.9)
     ax.set_aspect("equal")
     ax.axis("off")
-    ax.legend(
-        handles=[Patch(color=_colour(r), alpha=0.55, label=f"held by rank {r}") for r in range(n_ranks)],
-        loc="lower right",
-        fontsize=8,
-    )
+    _rank_legend(ax, n_ranks, 0.55)
     ax.set_title(
         f"Megatron MLP on {n_ranks} ranks (d = {d}, hidden = {hidden}, batch {bsz}), to scale:\n"
         "$W_1$ split by output columns, $W_2$ by input rows, one all-reduce in forward",
@@ -694,11 +696,7 @@ def gpt_tp_figure(width: int = 16, heads: int = 4, n_ranks: int = 2) -> Figure:
     ax.set_xlabel(f"feature index along the split dimension (d = {width}, {heads} heads of {width // heads})")
     for side in ("left", "right", "top"):
         ax.spines[side].set_visible(False)
-    ax.legend(
-        handles=[Patch(color=_colour(r), alpha=0.6, label=f"held by rank {r}") for r in range(n_ranks)],
-        loc="lower right",
-        fontsize=8,
-    )
+    _rank_legend(ax, n_ranks, 0.6)
     ax.set_title(
         f"A GPT block on {n_ranks} ranks: q, k, v split by heads, MLP by hidden units\n"
         "(q0 = query head 0; the fused qkv weight cut contiguously gives a rank whole q and part of k)",
