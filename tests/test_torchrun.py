@@ -7,6 +7,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,38 @@ def test_an_abort_at_exit_after_the_script_finished_passes_and_any_other_failure
     assert "exitcode  : -6" in p.stdout, f"rank 1 should have died of SIGABRT:\n{p.stdout[-3000:]}"
     assert (p.returncode == 0) == passes, p.stdout[-3000:]
     assert ("parallel.torchrun: every rank finished" in p.stdout) == passes
+
+
+# Rank 1 runs to its end, then hangs in interpreter shutdown (as gloo's teardown now and then deadlocks
+# in torch 2.13), or hangs before its end: the first is stopped after the grace and passes, the second
+# runs into the timeout.
+HANG_SCRIPT = """
+import os, sys, time
+
+class HangAtExit:
+    def __del__(self, sleep=time.sleep):
+        sleep(600)
+
+if int(os.environ["RANK"]) == 1:
+    held = HangAtExit()
+    if sys.argv[1] == "before_end":
+        time.sleep(600)
+print("ran to its end", flush=True)
+"""
+
+
+def test_a_hang_at_exit_after_every_rank_finished_is_stopped_and_a_hang_before_the_end_times_out(tmp_path, monkeypatch):
+    from utils.parallel import launcher
+
+    monkeypatch.setattr(launcher, "EXIT_GRACE_S", 3.0)
+    script = tmp_path / "script.py"
+    script.write_text(HANG_SCRIPT)
+    start = time.monotonic()
+    p = torchrun(["--nproc-per-node=2", script, "at_exit"], cwd=tmp_path, env=_env(), timeout=120)
+    assert p.returncode == 0 and "one then hung at exit" in p.stdout, p.stdout[-3000:]
+    assert time.monotonic() - start < 60, "stopped a few seconds after every rank finished, not at the timeout"
+    with pytest.raises(subprocess.TimeoutExpired):
+        torchrun(["--nproc-per-node=2", script, "before_end"], cwd=tmp_path, env=_env(), timeout=15)
 
 
 def _python(code, env, cwd):

@@ -468,8 +468,11 @@ def torchrun(
     with tempfile.TemporaryDirectory(prefix="torchrun-") as done_dir:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (RANK_DONE_SITE, env.get("PYTHONPATH")) if p)
         env["LAB_RANK_DONE_DIR"] = done_dir
-        out, code = _run_torchrun(cmd, env, cwd, timeout)
-        if code != 0 and _only_exit_aborts(out, done_dir):
+        out, code = _run_torchrun(cmd, env, cwd, timeout, lambda: _all_done(done_dir))
+        if code is None:
+            out += f"parallel.torchrun: every rank finished; one then hung at exit for {EXIT_GRACE_S:.0f} s: stopped, exit status 0\n"
+            code = 0
+        elif code != 0 and _only_exit_aborts(out, done_dir):
             out += "parallel.torchrun: every rank finished; gloo's teardown then aborted one at exit: exit status 0\n"
             code = 0
     return subprocess.CompletedProcess(cmd, code, out, None)
@@ -521,25 +524,35 @@ def _die_with_parent(parent: int) -> Callable[[], None]:
 RANK_DONE_SITE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_rank_done")
 
 
+EXIT_GRACE_S = 30.0  # how long a run whose ranks all finished may take to exit before it is stopped
+
+
+def _all_done(done_dir: str) -> bool:
+    """Did every rank of the run write its marker (its script ran to its end)?"""
+    done = {}
+    for name in os.listdir(done_dir):
+        with contextlib.suppress(OSError, ValueError), open(os.path.join(done_dir, name)) as f:
+            done[int(name.removeprefix("rank"))] = f.read()
+    worlds = set(done.values())
+    return len(worlds) == 1 and (world := worlds.pop()).isdigit() and set(done) == set(range(int(world)))
+
+
 def _only_exit_aborts(out: str, done_dir: str) -> bool:
     """Did every rank write its marker (its script ran to its end), did at least one rank die of
     gloo's abort at interpreter exit, and was every other rank torchrun reports as failed only
     stopped by torchrun (SIGTERM) after that abort?"""
     _, failed = torchrun_summary(out)
-    done = {}
-    for name in os.listdir(done_dir):
-        with open(os.path.join(done_dir, name)) as f:
-            done[int(name.removeprefix("rank"))] = f.read()
-    worlds = set(done.values())
-    if not failed or len(worlds) != 1 or not (world := worlds.pop()).isdigit() or set(done) != set(range(int(world))):
+    if not failed or not _all_done(done_dir):
         return False
-    aborted = {r for r, code in failed.items() if exit_abort_after_success(code, r in done, out)}
+    aborted = {r for r, code in failed.items() if exit_abort_after_success(code, True, out)}  # every rank finished
     stopped = {r for r, code in failed.items() if code == -signal.SIGTERM}
     return bool(aborted) and aborted | stopped == set(failed)
 
 
-def _run_torchrun(cmd, env, cwd, timeout) -> tuple[str, int]:
-    """torchrun's output and exit status; on a timeout (or an interrupt) every process is stopped."""
+def _run_torchrun(cmd, env, cwd, timeout, all_done=lambda: False) -> tuple[str, int | None]:
+    """torchrun's output and exit status; on a timeout (or an interrupt) every process is stopped. A run
+    still there ``EXIT_GRACE_S`` after ``all_done()`` (every rank's script ran to its end) is stopped,
+    and its status is None: gloo's teardown can deadlock a rank at interpreter exit, after its work."""
     parent = os.getpid()
     p = subprocess.Popen(
         cmd,
@@ -551,21 +564,34 @@ def _run_torchrun(cmd, env, cwd, timeout) -> tuple[str, int]:
         start_new_session=True,
         preexec_fn=_die_with_parent(parent) if sys.platform == "linux" else None,
     )
+    end, finished = time.monotonic() + timeout, None
     try:
-        out, _ = p.communicate(timeout=timeout)
+        while True:
+            try:
+                out, _ = p.communicate(timeout=min(1.0, max(end - time.monotonic(), 0.01)))
+                return out, p.returncode
+            except subprocess.TimeoutExpired:
+                now = time.monotonic()
+                finished = finished or (now if all_done() else None)
+                if finished and now - finished > EXIT_GRACE_S:
+                    return _stop_torchrun(p), None
+                if now >= end:
+                    raise subprocess.TimeoutExpired(cmd, timeout) from None
     except BaseException:
-        workers = _descendants(p.pid)  # torchrun puts workers in sessions of their own
-        p.terminate()  # SIGTERM: the agent stops its workers itself
-        try:
-            p.communicate(timeout=15)
-        except subprocess.TimeoutExpired:
-            pass
-        for pid in [p.pid, *workers]:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-        p.communicate()
+        _stop_torchrun(p)
         raise
-    return out, p.returncode
+
+
+def _stop_torchrun(p: subprocess.Popen) -> str:
+    """Stop torchrun's agent and every worker; return what they printed."""
+    workers = _descendants(p.pid)  # torchrun puts workers in sessions of their own
+    p.terminate()  # SIGTERM: the agent stops its workers itself
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        p.communicate(timeout=15)
+    for pid in [p.pid, *workers]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return p.communicate()[0] or ""
 
 
 def _descendants(pid: int) -> list:
