@@ -5,12 +5,11 @@ overlapped DDP on 2, then 3 processes, so that a fixed divisor fails); sharding 
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import os
 import tempfile
 from collections.abc import Callable
-from functools import partial
+from functools import partial, wraps
 from typing import Any
 from unittest import mock
 
@@ -43,7 +42,7 @@ class _Watched:
 def _at_world_sizes(ex: Exercise, doc: str):
     """The check of ``ex`` on 2, then on 3 processes; only the last run's tick is shown."""
 
-    @functools.wraps(ex.checker(doc))
+    @wraps(ex.checker(doc))
     def check_fn(answer):
         try:
             for n in (2, 3):

@@ -14,7 +14,7 @@ import tempfile
 import torch
 
 from ._common import CheckFailed, message
-from .engine import Case, Exercise, Mistake, check, difference, fail
+from .engine import Case, Exercise, check, difference, fail, mistake
 
 __all__ = ["check_ddp_script", "SERIAL_SCRIPT", "SCRIPT"]
 LAB = "lab3_ddp"
@@ -274,7 +274,7 @@ SCRIPT = Exercise(
     timeout_s=SCRIPT_TIMEOUT + 120,
     hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
     passed="rank 0's weights match one process on the same global batches, on 2 and on 3 CPU processes",
-    mistakes=[Mistake(*t.split(". Try: "), _variant(**edit), when, mechanism=m) for t, edit, when, m in _MISTAKES],
+    mistakes=[mistake(t, _variant(**edit), when, mechanism=m) for t, edit, when, m in _MISTAKES],
 )  # fmt: skip
 
 

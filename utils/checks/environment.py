@@ -2,7 +2,7 @@
 
 import torch
 
-from .engine import Case, Exercise, Mistake
+from .engine import Case, Exercise, mistake
 
 __all__ = ["check_accuracy", "ACCURACY"]
 
@@ -50,7 +50,7 @@ ACCURACY = Exercise(
     oracle=_accuracy,
     hint="take each row's arg-max over the classes, compare it with the labels, then average the matches",
     passed="3 batches of different shapes",
-    mistakes=[Mistake(*text.split(". Try: "), variant=variant) for text, variant in _MISTAKES],
+    mistakes=[mistake(text, variant) for text, variant in _MISTAKES],
 )
 
 check_accuracy = ACCURACY.checker(

@@ -197,10 +197,10 @@ def _run_keeping_parameters(fn, case):
     return got
 
 
-def _b_simple(g, dim=0, ddof=1, correct=True, B=None) -> float:
+def _b_simple(g, dim=0, ddof=1, correct=True) -> float:
     """tr(Sigma) / |G|^2 from [B, P] gradients: squared deviations over B - ddof; |mean|^2 less tr(Sigma)/B if ``correct``."""
     g = torch.as_tensor(g).double()
-    B = B or g.shape[0]
+    B = g.shape[0]
     mean = g.mean(dim, keepdim=True)
     tr = ((g - mean) ** 2).sum() / (B - ddof)
     return float(tr / ((mean**2).sum() - (tr / B if correct else 0)))

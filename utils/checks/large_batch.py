@@ -10,7 +10,7 @@ from torch import nn
 from ..models import GhostBatchNorm2d
 from ..optim import LARS, lars_param_groups
 from ..schedules import lr_for_batch as _lr_reference
-from .engine import Case, Exercise, Mistake, difference
+from .engine import Case, Exercise, difference, mistake
 
 LAB = "lab4_large_batch"
 F64 = torch.float64
@@ -21,7 +21,7 @@ def _named(rows: dict, variant=None, **when) -> list:
     """A Mistake per row, {key: "problem. Try: hint"} made by ``variant(key)`` or {key: (variant, "problem. Try:
     hint")}, seen by ``when[key]`` if given."""
     rows = {k: r if isinstance(r, tuple) else (variant(k), r) for k, r in rows.items()}
-    return [Mistake(*t.split(". Try: "), variant=v, when=when.get(k)) for k, (v, t) in rows.items()]
+    return [mistake(t, v, when.get(k)) for k, (v, t) in rows.items()]
 
 
 def _raised(*words):  # the answer raised an error whose last line holds one of ``words``

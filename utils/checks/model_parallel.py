@@ -157,9 +157,8 @@ def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=
         dist.all_gather_into_tensor(grads, shard.grad)
         return _copy_back([p.grad for p in params], grads) or opt.step()
     _ = None if first else opt.step()
-    full = (
-        torch.empty_like(grads) if gather else _flat(params, world, pad)
-    )  # without the all-gather only my shard is new
+    # without the all-gather only my shard is new
+    full = torch.empty_like(grads) if gather else _flat(params, world, pad)
     _ = dist.all_gather_into_tensor(full, shard.detach()) if gather else full.chunk(world)[dist.get_rank()].copy_(shard.detach())  # fmt: skip
     _ = opt.step() if first else None
     _ = _copy_back(params, full) if copy else None
