@@ -65,7 +65,7 @@ def test_a_script_without_sharding_trains_the_oracle_weights_and_is_still_named(
     (no_shards,) = [m for m in SCRIPT.mistakes if "whole dataset" in m.problem]
     got = no_shards.variant(**CASE.kwargs)
     want = SCRIPT.oracle(**CASE.kwargs)
-    assert not (got["hung"] or got["failed"]), got.get("out", "hung: no output")[-3000:]
+    assert not (got["hung"] or got["failed"]), got.get("out", f"hung; the ranks' records: {got['recs']}")[-3000:]
     assert engine.difference(got["weights"], want["weights"], 1e-4, 1e-5) is None
     assert no_shards.when(engine.Outcome(CASE, got, want))
     assert all(r["examples"] == 512 * CASE.kwargs["epochs"] for r in got["recs"])

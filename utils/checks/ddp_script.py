@@ -123,8 +123,12 @@ def _probe(script: str, *args: str) -> None:
     def batch(self, x=None, *a, **k):  # examples through DDP that an optimizer step then trains on
         return len(x) if torch.is_grad_enabled() and hasattr(x, "shape") else 0
 
+    # Every DDP wrapper stays alive to the end, which comes by os._exit once the record is written: freeing the
+    # wrapper or gloo's group at interpreter exit can deadlock a rank in torch 2.13, after the script's work.
+    kept, init = [], DDP.__init__
     dist.init_process_group, torch.save = counted(dist.init_process_group, "init"), counted(torch.save, "saves")
-    DDP.__init__, DDP.forward = counted(DDP.__init__, "ddp"), counted(DDP.forward, "pending", batch)
+    DDP.__init__ = counted(lambda self, *a, **k: kept.append(self) or init(self, *a, **k), "ddp")
+    DDP.forward = counted(DDP.forward, "pending", batch)
     register_optimizer_step_pre_hook(lambda *_: rec.update(examples=rec["examples"] + rec["pending"], pending=0))
     sys.argv, sys.path[0] = [script, *args], os.path.dirname(script)
     sys.meta_path.insert(0, _NoCourse())
@@ -141,6 +145,9 @@ def _probe(script: str, *args: str) -> None:
     finally:
         with open(os.path.join(os.environ["LAB3_PROBE_DIR"], f"rank{rec['rank']}.json"), "w") as f:
             json.dump(rec, f)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # the script ran to its end; no teardown (see ``kept``)
 
 
 def _read(path: str, load=json.load):
@@ -172,8 +179,8 @@ class Script:
             got = dict(run=f"!python -m torch.distributed.run --nproc-per-node 2 {path}", hung=False, failed=False)
             try:
                 proc = parallel.torchrun(argv, timeout=SCRIPT_TIMEOUT, env=env)
-            except subprocess.TimeoutExpired:
-                return got | {"hung": True}
+            except subprocess.TimeoutExpired:  # the ranks that wrote their record ran the script to its end
+                return got | {"hung": True, "recs": [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]}
             recs = [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]
             got.update(out=proc.stdout or "", recs=recs, failed=proc.returncode != 0, first=None)
             # the first failure is the lowest rank whose error is its own, not a lost connection to a rank that crashed
