@@ -21,9 +21,9 @@ help:
 	@echo "make hub   the class's JupyterHub (cluster/hub/jupyterhub_config.py), run as root from a release folder;"
 	@echo "            HUB_GPU_POOL=0,1,2,3 HUB_PER_GPU=1 HUB_CULL_IDLE_S=3600 ... (see the config), HUB_ARGS='--port 8000' to jupyterhub"
 	@echo "make standins  write synthetic stand-ins for Fashion-MNIST, CIFAR-10 and Tiny Shakespeare (used only with LAB_DATA=standin)"
-	@echo "make notebooks-cpu  every notebook and solution in the cpu profile on the stand-ins (NOTEBOOK_JOBS=2: two at once)"
+	@echo "make notebooks-cpu  every notebook and solution in the cpu profile on the stand-ins"
 	@echo "make site  the course as a static site in build/site: every demo executed (cpu profile, stand-ins), the newest"
-	@echo "            GPU run of docs/gpu-runs/, the labs as students get them; offline. SITE_ARGS='--profile smoke --only 00_,01_', SITE_JOBS=2"
+	@echo "            GPU run of docs/gpu-runs/, the labs as students get them; offline. SITE_ARGS='--profile smoke --only 00_,01_'"
 	@echo "make site-check  open build/site in headless Chromium (chromium, chromium-driver) and check every page"
 	@echo "make bench  run benchmarks/ (prints figures; never pass/fail)"
 	@echo "make slurm-check  start a local one-node SLURM (root), run every cluster/ job template, stop it"
@@ -120,24 +120,19 @@ standins: $(VENV)/.installed-lab
 	$(PY) -m utils.data standins
 
 # The laptop profile end to end: every notebook and solution, cpu sizes, on the stand-ins.
-# NOTEBOOK_JOBS=2: two notebooks at once, each kernel with its share of the cores (CI does so). A cell may take
-# 900 s here, not 300 (nbval's and pytest-timeout's limit): notebook 01's rate tuning takes about 2 minutes on 2 idle
-# cores, and more than 300 s beside make test.
+# A cell may take 900 s here, not 300 (nbval's and pytest-timeout's limit): notebook 01's rate tuning takes about
+# 2 minutes on 2 idle cores, and more than 300 s beside make test.
 NOTEBOOK_DIRS ?= notebooks solutions
-NOTEBOOK_JOBS ?= 1
 notebooks-cpu: NBVAL_CELL_S = 900
 notebooks-cpu: $(VENV)/.installed-test standins
-	LAB_PROFILE=cpu LAB_DATA=standin $(if $(filter-out 1,$(NOTEBOOK_JOBS)),OMP_NUM_THREADS=$(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n / $(NOTEBOOK_JOBS) > 0 ? n / $(NOTEBOOK_JOBS) : 1 )))) \
-		$(PY) -m pytest -q -p no:cacheprovider --durations=0 --durations-min=1 $(if $(filter-out 1,$(NOTEBOOK_JOBS)),-n $(NOTEBOOK_JOBS) --dist loadfile) $(NOTEBOOK_DIRS) $(NBVAL_FLAGS) --timeout=$(NBVAL_CELL_S)
+	LAB_PROFILE=cpu LAB_DATA=standin $(PY) -m pytest -q -p no:cacheprovider --durations=0 --durations-min=1 $(NOTEBOOK_DIRS) $(NBVAL_FLAGS) --timeout=$(NBVAL_CELL_S)
 
 # The course as a static site (utils/site.py): each demo executed in a fresh kernel (cpu profile, stand-ins), the
 # newest GPU run kept in docs/gpu-runs/, the labs as students get them, a front page; built beside build/site and
 # renamed into place. Then the same site opened in headless Chromium, every page (tests/test_site.py).
-# SITE_JOBS=2: two notebooks at once (CI), each with its share of the cores; the pages' labels say so.
 SITE_ARGS ?=
-SITE_JOBS ?= 1
 site: $(VENV)/.installed-test standins
-	$(PY) -m utils.site build --out build/site --jobs $(SITE_JOBS) $(SITE_ARGS)
+	$(PY) -m utils.site build --out build/site $(SITE_ARGS)
 
 site-check: $(VENV)/.installed-test
 	$(PY) -m utils.site check build/site

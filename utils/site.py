@@ -176,10 +176,9 @@ PROBE = (
 )
 
 
-def execute(path: Path, profile: str, name: str, threads: int = 0) -> tuple[object, dict]:
-    """Run the notebook at ``path`` in a fresh kernel of this interpreter (``threads``: its torch threads, 0 for
-    torch's default); return it with its outputs and what it ran on. SiteError names the cell on an error or
-    unexpected stderr."""
+def execute(path: Path, profile: str, name: str) -> tuple[object, dict]:
+    """Run the notebook at ``path`` in a fresh kernel of this interpreter; return it with its outputs
+    and what it ran on. SiteError names the cell on an error or unexpected stderr."""
     import nbclient
     import nbformat
     from jupyter_client.kernelspec import KernelSpecManager
@@ -187,9 +186,7 @@ def execute(path: Path, profile: str, name: str, threads: int = 0) -> tuple[obje
 
     nb = nbformat.read(str(path), as_version=4)
     nb.cells.append(nbformat.v4.new_code_cell(PROBE))
-    env = dict(os.environ, LAB_PROFILE=profile, LAB_DATA="standin") | (
-        {"OMP_NUM_THREADS": str(threads)} if threads else {}
-    )
+    env = dict(os.environ, LAB_PROFILE=profile, LAB_DATA="standin")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     env.pop("MPLBACKEND", None)  # the kernel's own inline backend, so figures are outputs
     # No kernel folders: "python3" is then ipykernel's own spec, this interpreter (sys.executable).
@@ -220,8 +217,7 @@ def cpu_label(info: dict, nb: Any) -> str:
     gpus = "; ".join(g["name"] for g in info.get("gpus", [])) or "no GPU"
     return (
         f"Executed by make site on {start}: {info['cpu']} ({info['cpu_cores']} cores), {gpus}, torch {info['torch']}, "
-        f"Python {info['python']}; profile {info['profile']}{data}; {info.get('torch_threads', '?')} torch threads"
-        f"{info.get('beside', '')}; wall time {format_seconds(wall_seconds(nb))}"
+        f"Python {info['python']}; profile {info['profile']}{data}; wall time {format_seconds(wall_seconds(nb))}"
     )
 
 
@@ -460,13 +456,12 @@ def build(
     notebooks: Path = NOTEBOOKS,
     labs: Path = LABS,
     gpu_run: Path | None = None,
-    jobs: int = 1,
 ) -> list[Page]:
-    """Build the site into a temporary folder beside ``out``, then rename it to ``out``. ``jobs`` notebooks run
-    at once, each kernel with its share of the cores as torch threads. On an error the folder is removed; a
-    build killed outright leaves it, hidden (``.site-*``), and the next build removes it, so two builds into
-    one ``out`` at once are not supported."""
+    """Build the site into a temporary folder beside ``out``, then rename it to ``out``. On an error the
+    folder is removed; a build killed outright leaves it, hidden (``.site-*``), and the next build removes
+    it, so two builds into one ``out`` at once are not supported."""
     import nbformat
+    from tqdm.auto import tqdm
 
     out = Path(out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -482,7 +477,11 @@ def build(
         paths = selected(notebooks, only)
         if not paths:
             raise SiteError(f"site: no notebook in {notebooks} starts with {only}. Try: --only 00_,01_")
-        for path, (nb, info) in zip(paths, executed(paths, profile, jobs)):
+        bar = tqdm(paths, desc="site", unit="notebook")
+        for path in bar:
+            bar.set_postfix_str(path.stem)
+            name = f"{path.parent.name}/{path.name}"
+            nb, info = execute(path, profile, name)
             title = title_of(nb) or path.stem
             nbformat.write(nb, str(tmp / "cpu" / path.name))
             label = cpu_label(info, nb)
@@ -539,27 +538,6 @@ def build(
     return pages
 
 
-def executed(paths: list[Path], profile: str, jobs: int = 1) -> list[tuple[object, dict]]:
-    """Each notebook executed (:func:`execute`), ``jobs`` at once, in the order of ``paths``; the first
-    SiteError, in that order, is raised once the notebooks already running have ended."""
-    from concurrent.futures import ThreadPoolExecutor, as_completed
-
-    from tqdm.auto import tqdm
-
-    jobs = max(1, min(jobs, len(paths)))
-    threads = max(1, (os.cpu_count() or 1) // jobs) if jobs > 1 else 0
-    beside = f", {jobs} notebooks at once" if jobs > 1 else ""
-    with ThreadPoolExecutor(jobs) as pool, tqdm(total=len(paths), desc="site", unit="notebook") as bar:
-        runs = [pool.submit(execute, p, profile, f"{p.parent.name}/{p.name}", threads) for p in paths]
-        for run in as_completed(runs):
-            bar.update()
-            if run.exception() is not None:  # those not started never run; those running end
-                _ = [r.cancel() for r in runs]
-                break
-        out = [run.result() for run in runs]  # the pool starts them in order: none cancelled before the failed one
-    return [(nb, info | {"beside": beside}) for nb, info in out]
-
-
 EXTERNAL = re.compile(
     r"""<(?:script|link|img|iframe|source|video|audio)\b[^>]*\b(?:src|href)\s*=\s*["']?(?:https?:)?//""", re.I
 )
@@ -603,7 +581,6 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="a folder of executed GPU notebooks (default: the newest under docs/gpu-runs/)",
     )
-    b.add_argument("--jobs", type=int, default=1, help="notebooks executed at once, each with its share of the cores")
     c = sub.add_parser("check", help="check a built site's links, labels and that it loads nothing from outside")
     c.add_argument("site", type=Path)
     args = ap.parse_args(argv)
@@ -615,9 +592,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1 if problems else 0
     start = time.perf_counter()
-    if args.jobs < 1:
-        print(f"site: --jobs {args.jobs} runs nothing. Try: --jobs 1 (one notebook at a time) or more", file=sys.stderr)
-        return 2
     if args.gpu_run is not None and not args.gpu_run.is_dir():
         print(
             f"site: {args.gpu_run} is not a folder. Try: --gpu-run docs/gpu-runs/<run> (an empty folder: no GPU pages)",
@@ -628,13 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         only = [p for p in args.only.split(",") if p] or None
         pages = build(
-            args.out,
-            profile=args.profile,
-            only=only,
-            notebooks=args.notebooks,
-            labs=args.labs,
-            gpu_run=gpu_run,
-            jobs=args.jobs,
+            args.out, profile=args.profile, only=only, notebooks=args.notebooks, labs=args.labs, gpu_run=gpu_run
         )
     except SiteError as e:
         print(e, file=sys.stderr)
