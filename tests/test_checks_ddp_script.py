@@ -38,6 +38,16 @@ def test_solution_passes(tmp_path, capsys):
     assert "\u2714 ddp_script: correct" in capsys.readouterr().out
 
 
+def test_a_script_that_ends_with_sys_exit_passes(tmp_path, capsys):
+    """``sys.exit(main())`` is a normal end: the ranks left the group, nothing failed."""
+    text = _solution().replace(
+        'if __name__ == "__main__":\n    main()', 'if __name__ == "__main__":\n    import sys\n\n    sys.exit(main())'
+    )
+    assert "sys.exit(main())" in text
+    check_ddp_script(_write(tmp_path, text))
+    assert "\u2714 ddp_script: correct" in capsys.readouterr().out
+
+
 def _is_hang(m) -> bool:
     return "init_method" in m.variant.text
 

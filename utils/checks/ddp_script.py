@@ -135,7 +135,11 @@ def _probe(script: str, *args: str) -> None:
     for name in [m for m in sys.modules if m.split(".")[0] == "utils"]:
         del sys.modules[name]
     try:
-        runpy.run_path(script, run_name="__main__")
+        try:
+            runpy.run_path(script, run_name="__main__")
+        except SystemExit as e:  # sys.exit(main()) with main returning None: the script's normal end
+            if e.code not in (None, 0):
+                raise
         rec["left"] = not dist.is_initialized()
     except BaseException:
         tb = traceback.format_exc()
@@ -179,7 +183,7 @@ class Script:
             got = dict(run=f"!python -m torch.distributed.run --nproc-per-node 2 {path}", hung=False, failed=False)
             try:
                 proc = parallel.torchrun(argv, timeout=SCRIPT_TIMEOUT, env=env)
-            except subprocess.TimeoutExpired:  # the ranks that wrote their record ran the script to its end
+            except subprocess.TimeoutExpired:  # the records the ranks wrote say how far each got
                 return got | {"hung": True, "recs": [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]}
             recs = [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]
             got.update(out=proc.stdout or "", recs=recs, failed=proc.returncode != 0, first=None)
