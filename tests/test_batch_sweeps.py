@@ -117,6 +117,41 @@ def test_tuning_at_smoke_scale_reaches_the_target_at_each_batch():
     assert again["steps_to_target"] == r["steps_to_target"]
 
 
+def test_images_per_s_in_turns_alternates_the_order_and_drops_the_untimed_round(monkeypatch):
+    from utils import train
+
+    calls, real_fit = [], train.fit
+
+    def spy(model, loader, opt, **kw):
+        hist = real_fit(model, loader, opt, **kw)
+        calls.append((loader.batch_size, kw["steps"], id(model), opt.param_groups[0]["lr"], hist.images_per_s))
+        return hist
+
+    monkeypatch.setattr(train, "fit", spy)
+    splits = data.load("digits", n_train=200, n_val=50)
+    rates = batch_sweeps.images_per_s_in_turns(
+        splits, (8, 32), lambda b: 0.001 * b, rounds=3, images=100, width=8, device="cpu"
+    )
+    # one untimed round, then three: the order reverses each round; about 100 images each, at least 2 steps
+    assert [(b, steps) for b, steps, *_ in calls] == [
+        (32, 3),
+        (8, 12),
+        (8, 12),
+        (32, 3),
+        (32, 3),
+        (8, 12),
+        (8, 12),
+        (32, 3),
+    ]
+    assert {b: lr for b, _, _, lr, _ in calls} == {8: 0.008, 32: 0.032}
+    assert len({i for b, _, i, _, _ in calls if b == 8}) == 1, "each batch size keeps training one model"
+    timed = calls[2:]
+    assert rates == {b: [r for c, *_, r in timed if c == b] for b in (8, 32)}
+    assert all(r > 0 for rs in rates.values() for r in rs)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        batch_sweeps.images_per_s_in_turns(splits, (8,), lambda b: 0.01, rounds=0, images=10)
+
+
 @pytest.mark.slow  # one short run and four noise-scale measurements
 def test_noise_scale_along_run_measures_the_kept_copies():
     import torch

@@ -111,6 +111,40 @@ def sweep_fixed_epochs(
     return rows
 
 
+def images_per_s_in_turns(
+    splits: _data.Splits,
+    batch_sizes: Sequence[int],
+    lr_fn: Callable[[int], float],
+    *,
+    rounds: int,
+    images: int,
+    momentum: float = 0.9,
+    width: int = 32,
+    seed: int = 0,
+    device: torch.device | str | None = None,
+) -> dict[int, list[float]]:
+    """``fit``'s training images/s of the lecture CNN at each batch size, measured in turns, as benchmarks/ does:
+    every round trains each batch size on about ``images`` images (at least 2 steps), the order reversing each
+    round, so a busy spell of the machine slows all of them alike; a ratio of two batch sizes' figures of the same
+    round cancels it. One untimed round first (allocation, first calls). Per batch size, one figure per round."""
+    if rounds < 1 or images < 1:
+        raise ValueError(f"need rounds >= 1 and images >= 1, got {rounds} and {images}")
+    device = device or get_device()
+    runs = {}
+    for B in batch_sizes:
+        torch.manual_seed(seed)
+        model = _models.net_for(splits.shape, width).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=lr_fn(B), momentum=momentum)
+        runs[B] = (model, _data.make_loader(splits.train, B, device=device, seed=seed), opt)
+    rates = {B: [] for B in batch_sizes}
+    for r in range(rounds + 1):
+        for B in list(batch_sizes)[:: 1 if r % 2 else -1]:
+            hist = _train.fit(*runs[B], steps=max(2, images // B), device=device, progress=False)
+            if r > 0:
+                rates[B].append(hist.images_per_s)
+    return rates
+
+
 def steps_to_target(
     splits: _data.Splits,
     batch_size: int,

@@ -50,6 +50,8 @@ TABLE: dict[str, tuple] = {
     "sgd_dataset": ("digits", "fashion_mnist", "fashion_mnist"),
     "sgd_batch_sizes": ((8, 32, 128, 512), (16, 64, 256, 1024), (16, 64, 256, 1024, 4096)),  # fixed epochs
     "sgd_epochs": (1, 2, 10),  # fixed epoch budget of the sweep
+    "sgd_turn_rounds": (5, 7, 7),  # rounds timing the smallest and the fastest batch in turns
+    "sgd_turn_images": (2048, 4096, 32768),  # images each batch size trains on per round
     "sgd_target_batch_sizes": (
         (4, 16, 64, 256),
         (8, 32, 128, 512),
