@@ -36,8 +36,8 @@ class GhostSubclass(GhostBatchNorm2d):
 
 
 class BatchNormSubclass(nn.BatchNorm2d):
-    def __init__(self, c, virtual_batch_size=32):
-        super().__init__(c)
+    def __init__(self, c, virtual_batch_size=32, **kw):
+        super().__init__(c, **kw)
 
 
 class GhostCallsBatchNorm(large_batch._GhostVariant):

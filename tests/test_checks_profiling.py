@@ -43,9 +43,10 @@ def _authoring_tests():
 
 
 def test_the_trace_oracles_give_the_hand_counted_answers():
-    assert spec._self_times(spec._trace(spec._NESTING)) == {"A": 60, "B": 20, "C": 20, "D": 60, "G": 30, "H": 20}
-    assert spec._wait(spec._trace(spec._WAITS)) == pytest.approx((3000 + 5000) / 20000)  # two 10 ms steps
-    assert spec._syncs(spec._trace(spec._SYNCS)) == 2.0  # 4 syncs in 2 steps
+    want = {"A": 60, "B": 20, "C": 20, "D": 60, "G": 30, "H": 20, "E": 20, "F": 20, "P": 50}
+    assert spec._self_times(spec._trace(spec._NESTING)) == want
+    assert spec._wait(spec._trace(spec._WAITS)) == pytest.approx((3000 + 5000) / 30000)  # steps of 10 and 20 ms
+    assert spec._syncs(spec._trace(spec._SYNCS)) == pytest.approx(7 / 3)  # 2, 3 and 2 syncs in 3 steps
 
 
 def test_the_self_time_oracle_matches_key_averages_on_a_real_trace(tmp_path):

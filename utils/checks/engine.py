@@ -171,14 +171,14 @@ def difference(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-6) -> s
         return None if got == want else f"returned {got!r} where {want!r} was expected"
     try:
         torch.testing.assert_close(got, want, rtol=rtol, atol=atol, check_dtype=False, check_device=False)
-    except (TypeError, ValueError):
-        return kinds
+    except (TypeError, ValueError, RuntimeError):  # no comparison handles the pair (a bool against a number)
+        return f"returned {got!r} where {want!r} was expected" if len(f"{got!r}{want!r}") < 160 else kinds
     except AssertionError as e:
         first = str(e).strip().splitlines()[0].rstrip(".!")
         first = first[0].lower() + first[1:]
         if isinstance(want, torch.Tensor) and want.numel() <= 12:
             return f"returned {got.tolist()} where {want.tolist()} was expected ({first})"
-        at = re.search(r"failure occurred for item (\S+)", str(e))
+        at = re.search(r"failure occurred for item (.+)", str(e))  # e.g. ['input grad'][0]
         where = f" at {at.group(1).rstrip('.:')}" if at else ""
         return f"returned values that differ from the expected ones{where} ({first})"
     return None
@@ -206,7 +206,8 @@ def _functions(obj) -> list:
 
 def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     """[(holder, attribute, replacement)]: each refused object in its module, and wherever the answer holds
-    it (its globals, its closures, a class answer's methods' globals, ``scopes``)."""
+    it (its globals, its closures, a class answer's methods' globals, ``scopes``, a partial of it there, the
+    answer's default arguments); a refused class also refuses to make an instance of a subclass."""
 
     def raise_(what: str, *args, **kwargs):
         problem = f"your code uses {what}, which this exercise asks you to write yourself"
@@ -229,6 +230,11 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         no = functools.partial(raise_, f"{getattr(holder, '__name__', holder)}.{attr}")
         out += [(holder, attr, no)] + [(s, k, no) for s in scopes for k, v in s.items() if v is obj]
         out += [(c, "cell_contents", no) for c in cells if _try(getattr, c, "cell_contents") is obj]  # empty: None
+        out += [(s, k, functools.partial(no)) for s in scopes for k, v in s.items() if getattr(v, "func", None) is obj]
+        out += [(f, "__defaults__", tuple(no if d is obj else d for d in f.__defaults__)) for f in fns if any(d is obj for d in f.__defaults__ or ())]  # fmt: skip
+        out += [(f.__kwdefaults__, k, no) for f in fns for k, d in (f.__kwdefaults__ or {}).items() if d is obj]
+        if inspect.isclass(obj) and "__init__" in vars(obj) and f"{holder.__name__}.{attr}" in ex.refuse:  # subclasses too
+            out.append((obj, "__init__", lambda self, *a, _no=no, **k: _no()))
     mods = [(s, k, v) for s in scopes for k, v in s.items() if any(v is m for m in modules)]
     return out + [(s, k, _RefusedModule(v.__name__, raise_)) for s, k, v in mods]
 

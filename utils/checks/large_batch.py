@@ -168,10 +168,10 @@ LARS_STEP = Exercise(
 def _run_lr(f, case):
     try:
         return f(*case.args)
-    except Exception as e:  # an unknown rule must raise: the name of what it raised, compared as a string
-        if case.args[3] in ("linear", "sqrt") or isinstance(e, NotImplementedError):
+    except Exception as e:  # an unknown rule must raise a ValueError (a subclass counts), compared as a string
+        if case.args[3] in ("linear", "sqrt"):
             raise
-        return type(e).__name__
+        return "ValueError" if isinstance(e, ValueError) else type(e).__name__
 
 
 LR_FOR_BATCH = Exercise(
@@ -212,9 +212,10 @@ class _LarsVariant(torch.optim.Optimizer):
                     wd, adapt = group["weight_decay"], not ex or "ignore_exclude" in k
                     r = _ratio(p, p.grad, wd, group["trust_coefficient"], group["eps"]) if adapt else 1.0
                     d = r * p.grad + wd * p if "wd_after" in k else r * (p.grad + wd * p)
+                    d = p.grad.copy_(d) if "alias" in k else d  # the update written into .grad itself
                     store, key = (self.bufs, p) if "outside_state" in k else (self.state[p], "buf")
                     fresh = key not in store or "forget_buffer" in k
-                    store[key] = d.clone() if fresh else group["momentum"] * store[key] + d
+                    store[key] = (d if "alias" in k else d.clone()) if fresh else group["momentum"] * store[key] + d
                     if "rebind" not in k:  # a rebinding `p = p - ...` leaves the parameter as it was
                         p.sub_(lr * store[key].detach())
 
@@ -243,7 +244,7 @@ def _run_optimizer(cls, case):
     for (x, y), lr in zip(data, lrs):
         for g in opt.param_groups:
             g["lr"] = lr
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)  # zeroes each .grad in place: a buffer that is a .grad is zeroed with it
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         out["params"].append([p.detach().clone() for p in model.parameters()])
@@ -274,6 +275,7 @@ LARS_OPTIMIZER = Exercise(
         "rebind": "after a step no parameter has changed. Try: update each parameter in place under torch.no_grad(); assigning p a new value only rebinds a local name",
         "ignore_exclude": "you applied the trust ratio to the excluded group too. Try: parameters of a group with exclude set get plain SGD with momentum, the trust ratio fixed at 1",
         "skip_excluded": "the parameters of the excluded group (biases, norm weights) are not updated. Try: an excluded group still gets SGD with momentum, the trust ratio fixed at 1",
+        "alias": "the first momentum buffer is the gradient tensor itself, so zero_grad() (which may zero .grad in place) wipes the buffer. Try: store a copy of the first update (torch.clone(d).detach()), as torch.optim.SGD does",
         "forget_buffer": "the momentum buffer is not kept from one step to the next. Try: store each parameter's buffer in its per-parameter state (self.state) and update it there every step",
         "wd_after": "weight decay was added after the trust ratio. Try: add weight_decay times the parameter to the gradient first, then scale the sum by the trust ratio",
         "lr_from_init": "your step ignores a changed learning rate, which a schedule sets in group['lr'] each step. Try: read lr from the parameter group inside step, not from a value saved in __init__",
@@ -291,11 +293,13 @@ class _GhostVariant(nn.Module):
 
     def __init__(self, num_features, virtual_batch_size=32, momentum=0.1, eps=1e-5):
         super().__init__()
-        self.vb, self.m, self.eps = virtual_batch_size, momentum, eps
-        self.weight, self.bias = nn.Parameter(torch.ones(num_features)), nn.Parameter(torch.zeros(num_features))
-        self.register_buffer("running_mean", torch.zeros(num_features))
-        self.register_buffer("running_var", torch.ones(num_features))
-        if "rename" in self.kinds:
+        k = self.kinds
+        self.vb, self.m, self.eps = virtual_batch_size, 0.1 if "own_momentum" in k else momentum, 1e-5 if "own_eps" in k else eps  # fmt: skip
+        self.weight = nn.Parameter(torch.zeros(num_features) if "zero_weight" in k else torch.ones(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+        for name, value in (("running_mean", torch.zeros(num_features)), ("running_var", torch.ones(num_features))):
+            setattr(self, name, value) if "plain_running" in k else self.register_buffer(name, value)
+        if "rename" in k:
             self.gamma = self.weight
             del self.weight
 
@@ -331,20 +335,23 @@ class _GhostVariant(nn.Module):
 
 def _run_ghost(cls, case):
     """``cls(3, virtual_batch_size)`` in training (outputs, gradients, running statistics), then in eval mode."""
-    n, vb, seed = case.args
+    n, vb, seed, momentum, eps = case.args
     gen, ch = torch.Generator().manual_seed(seed), lambda *v: torch.tensor(v, dtype=F64).view(1, -1, 1, 1)
     drift = torch.linspace(-2, 2, n, dtype=F64).view(-1, 1, 1, 1)  # the virtual batches differ
     x = torch.randn(n, 3, 5, 4, generator=gen, dtype=F64) * ch(0.5, 2.0, 4.0) + ch(-3.0, 0.0, 5.0) + drift
-    m, names = _made(cls, nn.Module, 3, virtual_batch_size=vb).double().train(), ("running_mean", "running_var")
-    state = {**dict(m.named_parameters()), **dict(m.named_buffers())}
+    m = _made(cls, nn.Module, 3, virtual_batch_size=vb, momentum=momentum, eps=eps).double().train()
+    state, names = {**dict(m.named_parameters()), **dict(m.named_buffers())}, ("running_mean", "running_var")
+    if all(isinstance(getattr(m, k, None), torch.Tensor) and k not in state for k in names):
+        raise AttributeError("its running statistics are plain tensors, not buffers")
     if any(k not in state or state[k].shape != (3,) for k in ("weight", "bias", *names)):
         raise AttributeError("it lacks weight, bias, running_mean or running_var, one value per channel")
+    out = {"initial state": [state[k].detach().clone() for k in ("weight", "bias", *names)]}
     with torch.no_grad():
         m.weight.copy_(torch.rand(3, generator=gen, dtype=F64) + 0.5)
         m.bias.copy_(torch.randn(3, generator=gen, dtype=F64))
     y = m(x.requires_grad_())
     (y * torch.randn(y.shape, generator=gen, dtype=F64)).sum().backward()
-    out = {"output": y.detach(), "input grad": x.grad, "weight grad": m.weight.grad, "bias grad": m.bias.grad}
+    out |= {"output": y.detach(), "input grad": x.grad, "weight grad": m.weight.grad, "bias grad": m.bias.grad}
     out |= {k: getattr(m, k).detach().clone() for k in names}
     out["running stats outside autograd"] = not (m.running_mean.requires_grad or m.running_var.requires_grad)
     with torch.no_grad():
@@ -375,12 +382,14 @@ _GHOST_STAGES = {k: ("output",) for k in ("whole_batch", "unbiased_norm", "per_p
 _GHOST_STAGES |= {"no_affine": ("output",), "detach_stats": ("input grad",), "detach_weight": ("weight grad",)}
 _GHOST_STAGES |= {"no_running running_whole": _RUNNING, "running_biased": _RUNNING}
 _GHOST_STAGES |= {"eval_batch_stats": ("eval output",), "eval_updates": tuple(f"{k} after eval" for k in _RUNNING)}
+_GHOST_STAGES |= {"own_eps": ("output",), "own_momentum": _RUNNING}
 GHOST_BATCH_NORM = Exercise(
     name="ghost_batch_norm", answer=("MyGhostBatchNorm2d",), oracle=GhostBatchNorm2d, run=_run_ghost, rtol=1e-6, atol=1e-8,
-    cases=lambda: [Case((12, 4, 0), label="a batch of 12 in virtual batches of 4"),
-                   Case((10, 4, 1), label="a batch of 10 in virtual batches of 4, the last one smaller"),
-                   Case((12, 64, 2), label="a batch of 12 in one virtual batch, which is exactly nn.BatchNorm2d")],
-    refuse=("torch.nn.functional.batch_norm", "torch.batch_norm", "utils.models.GhostBatchNorm2d.forward"),
+    cases=lambda: [Case((12, 4, 0, 0.1, 1e-5), label="a batch of 12 in virtual batches of 4"),
+                   Case((10, 4, 1, 0.3, 1e-3), label="a batch of 10 in virtual batches of 4, the last one smaller, momentum 0.3 and eps 1e-3"),
+                   Case((12, 64, 2, 0.1, 1e-5), label="a batch of 12 in one virtual batch, which is exactly nn.BatchNorm2d")],
+    refuse=("torch.nn.functional.batch_norm", "torch.batch_norm", "torch.native_batch_norm", "torch.ops.aten.batch_norm",
+            "torch.ops.aten.native_batch_norm", "utils.models.GhostBatchNorm2d.forward"),
     refuse_hint="subclass nn.Module and compute each virtual batch's mean and variance yourself with Tensor.mean and "
     "Tensor.var", hint="per virtual batch and channel: subtract the mean, divide by the square root of the biased "
     "variance plus eps, then scale by weight and add bias; in eval mode use the running statistics",
@@ -389,6 +398,10 @@ GHOST_BATCH_NORM = Exercise(
         "not_class": _NOT_CLASS,
         "not_module": "your class is not an nn.Module. Try: subclass nn.Module and call super().__init__() first",
         "rename": "the parameters or buffers are not named as in nn.BatchNorm2d. Try: use weight and bias (nn.Parameter), running_mean and running_var (register_buffer), one value per channel",
+        "plain_running": "running_mean and running_var are plain tensors, not buffers, so state_dict() and model.to(device) leave them out. Try: create them with self.register_buffer",
+        "zero_weight": "weight, bias or the running statistics do not start as in nn.BatchNorm2d. Try: start with weight 1, bias 0, running_mean 0 and running_var 1",
+        "own_eps": "the eps the layer was built with is not used. Try: keep the eps argument and add it to the variance inside the square root",
+        "own_momentum": "the running statistics ignore the momentum the layer was built with. Try: keep the momentum argument: new = (1 - momentum) * old + momentum * the virtual batch's statistic",
         "whole_batch": "your statistics are over the whole batch, not per virtual batch. Try: split the batch into virtual batches of virtual_batch_size (Tensor.split) and normalise each with its own mean and variance",
         "unbiased_norm": "you normalise with the unbiased variance (divided by n - 1). Try: normalise with the biased variance (correction=0); the unbiased one is for running_var",
         "per_pixel": "your mean and variance are not one per channel (per pixel, per sample, or mixing the channels). Try: reduce over dims (0, 2, 3): N, H and W, one statistic per channel",
@@ -402,7 +415,8 @@ GHOST_BATCH_NORM = Exercise(
         "eval_batch_stats": "in eval mode your outputs differ from nn.BatchNorm2d. Try: in eval mode normalise with running_mean and running_var, not the batch's statistics",
         "eval_updates": "eval mode changed the running statistics. Try: update them only when self.training is True",
     }, _ghost_variant, **{k.split()[0]: _stage(k, *keys) for k, keys in _GHOST_STAGES.items()}, not_class=_raised("not a class"),
-       not_module=_raised("not a Module class"), rename=_raised("one value per channel"), reshape=_raised("is invalid for input of size"),
+       not_module=_raised("not a Module class"), rename=_raised("one value per channel"), plain_running=_raised("not buffers"),
+       zero_weight=lambda o: difference(o.got["initial state"], o.want["initial state"]) is not None, reshape=_raised("is invalid for input of size"),
        graph_running=lambda o: o.got["running stats outside autograd"] is False),
 )  # fmt: skip
 

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import data, profiling
@@ -43,6 +44,20 @@ def _fit_trace(kind):
 
 
 _real = lambda kind, label: Case(([dict(e) for e in _fit_trace(kind)],), label=label)  # a copy the answer may change
+
+
+def _reading(fn, case):
+    """``fn(events)``, which must leave the events as they were: later cells read them again."""
+    before = [dict(e) for e in case.args[0]]
+    got = fn(*case.args)
+    if case.args[0] != before:
+        raise ValueError("the function changed the events it was given")
+    return got
+
+
+_CHANGED = _m("your function changed the events it was given, which later cells read again. Try: read each event "
+              "without writing to it, and keep what you compute in new variables",
+              lambda ev: [e.update(dur=0) for e in ev][:0] or 0.0, when=lambda o: "changed the events" in o.error)  # fmt: skip
 _hand = lambda rows, label: [Case((_trace(rows),), label=label), Case((_trace(rows, 2.5, 1e3),), label=f"{label}, 2.5 times longer")]  # fmt: skip
 
 
@@ -65,16 +80,19 @@ def _self_times(events, lane=lambda e: (e["pid"], e["tid"]), host=True, direct=T
 
 
 # thread 1: A [0, 100) holds B [10, 40), which holds C [15, 25), and C [50, 60); thread 2: D [20, 80); a GPU kernel;
-# thread 3: H [200, 220) listed before its caller G [200, 250), which starts with it
+# thread 3: H [200, 220) listed before its caller G [200, 250), which starts with it; thread 4: E [300, 320), then F
+# [320, 340) right after it; thread 1 of another process: P [5, 55)
 _NESTING = [("A", 0, 100), ("B", 10, 30), ("C", 15, 10), ("C", 50, 10), ("D", 20, 60, 2),
-            ("kernel_k", 30, 40, 7, "kernel", 0), ("H", 200, 20, 3), ("G", 200, 50, 3)]  # fmt: skip
+            ("kernel_k", 30, 40, 7, "kernel", 0), ("H", 200, 20, 3), ("G", 200, 50, 3), ("E", 300, 20, 4),
+            ("F", 320, 20, 4), ("P", 5, 50, 1, "cpu_op", 200)]  # fmt: skip
 SELF_TIMES = Exercise(
-    name="self_times", oracle=_self_times, rtol=0.02, atol=2.0, timeout_s=30,
-    cases=lambda: _hand(_NESTING, "hand-made events on three threads") + [_real("plain", "a real trace of a training run")],
+    name="self_times", oracle=_self_times, run=_reading, rtol=0.02, atol=2.0, timeout_s=30,
+    cases=lambda: _hand(_NESTING, "hand-made events on five threads") + [_real("plain", "a real trace of a training run")],
     hint="per (pid, tid) lane of host events, sorted by start, add each dur to its name and take it off the innermost "
     "open event's", passed="nested events on three threads, and a real trace against the profiler's own self time",
     mistakes=[
-        _m("the result has a GPU kernel in it. Try: keep only host events (cat in utils.profiling.HOST_EVENT_CATS)",
+        _m("the result has events that are not host ops in it (a GPU kernel, or the trace's own span). Try: keep only "
+           "host events (cat in utils.profiling.HOST_EVENT_CATS)",
            partial(_self_times, host=False)),
         _m("each op got its whole duration. Try: take each event's dur off the event directly around it",
            partial(_self_times, lane=id)),
@@ -84,6 +102,7 @@ SELF_TIMES = Exercise(
            partial(_self_times, lane=lambda e: 0)),
         _m("of two events starting together, the shorter, listed first, was taken as the caller. Try: order ties longest "
            "first", partial(_self_times, ties=False)),
+        _CHANGED,
     ],
 )  # fmt: skip
 
@@ -99,14 +118,15 @@ _wait = partial(
     _per_step, match="phase:data".__eq__, value=lambda e: e["dur"], per=lambda _, s: sum(b - a for a, b in s)
 )
 _span = lambda ev, _: max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)  # the trace's whole span
-# a wait before the recorded steps; two 10 ms steps waiting 3 and 5 ms, the loader's own event inside each wait; an op after
+# a wait before the recorded steps; steps of 10 and 20 ms, 2 ms apart, waiting 3 and 5 ms, the loader's own event
+# inside each wait; an op after
 _LOADER = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
 _WAITS = [("phase:data", 0, 4000, 1, UA), (f"{STEP}1", 5000, 1e4, 1, UA), ("phase:data", 5000, 3000, 1, UA),
-          (_LOADER, 5100, 2800), (f"{STEP}2", 15000, 1e4, 1, UA), ("phase:data", 15000, 5000, 1, UA),
-          (_LOADER, 15100, 4800), ("Optimizer.step#SGD.step", 30000, 10000)]  # fmt: skip
+          (_LOADER, 5100, 2800), (f"{STEP}2", 17000, 2e4, 1, UA), ("phase:data", 17000, 5000, 1, UA),
+          (_LOADER, 17100, 4800), ("Optimizer.step#SGD.step", 40000, 10000)]  # fmt: skip
 DATA_WAIT_FRACTION = Exercise(
-    name="data_wait_fraction", oracle=_wait, rtol=1e-3, atol=1e-3, timeout_s=30,
-    cases=lambda: _hand(_WAITS, "two 10 ms steps waiting 3 and 5 ms") + [_real("slow", "a real trace of a slow loader")],
+    name="data_wait_fraction", oracle=_wait, run=_reading, rtol=1e-3, atol=1e-3, timeout_s=30,
+    cases=lambda: _hand(_WAITS, "steps of 10 and 20 ms waiting 3 and 5 ms") + [_real("slow", "a real trace of a slow loader")],
     refuse=("utils.profiling.phase_times", "utils.profiling.phase_times_per_step"),
     refuse_hint="loop over the events and add up their durations", passed="hand-made steps, and a real trace whose "
     "loader costs a known time per image", hint="sum the dur of the phase:data events that start inside a "
@@ -119,16 +139,19 @@ DATA_WAIT_FRACTION = Exercise(
            partial(_wait, inside=False)),
         _m("it divides by the trace's whole span. Try: divide by the total duration of the ProfilerStep# events",
            partial(_wait, per=_span)),
+        _CHANGED,
     ],
 )  # fmt: skip
 
 _syncs = partial(_per_step, match=SYNC.__eq__, per=lambda _, s: len(s))
-# two steps, each with an .item() (aten::item around the sync) and a float(t) (no aten::item); a float(t) after them
+# three steps, each with an .item() (aten::item around the sync) and a float(t) (no aten::item), the second with one
+# more float(t); a float(t) after them
 _SYNCS = [(f"{STEP}1", 0, 100, 1, UA), ("aten::item", 10, 5), (SYNC, 11, 3), (SYNC, 50, 3), (f"{STEP}2", 100, 100, 1, UA),
-          ("aten::item", 110, 5), (SYNC, 111, 3), (SYNC, 150, 3), (SYNC, 301, 3)]  # fmt: skip
+          ("aten::item", 110, 5), (SYNC, 111, 3), (SYNC, 150, 3), (SYNC, 170, 3), (f"{STEP}3", 200, 100, 1, UA),
+          ("aten::item", 210, 5), (SYNC, 211, 3), (SYNC, 250, 3), (SYNC, 301, 3)]  # fmt: skip
 SYNCS_PER_STEP = Exercise(
-    name="syncs_per_step", oracle=_syncs, timeout_s=30,
-    cases=lambda: _hand(_SYNCS, "2 hand-made steps with an .item() and a float(t) each") + [
+    name="syncs_per_step", oracle=_syncs, run=_reading, timeout_s=30,
+    cases=lambda: _hand(_SYNCS, "3 hand-made steps with 7 syncs in all") + [
         _real("plain", "a real trace of fit alone"), _real("item", "a real trace of fit with a sync a step")],
     refuse=("utils.profiling.count_per_step",), refuse_hint="loop over the events and count them",
     hint="count the aten::_local_scalar_dense events that start inside ProfilerStep# events, and divide by the steps",
@@ -142,6 +165,7 @@ SYNCS_PER_STEP = Exercise(
            partial(_syncs, inside=False)),
         _m("it returns a total, not a mean per step. Try: divide by the number of ProfilerStep# events",
            partial(_syncs, per=lambda *_: 1)),
+        _CHANGED,
     ],
 )  # fmt: skip
 
@@ -204,6 +228,17 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class _Reads(TorchFunctionMode):
+    """Counts the calls that read a tensor back to the host (each waits for the device on a GPU), however made."""
+
+    READS = {"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__"}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        to_cpu = func.__name__ == "to" and any(str(a) == "cpu" for a in (*args[1:], *(kwargs or {}).values()))
+        self.n = getattr(self, "n", 0) + (func.__name__ in self.READS or to_cpu)
+        return func(*args, **(kwargs or {}))
+
+
 class _Log(Callback):
     """The oracle LossLog (``kind`` None: the pending losses read in one go at each epoch's end), and its slips."""
 
@@ -218,12 +253,12 @@ class _Log(Callback):
             self.losses += [float(t) if self.kind == "each" else t for t in self.pending]
         elif self.pending and not (self.kind == "first" and self.losses):
             self.losses += torch.stack(self.pending).tolist()
-        self.pending = []
+        self.pending = self.pending if self.kind == "kept" else []
 
 
 def _run_log(cls, case):
     """``cls()`` driven as fit drives a callback, over epochs of ``case.args`` steps; its host reads in each hook."""
-    log, state, in_step, at_end = cls(), SimpleNamespace(step=0), _Ops(), _Ops()
+    log, state, in_step, at_end = cls(), SimpleNamespace(step=0), _Reads(), _Reads()
     losses = torch.rand(sum(case.args), generator=torch.Generator().manual_seed(len(case.args))) * 3
     for state.epoch, steps in enumerate(case.args):
         for _ in range(steps):
@@ -232,7 +267,7 @@ def _run_log(cls, case):
                 log.on_step_end(state)
         with at_end:
             log.on_epoch_end(state)
-    reads = [sum(name == SYNC for name, _ in getattr(ops, "seen", [])) for ops in (in_step, at_end)]
+    reads = [getattr(mode, "n", 0) for mode in (in_step, at_end)]
     got = getattr(log, "losses", None)
     return {"losses": got, "floats": isinstance(got, list) and all(type(v) is float for v in got),
             "host reads per step": reads[0] / state.step, "at most one host read per epoch end": reads[1] <= len(case.args)}  # fmt: skip
@@ -251,7 +286,9 @@ LOSS_LOG = Exercise(
         _m("after fit, losses holds something other than floats. Try: turn the tensors into floats at each epoch's end",
            partial(_Log, "tensors"), when=lambda o: not o.got["floats"]),
         _m("losses lacks some steps' values. Try: convert the pending losses at every epoch's end, not only the first",
-           partial(_Log, "first"), when=lambda o: len(o.got["losses"]) != sum(o.case.args)),
+           partial(_Log, "first"), when=lambda o: len(o.got["losses"]) < sum(o.case.args)),
+        _m("losses holds some steps' values more than once. Try: empty the pending list at every epoch's end, and make "
+           "both lists in __init__, on self", partial(_Log, "kept"), when=lambda o: len(o.got["losses"]) > sum(o.case.args)),
     ],
 )  # fmt: skip
 
@@ -263,13 +300,16 @@ class _Std(nn.Module):
         super().__init__()
         std, mean = torch.std_mean(reference, dim=0, correction=0 if kind == "biased" else 1)
         for name, value in zip(("mean", "std") if kind == "swapped" else ("std", "mean"), (std, mean)):
-            setattr(self, name, value) if kind in ("attributes", "batch") else self.register_buffer(name, value)
+            if kind in ("attributes", "batch", "parameters"):
+                setattr(self, name, nn.Parameter(value) if kind == "parameters" else value)
+            else:
+                self.register_buffer(name, value)
         self.eps, self.kind, self.reference = 0.0 if kind == "no_eps" else eps, kind, reference if kind else None
 
     def forward(self, x):
         source = {"batch": x, "every_call": self.reference}.get(self.kind)
         std, mean = (self.std, self.mean) if source is None else torch.std_mean(source, dim=0)
-        return (x - mean) / (std + self.eps)
+        return x.sub_(mean).div_(std + self.eps) if self.kind == "in_place" else (x - mean) / (std + self.eps)
 
 
 def _run_std(cls, case):
@@ -278,11 +318,13 @@ def _run_std(cls, case):
     g, w = torch.Generator().manual_seed(n), shape[-1]
     ref = torch.randn(n, *shape, generator=g) * torch.linspace(0.5, 3.0, w) + torch.linspace(1, -2, w)
     ref.view(n, -1)[:, 0] = 0.7  # a constant feature: its std is 0, as for the digits' corner pixels
-    mod, ops = cls(ref, **({"eps": eps} if eps else {})), _Ops()
+    mod, ops, x = cls(ref, **({"eps": eps} if eps else {})), _Ops(), torch.randn(7, *shape, generator=g)
     with ops:
-        out = mod(torch.randn(7, *shape, generator=g))
+        out = mod(given := x.clone())
+    kept = [b for b in mod.buffers() if b.shape != ref.shape]  # statistics (a location and a scale), not the reference
     return {"output": out, "reads the whole reference per call": any(s[:1] == (n,) for _, s in getattr(ops, "seen", [])),
-            "statistics in buffers": bool(list(mod.buffers()))}  # fmt: skip
+            "statistics in buffers": len(kept) >= 2,
+            "statistics are parameters": bool(list(mod.parameters())), "input kept": torch.equal(given, x)}  # fmt: skip
 
 
 _std_like = lambda kind: (
@@ -305,6 +347,10 @@ STANDARDIZE = Exercise(
            partial(_Std, kind="batch"), when=_std_like("batch")),
         _m("your std is the biased one (divides by N). Try: use torch.std_mean's default, which divides by N - 1",
            partial(_Std, kind="biased"), when=_std_like("biased")),
+        _m("your forward changed its input in place, so the caller's batch changed too. Try: compute a new tensor, with "
+           "no sub_, div_, -= or /= on x", partial(_Std, kind="in_place"), when=lambda o: not o.got["input kept"]),
+        _m("the statistics are nn.Parameters, which an optimizer would train with the weights. Try: register them as "
+           "buffers", partial(_Std, kind="parameters"), when=lambda o: o.got["statistics are parameters"]),
         _m("the statistics are not buffers, so model.to(device) would leave them behind. Try: register them as buffers",
            partial(_Std, kind="attributes"), when=lambda o: not o.got["statistics in buffers"]),
     ],
