@@ -225,6 +225,9 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
             refused += [(obj, a, v) for a, v in public if str(getattr(v, "__module__", "")).startswith(obj.__name__)]
         else:
             refused.append((pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1], obj))
+            home = sys.modules.get(getattr(obj, "__module__", None) or "")  # where it is defined, when re-exported
+            if home is not None and home is not refused[-1][0] and vars(home).get(getattr(obj, "__name__", "")) is obj:
+                refused.append((home, obj.__name__, obj))
     out = []
     for holder, attr, obj in refused:
         no = functools.partial(raise_, f"{getattr(holder, '__name__', holder)}.{attr}")
@@ -233,7 +236,8 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         out += [(s, k, functools.partial(no)) for s in scopes for k, v in s.items() if getattr(v, "func", None) is obj]
         out += [(f, "__defaults__", tuple(no if d is obj else d for d in f.__defaults__)) for f in fns if any(d is obj for d in f.__defaults__ or ())]  # fmt: skip
         out += [(f.__kwdefaults__, k, no) for f in fns for k, d in (f.__kwdefaults__ or {}).items() if d is obj]
-        if inspect.isclass(obj) and "__init__" in vars(obj) and f"{holder.__name__}.{attr}" in ex.refuse:  # subclasses too
+        named = f"{holder.__name__}.{attr}" in ex.refuse  # a class named in refuse: its subclasses' instances too
+        if inspect.isclass(obj) and "__init__" in vars(obj) and named:
             out.append((obj, "__init__", lambda self, *a, _no=no, **k: _no()))
     mods = [(s, k, v) for s in scopes for k, v in s.items() if any(v is m for m in modules)]
     return out + [(s, k, _RefusedModule(v.__name__, raise_)) for s, k, v in mods]
@@ -344,6 +348,8 @@ def ship(name: str, answer: tuple) -> Shipment:
             return
         seen.add(id(obj))
         fns = _functions(obj)  # a function's names, or a class's methods' (a notebook's namespace)
+        for base in obj.__bases__ if inspect.isclass(obj) else ():  # a class of the notebook it subclasses, first
+            _ = visit(base) if _notebook_defined(base) else None
         glb = fns[0].__globals__ if fns else vars(inspect.getmodule(obj) or types.ModuleType("x"))
         for n, v in [(n, glb[n]) for n in sorted(set().union(*(_code_names(f.__code__) for f in fns))) if n in glb]:
             if isinstance(v, types.ModuleType):

@@ -46,6 +46,12 @@ def _row(linear, r, n, dim=1):
     return linear.weight.detach().chunk(n, dim)[r]
 
 
+def _miscount(o, key, dim):
+    """The weight ``key`` is cut along its right dim ``dim`` only, into another number of pieces than world_size."""
+    cuts = o.got[key]
+    return cuts[1 - dim] == 1 and cuts[dim] not in (1, o.want[key][dim])
+
+
 TENSOR_PARALLEL = Exercise(
     name="tensor_parallel", answer=("column_shard", "row_shard"), run=_tp_run,
     cases=lambda: [Case((mlp(16, 2, in_features=8, out_features=8, activation="gelu", seed=n), torch.randn(5, 8, generator=torch.Generator().manual_seed(n)), n), label=f"{n} rank(s)") for n in (1, 2, 4)],
@@ -54,9 +60,11 @@ TENSOR_PARALLEL = Exercise(
     passed="1, 2 and 4 ranks: the partial outputs add up to the whole MLP",
     mistakes=[
         _m("column_shard must return a (weight, bias) pair of tensors, row_shard one weight. Try: return this rank's slices of the weight and bias from column_shard, of the weight from row_shard", (lambda lin, r, n: [t.tolist() for t in _col(lin, r, n)], _row), lambda o: "unpack" in o.error or None in (o.got["w1"], o.got["b1"], o.got["w2"])),
-        _m("column_shard's weight is not cut by output features. Try: a column-parallel layer splits the OUTPUT features (nn.Linear's weight is [out, in])", (partial(_col, dim=1, bias=False), _row), lambda o: o.got["w1"] != o.want["w1"]),
+        _m("a weight is cut into the wrong number of pieces. Try: cut it into world_size equal pieces with Tensor.chunk(world_size, dim), not into pieces of world_size rows", (lambda lin, r, n: (lin.weight.detach().split(n)[r], lin.bias.detach().split(n)[r]), lambda lin, r, n: lin.weight.detach().split(n, 1)[r]),
+           lambda o: None not in (o.got["w1"], o.got["w2"]) and (_miscount(o, "w1", 0) or _miscount(o, "w2", 1))),
+        _m("column_shard's weight is not cut by output features. Try: a column-parallel layer splits the OUTPUT features (nn.Linear's weight is [out, in])", (partial(_col, dim=1, bias=False), _row), lambda o: o.got["w1"] and o.got["w1"][0] == 1 != o.want["w1"][0]),
         _m("column_shard's bias is not cut like its weight. Try: keep the bias entries of the hidden units this rank computes", (partial(_col, bias=False), _row), lambda o: o.got["b1"] != o.want["b1"]),
-        _m("row_shard's weight is not cut by input features. Try: a row-parallel layer splits its INPUT features, the hidden units this rank computed", (_col, partial(_row, dim=0)), lambda o: o.got["w2"] != o.want["w2"]),
+        _m("row_shard's weight is not cut by input features. Try: a row-parallel layer splits its INPUT features, the hidden units this rank computed", (_col, partial(_row, dim=0)), lambda o: o.got["w2"] and o.got["w2"][1] == 1 != o.want["w2"][1]),
     ],
 )  # fmt: skip
 check_tensor_parallel = TENSOR_PARALLEL.checker("``column_shard(linear, rank, world_size) -> (weight, bias)``, ``row_shard(linear, rank, world_size) -> weight``.")  # fmt: skip
@@ -110,6 +118,7 @@ def _zero2_run(answer, case):
                 step(model, opt)
             out["params"].append(torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()]))
             out["sent"].append(comm.sent)
+            out["calls"].append(dict(comm.calls))
             out["grads"].append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None))
     except Exception as e:  # which case: the no-padding mistake raises on the 57-parameter MLP only
         raise RuntimeError(f"on {case.label}: {type(e).__name__}: {e}") from e
@@ -122,8 +131,8 @@ def _zero2_run(answer, case):
 def _flat(tensors, world, pad="end"):
     """One new flat vector padded with zeros to a multiple of ``world`` at the end (mistakes: "front", or "")."""
     flat = torch.cat([t.detach().reshape(-1) for t in tensors])
-    fill = -flat.numel() % world
-    return F.pad(flat, (0, fill) if pad == "end" else (fill, 0)) if pad else flat
+    fill = world - flat.numel() % world if pad == "extra" else -flat.numel() % world  # "extra": a whole shard more
+    return F.pad(flat, (fill, 0) if pad == "front" else (0, fill)) if pad else flat
 
 
 def _copy_back(tensors, full):
@@ -188,7 +197,8 @@ ZERO2 = Exercise(
         _m("a rank's shard is a view into the whole flat vector, which then stays in memory. Try: copy your slice into a tensor of its own", (partial(_REF, copy=False), _zero2_step), lambda o: any(r["view"] for r in o.got)),
         _m("a rank's optimizer holds the whole model's state. Try: give the optimizer only your shard, a new leaf tensor of 1/N of the padded elements", (partial(_REF, whole=True), _step(whole=True)), lambda o: o.got[0]["held"] >= o.got[0]["numel"]),
         _m("after its step a rank still holds the model's full gradients. Try: free each parameter's gradient once it is flattened for the reduce-scatter", (_REF, _step(keep=True)), lambda o: any(any(r["grads"]) for r in o.got)),
-        _m("a rank sent more or fewer bytes per step than DDP's all-reduce. Try: one reduce-scatter of the padded flat gradient and one all-gather of your shard per step, and no other collective", (_REF, _step(bcast=True)), lambda o: o.got[0]["sent"] != o.want[0]["sent"]),
+        _m("a rank sent more or fewer bytes per step than DDP's all-reduce. Try: one reduce-scatter of the padded flat gradient and one all-gather of your shard per step, and no other collective", (_REF, _step(bcast=True)), lambda o: o.got[0]["calls"] != o.want[0]["calls"]),
+        _m("your collectives move more padding than needed. Try: pad the flat vectors with the fewest zeros that make a multiple of the world size (none when it already divides)", (partial(_REF, pad="extra"), _step(pad="extra")), lambda o: o.got[0]["sent"] != o.want[0]["sent"]),
     ],
 )  # fmt: skip
 _SEEN: list = []  # what the answer measured, case by case (the compare sees it): check_zero2 hands back the last
@@ -268,13 +278,13 @@ GPIPE = Exercise(
     hint="backpropagate stage 0's output with the gradient of the leaf that stage 1 received, once per micro-batch",
     passed="1, 2 and 4 micro-batches: the GPipe order, and the gradients of one full-batch step",
     mistakes=[
-        _m("stage0's backward got no gradient from the boundary. Try: make the boundary a leaf that requires grad (cut off stage0's graph), so its .grad can be sent back", partial(_gpipe, cut="none"), lambda o: any(k in o.error for k in _NO_BOUNDARY_GRAD)),
+        _m("stage0's backward got no gradient from the boundary: it is not a leaf that requires grad, or stage0's backward ran before the loss's. Try: make the boundary a leaf that requires grad (cut off stage0's graph), run the loss's backward, then stage0's with the boundary's .grad", partial(_gpipe, cut="none"), lambda o: any(k in o.error for k in _NO_BOUNDARY_GRAD)),
         _m("stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into m equal micro-batches and run each through stage0 once", lambda *a: _full_batch(*a), lambda o: o.got["order"].count("F") != o.case.args[4], mechanism=True),
         _m("the forwards and backwards are interleaved, but GPipe runs all m forwards, then all m backwards. Try: a loop of all forwards, keeping each boundary and loss, then a loop of all backwards", partial(_gpipe, fb=True), lambda o: "B" in o.got["order"][: o.got["order"].rfind("F")], mechanism=True),
         _m("the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch loss is their mean", partial(_gpipe, div=False)),
         _m("stage0's gradients are twice too large: the loss's backward already reached stage0. Try: cut the graph at the boundary with a new leaf holding stage0's values", partial(_gpipe, cut="retain")),
         _m("stage0's parameters got no gradient. Try: after each loss's backward, backpropagate stage0's output with the gradient that arrived at the boundary", partial(_gpipe, back=False), lambda o: not o.got["stage0"].any()),
-        _m("stage1's gradients differ from the full batch's: earlier gradients are gone. Try: do not zero the gradients inside: the caller zeroes them, and each backward adds to them", partial(_gpipe, zero=True), lambda o: difference(o.got["stage1"], o.want["stage1"])),
+        _m("stage1's gradients differ from the full batch's: earlier gradients are gone. Try: do not zero the gradients inside: the caller zeroes them, and each backward adds to them", partial(_gpipe, zero=True)),
         _m("the returned loss differs from the full batch's. Try: return the sum of the m micro-batch losses, each already divided by m, as a float", lambda *a: _gpipe(*a) / a[4], lambda o: o.got["loss"] is None or difference(o.got["loss"], o.want["loss"])),
     ],
 )  # fmt: skip

@@ -18,7 +18,7 @@ from .engine import mistake as _m
 __all__ = ["check_tp_operators", "check_shard_block", "check_tp_block", "check_sp_block"]
 LAB = "lab7_tensor_parallel_transformer"
 REFUSE = ("utils.parallel.tensor_parallel", "torch.distributed.tensor.parallel.parallelize_module",
-          "torch.distributed.tensor.distribute_tensor", "torch.distributed.nn.functional")  # fmt: skip
+          "torch.distributed.tensor.distribute_tensor", "torch.distributed.nn", "torch.distributed.nn.functional")  # fmt: skip
 REFUSE_HINT = "write the collectives yourself with torch.distributed (all_reduce, all_gather_into_tensor, reduce_scatter_tensor)"  # fmt: skip
 
 
@@ -29,6 +29,8 @@ def _op(fwd, bwd):
         t, n = t.contiguous(), dist.get_world_size()
         if kind == "gather":  # every rank's sequence shard, side by side in rank order
             return _gather(t, 1)
+        if kind == "gather_sum":  # every rank's whole partial sum gathered, added up here, this rank's shard kept
+            return torch.stack(_gather(t[None], 0).unbind()).sum(0).chunk(n, 1)[dist.get_rank()]
         out = t.new_empty(t.shape[0], t.shape[1] // n, *t.shape[2:]) if kind == "scatter" else t.clone()
         if kind == "scatter":  # rank r gets the sum over the ranks of sequence shard r
             dist.reduce_scatter_tensor(out, torch.cat(t.chunk(n, 1), 0).contiguous())
@@ -50,6 +52,7 @@ def _gather(t, dim):
 
 COPY, REDUCE, NONE = _op("id", "all_reduce"), _op("all_reduce", "id"), _op("id", "id")  # f, g, neither
 GATHER, SCATTER = _op("gather", "scatter"), _op("scatter", "gather")  # sequence parallelism's f and g
+GATHER_SUM = _op("gather_sum", "gather")  # g's result, for N times the traffic of a reduce-scatter
 
 
 # ---------------------------------------------------------------------------- exercise 1: f and g
@@ -114,7 +117,7 @@ def _shard_run(shard_block, case):
     d, heads, n, seed = case.args
     block, h = _block(d, heads, seed), torch.randn(2, 5, d, generator=torch.Generator().manual_seed(seed))
     shards = [shard_block(block, r, n) for r in range(n)]
-    out = {"shapes": str([{k: tuple(v.shape) for k, v in sorted(s.items())} for s in shards])}
+    out = {"shapes": [{k: tuple(getattr(v, "shape", ())) for k, v in s.items()} for s in shards]}
     for name, part, layer in (("attn", lambda s: _attention(s, h, heads // n), block.attn.proj), ("mlp", lambda s: _mlp(s, h), block.mlp.proj)):  # fmt: skip
         try:
             out[name] = (sum(part(s) for s in shards) + layer.bias).detach()
@@ -123,10 +126,20 @@ def _shard_run(shard_block, case):
     return out
 
 
+def _shapes_differ(got, want):
+    """Which rank's shard has another shape (or is missing, or is one too many), in words; None if none."""
+    for r, (g, w) in enumerate(zip(got, want)):
+        for k in sorted(set(g) | set(w)):
+            if g.get(k) != w.get(k):
+                gave, wanted = (f"a {k} of shape {g[k]}", f"{w[k]} was expected") if k in w else (f"a {k}", "none was")
+                return f"gave rank {r} {gave if k in g else f'no {k}'} where {wanted}"
+    return None
+
+
 SHARD_BLOCK = Exercise(
     name="shard_block", oracle=_shard, run=_shard_run, refuse=REFUSE,
     cases=lambda: [Case((d, h, n, d), label=f"width {d}, {h} heads on {n} ranks") for d, h, n in ((8, 2, 2), (12, 6, 3), (16, 4, 4))],
-    compare=lambda got, want: difference(got["shapes"], want["shapes"])
+    compare=lambda got, want: _shapes_differ(got["shapes"], want["shapes"])
     or difference((got["attn"], got["mlp"]), (want["attn"], want["mlp"]), atol=1e-5),
     hint="rank r keeps the q, k and v rows of heads r*H/N to (r+1)*H/N, fc's hidden units r*4d/N to (r+1)*4d/N, and the same slices of the projections' inputs",
     passed="2, 3 and 4 ranks: the partial outputs add up to the block's attention and MLP",
@@ -167,7 +180,7 @@ class _SPBlock(_TPBlock):
 
     def forward(self, x):
         full = "full norm" in self.how  # the LayerNorm run after the all-gather, on the whole sequence
-        g = REDUCE if "all_reduce" in self.how else SCATTER
+        g = REDUCE if "all_reduce" in self.how else GATHER_SUM if "gather sum" in self.how else SCATTER
         for norm, branch, bias in self.branches():
             y = g.apply(branch(norm(GATHER.apply(x)) if full else GATHER.apply(norm(x))))
             x = x + (y.chunk(dist.get_world_size(), 1)[dist.get_rank()] if g is REDUCE else y) + bias
@@ -198,7 +211,7 @@ def _block_run(answer, case, sp=False):
         else:
             out[k] = _gather(v, cut) if cut is not None else _gather(v[None], 0).sum(0) if sp else v
     res = {"y": _gather(y.detach(), 1) if sp else y.detach(), "x_grad": _gather(xs.grad, 1) if sp else xs.grad}
-    return res | {"grads": out, "norm_rows": rows, "all_reduce": comm.calls.get("all_reduce", 0)}
+    return res | {"grads": out, "norm_rows": rows, "all_reduce": comm.calls.get("all_reduce", 0), "sent": comm.sent}
 
 
 _block_cases = lambda ctx: [Case((d, h, t, d + t, ctx), label=f"width {d}, {h} heads, {t} tokens") for d, h, t in ((8, 2, 6), (12, 4, 4))]  # fmt: skip
@@ -231,6 +244,8 @@ SP_BLOCK = Exercise(
            partial(_SPBlock, how="all_reduce"), lambda o: any(r["all_reduce"] for r in o.got), mechanism=True),
         _m("a LayerNorm ran on the whole sequence: every rank normalised (and kept) all the rows. Try: run each LayerNorm on your own sequence shard, then all-gather its output",
            partial(_SPBlock, how="full norm"), lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]), mechanism=True),
+        _m("your block sends more data than an all-gather and a reduce-scatter per branch and pass would: for instance, the partial sums were all-gathered and added up. Try: after a row-parallel layer, reduce-scatter the partial sums along the sequence (dist.reduce_scatter_tensor)",
+           partial(_SPBlock, how="gather sum"), lambda o: any(r["sent"] > 1.01 * w["sent"] for r, w in zip(o.got, o.want)), mechanism=True),
     ],
 )  # fmt: skip
 check_sp_block = SP_BLOCK.checker("``SPBlock(block, rank, world_size)``: a Block with sequence parallelism on 2 processes.")  # fmt: skip
