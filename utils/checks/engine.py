@@ -236,7 +236,8 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         out += [(s, k, functools.partial(no)) for s in scopes for k, v in s.items() if getattr(v, "func", None) is obj]
         out += [(f, "__defaults__", tuple(no if d is obj else d for d in f.__defaults__)) for f in fns if any(d is obj for d in f.__defaults__ or ())]  # fmt: skip
         out += [(f.__kwdefaults__, k, no) for f in fns for k, d in (f.__kwdefaults__ or {}).items() if d is obj]
-        named = f"{holder.__name__}.{attr}" in ex.refuse  # a class named in refuse: its subclasses' instances too
+        # a class named in refuse: its subclasses' instances too
+        named = f"{getattr(holder, '__name__', '')}.{attr}" in ex.refuse
         if inspect.isclass(obj) and "__init__" in vars(obj) and named:
             out.append((obj, "__init__", lambda self, *a, _no=no, **k: _no()))
     mods = [(s, k, v) for s in scopes for k, v in s.items() if any(v is m for m in modules)]
