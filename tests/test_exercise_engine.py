@@ -151,6 +151,64 @@ def test_a_refused_function_raises_inside_a_class_answers_static_methods():
         engine.check(MEAN, Mean)
 
 
+class _NoSuchSize:  # like a profile: an unknown attribute raises KeyError, not AttributeError
+    def __getattr__(self, name):
+        raise KeyError(name)
+
+
+PROFILE_LIKE = _NoSuchSize()  # in the answers' globals, which a refusal searches
+
+
+def test_a_refused_function_raises_through_a_partial_a_default_and_the_module_that_defines_it():
+    from utils.memory import parameter_bytes
+
+    via_partial = functools.partial(parameter_bytes)
+
+    def by_partial(x):
+        via_partial(torch.nn.Linear(1, 1))
+        return x.mean().item()
+
+    def by_default(x, count=parameter_bytes):
+        count(torch.nn.Linear(1, 1))
+        return x.mean().item()
+
+    def by_keyword_default(x, *, count=parameter_bytes):
+        count(torch.nn.Linear(1, 1))
+        return x.mean().item()
+
+    for answer in (by_partial, by_default, by_keyword_default):
+        with pytest.raises(CheckFailed, match="uses utils.memory.parameter_bytes, which this exercise asks"):
+            engine.check(MEAN, answer)
+    assert by_default.__defaults__ == (parameter_bytes,) and via_partial.func is parameter_bytes, "restored"
+    # a function refused where it is re-exported is refused where it is defined too
+    ex = engine.Exercise("engine_test_reexport", _mean_cases, MEAN.oracle, "add and divide", refuse=("torch.distributed.all_reduce",))  # fmt: skip
+
+    def by_home(x):
+        importlib.import_module("torch.distributed.distributed_c10d").all_reduce(x)
+        return x.mean().item()
+
+    with pytest.raises(CheckFailed, match="uses torch.distributed.distributed_c10d.all_reduce"):
+        engine.check(ex, by_home)
+
+
+def test_a_refused_class_refuses_a_subclass_and_a_right_answer_passes_beside_a_hostile_global():
+    from utils.schedules import WarmupDecay
+
+    ex = engine.Exercise("engine_test_class", _mean_cases, MEAN.oracle, "add and divide", refuse=("utils.schedules.WarmupDecay",))  # fmt: skip
+
+    class Mine(WarmupDecay):
+        pass
+
+    def by_subclass(x):
+        Mine(0.1, 1.0, 2, 10)
+        return x.mean().item()
+
+    with pytest.raises(CheckFailed, match="uses utils.schedules.WarmupDecay"):
+        engine.check(ex, by_subclass)
+    assert Mine(0.1, 1.0, 2, 10).lr(1) == pytest.approx(0.55), "restored after the check"
+    engine.check(ex, lambda x: x.mean().item() + 0 * len(dir(PROFILE_LIKE)))
+
+
 def test_the_library_itself_and_the_oracle_are_refused():
     with pytest.raises(CheckFailed, match="the library's own code"):
         engine.check(MEAN, torch.mean)
@@ -185,6 +243,8 @@ def test_a_crash_names_the_error_and_a_placeholder_says_not_implemented():
         (2, 2.0, None),
         ([torch.ones(2), 1.0], [torch.ones(2), 1.0], None),
         ({"a": torch.ones(2)}, {"a": torch.zeros(2)}, "returned"),
+        ({"input grad": torch.ones(20)}, {"input grad": torch.zeros(20)}, "at ['input grad']"),
+        ([True, False], [0.5, 1.0], "returned [True, False] where [0.5, 1.0] was expected"),
     ],
 )
 def test_difference_against_assert_close(got, want, words):

@@ -233,7 +233,9 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         no = functools.partial(raise_, f"{getattr(holder, '__name__', holder)}.{attr}")
         out += [(holder, attr, no)] + [(s, k, no) for s in scopes for k, v in s.items() if v is obj]
         out += [(c, "cell_contents", no) for c in cells if _try(getattr, c, "cell_contents") is obj]  # empty: None
-        out += [(s, k, functools.partial(no)) for s in scopes for k, v in s.items() if getattr(v, "func", None) is obj]
+        partial_of = lambda v, obj=obj: isinstance(v, functools.partial) and v.func is obj
+        out += [(s, k, functools.partial(no)) for s in scopes for k, v in s.items() if partial_of(v)]
+        out += [(c, "cell_contents", functools.partial(no)) for c in cells if partial_of(_try(getattr, c, "cell_contents"))]  # fmt: skip
         out += [(f, "__defaults__", tuple(no if d is obj else d for d in f.__defaults__)) for f in fns if any(d is obj for d in f.__defaults__ or ())]  # fmt: skip
         out += [(f.__kwdefaults__, k, no) for f in fns for k, d in (f.__kwdefaults__ or {}).items() if d is obj]
         # a class named in refuse: its subclasses' instances too
