@@ -28,7 +28,7 @@ def test_the_hand_made_cases_have_the_hand_computed_answers():
     gd, pairs, per_example = (
         ex.cases()[0] for ex in (gd_sgd.GD_STEP, gd_sgd.NOISE_SCALE, gd_sgd.NOISE_SCALE_FROM_PER_EXAMPLE)
     )
-    assert gd_sgd.GD_STEP.run(gd_sgd.GD_STEP.oracle, gd) == pytest.approx((0.5 + 0.1 * 26 / 3, 0.5 + 0.1 * 11 / 3))
+    assert gd_sgd.GD_STEP.run(gd_sgd.GD_STEP.oracle, gd) == pytest.approx((0.5 + 0.1 * 29 / 3, 0.25 + 0.1 * 25 / 6))
     assert gd_sgd.NOISE_SCALE.oracle(*pairs.args) == pytest.approx(40.0)
     assert gd_sgd._b_simple(*per_example.args) == pytest.approx(8 / 13)
 

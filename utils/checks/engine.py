@@ -205,9 +205,11 @@ def _functions(obj) -> list:
 
 
 def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
-    """[(holder, attribute, replacement)]: each refused object in its module, and wherever the answer holds
-    it (its globals, its closures, a class answer's methods' globals, ``scopes``, a partial of it there, the
-    answer's default arguments); a refused class also refuses to make an instance of a subclass."""
+    """[(holder, attribute, replacement)] while the answer runs. What ``ex.refuse`` names (a module: the public
+    callables it defines) raises in the module that holds it, in the one that defines it, and wherever the answer
+    holds it: its globals, closures and default arguments, ``scopes``, a partial of it there; a class named there
+    also refuses to make an instance of a subclass. The functions of a refused module's submodules and of the spec's
+    own module (its oracles) are guarded: a call from the answer's code raises, the library's own calls go through."""
 
     def raise_(what: str, *args, **kwargs):
         problem = f"your code uses {what}, which this exercise asks you to write yourself"
@@ -215,30 +217,39 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
 
     fns = [f for a in answer for f in _functions(a)]
     scopes = list({id(fn.__globals__): fn.__globals__ for fn in fns}.values()) + list(scopes)
+    own = {id(s) for s in scopes if not str(s.get("__name__", "")).startswith("utils.")}  # the answer's namespaces
     cells = [c for fn in fns for c in (fn.__closure__ or ())]
     modules = [m for m in map(pkgutil.resolve_name, ex.refuse) if isinstance(m, types.ModuleType)]
-    refused = []  # (holder, attribute, object); a module stands for the public callables it defines
+    refused = []  # (holder, attribute, object, guarded)
     for dotted in ex.refuse:
         obj = pkgutil.resolve_name(dotted)
         if isinstance(obj, types.ModuleType):
             public = [(a, v) for a, v in vars(obj).items() if not a.startswith("_") and callable(v)]
-            refused += [(obj, a, v) for a, v in public if str(getattr(v, "__module__", "")).startswith(obj.__name__)]
+            refused += [(obj, a, v, False) for a, v in public if str(getattr(v, "__module__", "")).startswith(obj.__name__)]  # fmt: skip
         else:
-            refused.append((pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1], obj))
-            home = sys.modules.get(getattr(obj, "__module__", None) or "")  # where it is defined, when re-exported
-            if home is not None and home is not refused[-1][0] and vars(home).get(getattr(obj, "__name__", "")) is obj:
-                refused.append((home, obj.__name__, obj))
+            refused.append((pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1], obj, None))
+    spec = sys.modules.get(ex.module)
+    if spec is not None and own:  # the checks' oracles: no student's answer either
+        refused += [(spec, a, v, True) for a, v in vars(spec).items() if inspect.isfunction(v) and v.__module__ == ex.module]  # fmt: skip
+        modules.append(spec)
+    for holder, _, obj, guarded in list(refused):  # a re-exported function, where it is defined
+        home = sys.modules.get(getattr(obj, "__module__", None) or "")
+        if home not in (None, holder) and not guarded and vars(home).get(getattr(obj, "__name__", "")) is obj:
+            refused.append((home, obj.__name__, obj, guarded is False and inspect.isfunction(obj)))
+
+    def guard(real, no):
+        return lambda *a, **k: no() if id(sys._getframe(1).f_globals) in own else real(*a, **k)
+
     out = []
-    for holder, attr, obj in refused:
+    for holder, attr, obj, guarded in refused:
         no = functools.partial(raise_, f"{getattr(holder, '__name__', holder)}.{attr}")
-        out += [(holder, attr, no)] + [(s, k, no) for s in scopes for k, v in s.items() if v is obj]
+        out += [(holder, attr, guard(obj, no) if guarded else no)] + [(s, k, no) for s in scopes for k, v in s.items() if v is obj]  # fmt: skip
         out += [(c, "cell_contents", no) for c in cells if _try(getattr, c, "cell_contents") is obj]  # empty: None
         partial_of = lambda v, obj=obj: isinstance(v, functools.partial) and v.func is obj
         out += [(s, k, functools.partial(no)) for s in scopes for k, v in s.items() if partial_of(v)]
         out += [(c, "cell_contents", functools.partial(no)) for c in cells if partial_of(_try(getattr, c, "cell_contents"))]  # fmt: skip
         out += [(f, "__defaults__", tuple(no if d is obj else d for d in f.__defaults__)) for f in fns if any(d is obj for d in f.__defaults__ or ())]  # fmt: skip
         out += [(f.__kwdefaults__, k, no) for f in fns for k, d in (f.__kwdefaults__ or {}).items() if d is obj]
-        # a class named in refuse: its subclasses' instances too
         named = f"{getattr(holder, '__name__', '')}.{attr}" in ex.refuse
         if inspect.isclass(obj) and "__init__" in vars(obj) and named:
             out.append((obj, "__init__", lambda self, *a, _no=no, **k: _no()))
@@ -480,8 +491,8 @@ def _rank_failed(ex: Exercise, e, source: str) -> None:
     _diagnose(ex, Outcome(None, error=last, source=source), [])
     rank = f"rank {e.rank}" if e.rank is not None else "a rank"
     if not tb:
-        hint = "run your code's steps by hand on paper for each rank: a rank that waits forever, or writes past a tensor's end, stops like this"
-        fail(ex.name, f"{rank} stopped without a Python exception ({str(e).splitlines()[0]})", hint)
+        hint = "run your code's steps by hand on paper for each rank: a rank that waits forever, a send and a receive that do not pair up, or a write past a tensor's end stops like this"
+        fail(ex.name, str(e).splitlines()[0].split(". ")[0], hint)
     hint = "read that rank's traceback, printed below, fix the line it names, then rerun both cells"
     text = message(ex.name, f"your code raised on {rank}: {last}", hint) + f"\n\nTraceback from {rank}:\n{tb}"
     raise CheckFailed(text) from None

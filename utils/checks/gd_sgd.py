@@ -2,6 +2,7 @@
 utils.gradient_noise's two-batch estimator, a loop of torch.autograd.grad over the examples, the unbiased estimates
 written out, numpy.polyfit, the closed forms of S(B) and E(B); exercises 3 to 5 refuse the library's own versions."""
 
+import copy
 import itertools
 import math
 from functools import partial
@@ -36,13 +37,32 @@ def _close(a, b) -> bool:
     return difference(torch.as_tensor(a).double(), torch.as_tensor(b).double(), 1e-6, 1e-9) is None
 
 
+def _keeping(run=lambda f, case: f(*case.args)):
+    """``run``, which must leave the case's arguments as they were given: the caller uses them again."""
+
+    def kept(fn, case):
+        before = copy.deepcopy(case.args)
+        got = run(fn, case)
+        if difference(list(case.args), list(before), 0, 0) is not None:
+            raise ValueError("the function changed the arguments it was given")
+        return got
+
+    return kept
+
+
+def _changed(variant):  # the mistake of an answer that changes its arguments in place (``variant`` does)
+    return _m("your function changed the arguments it was given, in place. Try: compute new values, with no -=, "
+              "sub_, add_ or slice assignment on an argument", variant, when=lambda o: "changed the arguments" in o.error)  # fmt: skip
+
+
 # ------------------------------------------------------------------ exercises 1 and 2: a GD step, minibatch SGD
+@_keeping
 def _run_steps(gd_step, case):
     """``steps`` calls of gd_step, each from the pair the last one returned."""
     x, y, w, b, lr, steps = case.args
     for _ in range(steps):
-        got = _converted(gd_step(x.clone(), y.clone(), w, b, lr), _pair)
-        if not isinstance(got, tuple):
+        got = _converted(gd_step(x, y, w, b, lr), _pair)
+        if not (isinstance(got, tuple) and len(got) == 2):
             return got
         w, b = got
     return w, b
@@ -65,9 +85,9 @@ def _first_step_on_other_points(o) -> bool:
 _points = lambda n, seed: _linreg.LinearProblem().sample(n, seed=seed)
 GD_STEP = Exercise(
     name="gd_step", oracle=_linreg.gd_step, run=_run_steps, passed="one step on two datasets and 400 steps in a row",
-    # By hand on the first case: r = (-1, -1.5, -3), dL/dw = 2 mean(r x) = -26/3, dL/db = 2 mean(r) = -11/3.
+    # By hand on the first case: r = (-1.25, -1.75, -3.25), dL/dw = 2 mean(r x) = -29/3, dL/db = 2 mean(r) = -25/6.
     cases=lambda: [
-        Case((torch.tensor([1.0, 2, 3]).double(), torch.tensor([2.0, 3, 5]).double(), 0.5, 0.5, 0.1, 1), label="one step on 3 points"),
+        Case((torch.tensor([1.0, 2, 3]).double(), torch.tensor([2.0, 3, 5]).double(), 0.5, 0.25, 0.1, 1), label="one step on 3 points"),
         Case((*_points(20, 1), -1.0, 2.0, 0.05, 1), label="one step on 20 points"),
         Case((*_points(64, 3), 0.0, 0.0, 0.2, 400), label="400 steps on 64 points, each from where the last ended")],
     hint="the residual is w x + b - y; w moves by lr times twice the mean of residual times x, b by lr times twice the "
@@ -83,6 +103,8 @@ GD_STEP = Exercise(
            _gd(lambda w, b, dw, db, x: (w - dw, b))),
         _m("b moves correctly but w does not. Try: w's gradient is twice the mean of the residual times x: update w too",
            _gd(lambda w, b, dw, db, x: (w, b - db))),
+        _m("the pair is in the wrong order. Try: return (w, b), the new w first", _gd(lambda w, b, dw, db, x: (b - db, w - dw))),
+        _changed(lambda x, y, w, b, lr: (_linreg.gd_step(x, y, w, b, lr), y.add_(1.0))[0]),
         _m("the two gradients are swapped. Try: w's gradient is the one with x in it, b's is twice the mean residual",
            _gd(lambda w, b, dw, db, x: (w - db, b - dw))),
         _m("the residual leaves out b. Try: the prediction is w times x plus b: subtract y from that",
@@ -109,6 +131,11 @@ SGD = Exercise(
     hint="each step takes the next batch of indices, moves (w, b) by the gradient on those points only, and appends "
     "the new pair",
     mistakes=[
+        _m("the path is transposed: it has 2 rows. Try: one row per point, a tensor of shape (steps + 1, 2)",
+           lambda *a: _sgd(*a).T, when=lambda o: tuple(o.got.shape) == tuple(o.want.shape)[::-1]),
+        _m("the path has one row too many or too few: the loop ran steps + 1 or steps - 1 times. Try: after the start "
+           "row, run exactly as many steps as `steps` says, one row each", lambda *a: _sgd(*a, steps_more=1),
+           when=lambda o: abs(len(o.got) - len(o.want)) == 1 and _close(o.got[0], o.want[0])),
         _m("the start is missing. Try: begin the path with (w0, b0), then add one row per step: steps + 1 rows",
            lambda *a: _sgd(*a)[1:], when=lambda o: len(o.got) == len(o.want) - 1),
         _m("the first row is not the start (w0, b0). Try: the path starts with (w0, b0), before any step",
@@ -249,7 +276,7 @@ PER_EXAMPLE_GRADS = Exercise(
 )
 _ESTIMATES = tuple(f"utils.gradient_noise.{f}" for f in ("noise_scale", "dataset_noise_scale", "two_batch_estimates"))
 NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
-    name="noise_scale_from_per_example", oracle=_b_simple, passed="three sets of per-example gradients",
+    name="noise_scale_from_per_example", oracle=_b_simple, run=_keeping(), passed="three sets of per-example gradients",
     # By hand on the first case: mean (2, 1), |mean|^2 = 5, squared deviations 8, tr(Sigma) = 8/3, |G|^2 = 13/3: 8/13.
     cases=lambda: [
         Case((torch.tensor([[1.0, 0.0], [3.0, 0.0], [1.0, 2.0], [3.0, 2.0]]).double(),), label="4 hand-made gradients"),
@@ -272,6 +299,7 @@ NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
            partial(_b_simple, dim=1)),
         _m("it returned a tuple, not one number. Try: return B_simple only, as a float", lambda g: (_b_simple(g), 1.0),
            when=lambda o: isinstance(o.got, tuple)),
+        _changed(lambda g: (_b_simple(g), g.sub_(g.mean(0)))[0]),
     ],
 )  # fmt: skip
 
@@ -345,7 +373,8 @@ FIT_CRITICAL_BATCH = Exercise(
            when=lambda o: math.isclose(o.got[0], min(o.case.args[1])) or abs(o.got[0]) < 1e-6 or not math.isfinite(o.got[1])),
     ],
 )  # fmt: skip
-_per_b = lambda f, c: _converted(f(*c.args), lambda g: torch.as_tensor(np.asarray(g, dtype=float)).reshape(-1))
+_as_row = lambda g: torch.as_tensor(np.asarray(g, dtype=float)).reshape(-1)
+_per_b = _keeping(lambda f, c: _converted(f(*c.args), _as_row))
 _b_cases = lambda: [Case(([16, 64, 256], 200.0, 64.0), label="3 batch sizes"),
                     Case(([8, 100, 1000, 5000], 50.0, 120.0), label="4 batch sizes")]  # fmt: skip
 _examples = lambda bs, s, b: _steps(bs, s, b) * np.asarray(bs)
@@ -357,6 +386,7 @@ STEPS_TO_TARGET = Exercise(
         _m("these are the examples E(B), not the steps. Try: drop the factor B", _examples),
         _m("this is only the perfect-scaling part S_min B_crit / B. Try: add the floor S_min",
            lambda bs, s, b: s * b / np.asarray(bs)),
+        _changed(lambda bs, s, b: (_steps(bs, s, b), bs.reverse())[0]),
     ],
 )  # fmt: skip
 EXAMPLES_TO_TARGET = Exercise(
