@@ -89,7 +89,7 @@ SELF_TIMES = Exercise(
     name="self_times", oracle=_self_times, run=_reading, rtol=0.02, atol=2.0, timeout_s=30,
     cases=lambda: _hand(_NESTING, "hand-made events on five threads") + [_real("plain", "a real trace of a training run")],
     hint="per (pid, tid) lane of host events, sorted by start, add each dur to its name and take it off the innermost "
-    "open event's", passed="nested events on three threads, and a real trace against the profiler's own self time",
+    "open event's", passed="nested events on five threads, and a real trace against the profiler's own self time",
     mistakes=[
         _m("the result has events that are not host ops in it (a GPU kernel, or the trace's own span). Try: keep only "
            "host events (cat in utils.profiling.HOST_EVENT_CATS)",
