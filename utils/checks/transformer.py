@@ -131,8 +131,8 @@ def _shapes_differ(got, want):
     for r, (g, w) in enumerate(zip(got, want)):
         for k in sorted(set(g) | set(w)):
             if g.get(k) != w.get(k):
-                gave, wanted = (f"a {k} of shape {g.get(k)}", f"{w[k]} was expected") if k in w else (f"a {k}", "none was")
-                return f"gave rank {r} {gave if k in g else f'no {k}'} where {wanted}"
+                gave = f"a {k} of shape {g[k]}" if k in g else f"no {k}"
+                return f"gave rank {r} {gave} where " + (f"a {k} of shape {w[k]} was expected" if k in w else "none was")
     return None
 
 
