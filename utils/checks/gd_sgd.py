@@ -269,7 +269,7 @@ _PER_EXAMPLE = dict(
 PER_EXAMPLE_GRADS_LOOP = Exercise(
     name="per_example_grads_loop",
     refuse_hint="loop over the examples, one torch.autograd.grad call on each example's own loss",
-    **_PER_EXAMPLE,
+    **_PER_EXAMPLE | {"refuse": _PER_EXAMPLE["refuse"] + ("torch.func.vmap", "torch.vmap")},
 )
 PER_EXAMPLE_GRADS = Exercise(
     name="per_example_grads", refuse_hint="use torch.func.functional_call, grad and vmap", **_PER_EXAMPLE

@@ -186,7 +186,7 @@ LR_FOR_BATCH = Exercise(
     mistakes=_named({
         "no_value_error": (lambda b, bb, n, rule: b * (n / bb if rule == "linear" else math.sqrt(n / bb)), "an unknown rule does not raise ValueError, so a misspelt rule would train at a wrong rate or stop with an unclear error. Try: for any rule but linear and sqrt, raise ValueError with a message that names the rule"),
         "upside_down": (lambda b, bb, n, rule: b * (bb / n if rule == "linear" else math.sqrt(bb / n)), "the ratio is upside down: a bigger batch should get a bigger rate. Try: divide the new batch by the base one"),
-        "int_division": (lambda b, bb, n, rule: b * (n // bb if rule == "linear" else math.sqrt(n // bb)), "the batch ratio is rounded down by integer division. Try: divide with / so that the ratio keeps its fraction"),
+        "int_division": (lambda b, bb, n, rule: b * (n // bb if rule == "linear" else math.sqrt(n // bb)), "the batch ratio is rounded down to a whole number (with // or int()). Try: keep its fraction: divide with / and do not round"),
     }, no_value_error=lambda o: o.want == "ValueError" and o.got != "ValueError"),
 )  # fmt: skip
 
