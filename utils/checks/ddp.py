@@ -470,7 +470,7 @@ SAVE_ON_RANK0 = Exercise(
     hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then os.replace it onto path",
     passed="2 models and epochs: rank 0 alone writes, atomically, everything a restart needs",
     mistakes=[
-        _m("a rank other than 0 wrote a file too. Try: only rank 0 saves: return first when rank is not 0", partial(_save, every_rank=True)),
+        _m("a rank other than 0 wrote a file too. Try: only rank 0 saves: return first when rank is not 0", partial(_save, every_rank=True), lambda o: o.got["ranks 1 and 2 wrote"] != []),
         _m("rank 0 did not write the checkpoint. Try: torch.save(...) to a temporary file, then os.replace it to path", lambda *a: None),
         _m("the file was written in place, not atomically: a crash mid-write would corrupt it. Try: save to a temporary file in the same folder, then os.replace it onto the target", partial(_save, in_place=True)),
         _m("temporary files were left behind. Try: os.replace moves the temporary file onto path", partial(_save, leave_tmp=True)),

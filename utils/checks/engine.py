@@ -217,7 +217,8 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
 
     fns = [f for a in answer for f in _functions(a)]
     scopes = list({id(fn.__globals__): fn.__globals__ for fn in fns}.values()) + list(scopes)
-    own = {id(s) for s in scopes if not str(s.get("__name__", "")).startswith("utils.")}  # the answer's namespaces
+    lib = lambda scope: str(scope.get("__name__", "")).split(".")[0] in ("utils", "torch")
+    own = {id(s) for s in scopes if not lib(s)}  # the answer's namespaces
     cells = [c for fn in fns for c in (fn.__closure__ or ())]
     modules = [m for m in map(pkgutil.resolve_name, ex.refuse) if isinstance(m, types.ModuleType)]
     refused = []  # (holder, attribute, object, guarded)
@@ -229,7 +230,7 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         else:
             refused.append((pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1], obj, None))
     spec = sys.modules.get(ex.module)
-    if spec is not None and own:  # the checks' oracles: no student's answer either
+    if spec is not None and own and not any(lib(fn.__globals__) for fn in fns):  # the oracles: no student's answer
         refused += [(spec, a, v, True) for a, v in vars(spec).items() if inspect.isfunction(v) and v.__module__ == ex.module]  # fmt: skip
         modules.append(spec)
     for holder, _, obj, guarded in list(refused):  # a re-exported function, where it is defined
