@@ -209,7 +209,8 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     callables it defines) raises in the module that holds it, in the one that defines it, and wherever the answer
     holds it: its globals, closures and default arguments, ``scopes``, a partial of it there; a class named there
     also refuses to make an instance of a subclass. The functions of a refused module's submodules and of the spec's
-    own module (its oracles) are guarded: a call from the answer's code raises, the library's own calls go through."""
+    own module (its oracles, reached through their module) are guarded: a call from the answer's code raises, the
+    library's own calls go through."""
 
     def raise_(what: str, *args, **kwargs):
         problem = f"your code uses {what}, which this exercise asks you to write yourself"
@@ -231,8 +232,7 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
             refused.append((pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1], obj, None))
     spec = sys.modules.get(ex.module)
     if spec is not None and own and not any(lib(fn.__globals__) for fn in fns):  # the oracles: no student's answer
-        refused += [(spec, a, v, True) for a, v in vars(spec).items() if inspect.isfunction(v) and v.__module__ == ex.module]  # fmt: skip
-        modules.append(spec)
+        refused += [(spec, a, v, "spec") for a, v in vars(spec).items() if inspect.isfunction(v) and v.__module__ == ex.module]  # fmt: skip
     for holder, _, obj, guarded in list(refused):  # a re-exported function, where it is defined
         home = sys.modules.get(getattr(obj, "__module__", None) or "")
         if home not in (None, holder) and not guarded and vars(home).get(getattr(obj, "__name__", "")) is obj:
@@ -244,6 +244,9 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     out = []
     for holder, attr, obj, guarded in refused:
         no = functools.partial(raise_, f"{getattr(holder, '__name__', holder)}.{attr}")
+        if guarded == "spec":  # reached through its module only: a test's variant may hold it in its own scope
+            out.append((holder, attr, guard(obj, no)))
+            continue
         out += [(holder, attr, guard(obj, no) if guarded else no)] + [(s, k, no) for s in scopes for k, v in s.items() if v is obj]  # fmt: skip
         out += [(c, "cell_contents", no) for c in cells if _try(getattr, c, "cell_contents") is obj]  # empty: None
         partial_of = lambda v, obj=obj: isinstance(v, functools.partial) and v.func is obj
