@@ -398,6 +398,7 @@ EXAMPLES_TO_TARGET = Exercise(
            lambda bs, s, b: s * np.asarray(bs)),
         _m("B and B_crit are swapped. Try: E(B) is E_min times one plus B over B_crit",
            lambda bs, s, b: s * b * (1 + b / np.asarray(bs))),
+        _changed(lambda bs, s, b: (_examples(bs, s, b), bs.reverse())[0]),
     ],
 )  # fmt: skip
 
