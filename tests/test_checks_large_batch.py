@@ -24,7 +24,7 @@ class LarsSubclass(LARS):
 
 class LarsWrapper(torch.optim.Optimizer):
     def __init__(self, params, lr, **kw):
-        self.inner = LARS([{**g, "adapt": not g.pop("exclude")} for g in params], lr, **kw)
+        self.inner = LARS([{**g, "adapt": not g.pop("exclude", False)} for g in params], lr, **kw)
         super().__init__(self.inner.param_groups, {})
 
     def step(self, closure=None):

@@ -59,7 +59,7 @@ def _at_world_sizes(ex: Exercise, doc: str):
 RING_SIZES = (12, 7, 2)  # divisible by 3 ranks, not divisible, fewer elements than ranks
 
 
-def _ring(tensor, *, clone=False, copies=False, reduce_add=True, gather=True, gather_add=False, gather_shift=0):
+def _ring(tensor, *, clone=False, copies=False, reduce_add=True, gather=True, gather_add=False, gather_shift=0, more=0):
     """The ring by hand; each keyword set away from its default makes one named mistake."""
     world, rank, tensor = dist.get_world_size(), dist.get_rank(), tensor.clone() if clone else tensor
     right, left = (rank + 1) % world, (rank - 1) % world
@@ -74,7 +74,7 @@ def _ring(tensor, *, clone=False, copies=False, reduce_add=True, gather=True, ga
 
     for s in range(world - 1):
         step((rank - s) % world, (rank - s - 1) % world, reduce_add)
-    for s in range(world - 1 if gather else 0):
+    for s in range(world - 1 + more if gather else 0):
         step((rank + 1 + gather_shift - s) % world, (rank + gather_shift - s) % world, gather_add)
     return tensor
 
@@ -97,18 +97,20 @@ def _ring_no_wait(tensor):  # written out: a crash is recognised from this sourc
 
 
 def _ring_run(fn, case):
-    """The tensor passed in, the one returned, and how many requests of the batches were never waited for."""
+    """The tensor passed in, the one returned, how many requests of the batches were never waited for, and how many
+    batches there were (one per step)."""
     (x,) = case.args
-    real, reqs = dist.batch_isend_irecv, []
+    real, reqs, batches = dist.batch_isend_irecv, [], [0]
 
     def batch(ops, *a, **k):
+        batches[0] += 1
         reqs.extend(_Watched(w) for w in real(ops, *a, **k))
         return reqs[len(reqs) - len(ops) :]
 
     with mock.patch.object(dist, "batch_isend_irecv", batch):
         out = fn(x)
     returned = out.detach().cpu() if isinstance(out, torch.Tensor) else None
-    return x.detach().cpu(), returned, sum(not r.waited for r in reqs)
+    return x.detach().cpu(), returned, sum(not r.waited for r in reqs), batches[0]
 
 
 def _ring_compare(got, want):
@@ -133,6 +135,8 @@ RING_ALL_REDUCE = Exercise(
            _ring_blocking, lambda o: bool(o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source),  # the mistake under test
         _m("the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before it arrives. Try: call wait() on every request of the batch before you read the received buffer",
            _ring_no_wait, lambda o: any(g[2] for g in o.got) if o.got else (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source, mechanism=True),
+        _m("your ring takes more than 2(N-1) steps: an extra step passes on a chunk that every rank already holds. Try: N-1 reduce-scatter steps, then N-1 all-gather steps, one batched send and receive each",
+           partial(_ring, more=1), lambda o: bool(o.got) and any(g[3] > 2 * (len(o.got) - 1) for g in o.got) and _ring_compare(o.got, o.want) is None, mechanism=True),
         _m("the returned tensor is right but the tensor passed in was not changed. Try: work in place, like dist.all_reduce: add into views of the tensor, then return it",
            partial(_ring, clone=True), lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want))),
         _m("every rank still holds its own tensor: your chunks are copies, not views changed in place. Try: cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy into them", partial(_ring, copies=True)),
@@ -227,10 +231,11 @@ def _overlap_run(fn, case):
 
     def spy(tensor, *a, **k):
         c = {**now, "async": bool(k.get("async_op", a[2] if len(a) > 2 else False)), "numel": tensor.numel()}
-        c.update(ready=sum(p.grad is not None for p in params), early=False)
+        c.update(ready=sum(p.grad is not None for p in params), early=False, stale=False)
         calls.append(c)
         work = real(tensor, *a, **k)
-        return _Watched(work, lambda: c.update(early=c["early"] or now["bw"])) if c["async"] else work
+        seen = lambda: c.update(early=c["early"] or now["bw"], stale=c["stale"] or now["step"] != c["step"])
+        return _Watched(work, seen) if c["async"] else work
 
     with mock.patch.object(dist, "all_reduce", spy):
         finish = fn(model, cap)
@@ -253,7 +258,7 @@ def _overlap_run(fn, case):
                 launches=[sum(c["step"] == s for c in calls) for s in range(len(batches))],
                 numels=sorted(c["numel"] for c in calls if c["step"] == 0),
                 events=sorted(((e.name, e.time_range.start, e.time_range.end) for e in events), key=lambda e: e[1]),
-                calls=len(calls), in_bw=len(bw), overlapped=any(c["async"] and not c["early"] for c in bw),
+                calls=len(calls), in_bw=len(bw), stale=any(c["stale"] for c in calls), overlapped=any(c["async"] and not c["early"] for c in bw),
                 late=cap == 0 and sum(c["step"] == 0 for c in bw) > 1 and all(c["ready"] == len(params) for c in bw))  # fmt: skip
 
 
@@ -312,8 +317,8 @@ def _overlap(model, cap, *, order=reversed, start="ready", divide=True, clear=Tr
             flat /= world if divide else 1
             for q, part in zip(buckets[i], flat.split([q.numel() for q in buckets[i]])):
                 _ = q.grad.copy_(part.view_as(q.grad)) if copy else None
-        if clear:
-            pending.clear()
+        if clear:  # "counts": the ready counts only
+            _ = pending.clear() if clear is True else None
             ready[:] = [0] * len(buckets)
 
     return finish if give else None
@@ -334,6 +339,8 @@ _OVERLAP_MISTAKES = [
     _m("the gradients were summed, not averaged. Try: in finish(), after waiting, divide by the world size", partial(_overlap, divide=False)),
     _m("each rank still has its own local gradient after finish(): the reduced values never reach p.grad. Try: after waiting, copy the reduced flat buffer back into each p.grad of its bucket", partial(_overlap, copy=False)),
     _m("the first step matches but later steps do not: finish() keeps the last step's handles or counts. Try: at the end of every finish(), forget the handles and reset the ready counts", partial(_overlap, clear=False)),
+    _m("finish() waits again for the all-reduces of earlier steps: it never forgets their handles, and copies their old buckets back every step. Try: at the end of every finish(), clear the list of handles",
+       partial(_overlap, clear="counts"), lambda o: bool(o.got) and any(g["stale"] and g["launches"] == w["launches"] for g, w in zip(o.got, o.want)), mechanism=True),
     _m("you make one all-reduce per parameter whatever bucket_numel is. Try: group parameters, in the order their gradients arrive, into buckets of at most bucket_numel elements", lambda m, c=0: _overlap(m, 0)),
 ]
 # fmt: on

@@ -2,6 +2,7 @@
 utils.gradient_noise's two-batch estimator, a loop of torch.autograd.grad over the examples, the unbiased estimates
 written out, numpy.polyfit, the closed forms of S(B) and E(B); exercises 3 to 5 refuse the library's own versions."""
 
+import contextlib
 import copy
 import itertools
 import math
@@ -124,13 +125,16 @@ def _sgd(x, y, w0, b0, lr, n, bs, seed, lr_x=1.0, bs_all=False, steps_more=0):
 
 SGD = Exercise(
     name="sgd", answer=("minibatch_sgd",), oracle=_linreg.sgd, rtol=1e-6, atol=1e-9,
-    run=lambda f, c: _converted(f(*c.args), lambda g: torch.as_tensor(g, dtype=torch.float64)),
+    run=lambda f, c: _converted(f(*c.args), lambda g: g if torch.is_tensor(g) else torch.as_tensor(g, dtype=torch.float64)),
     cases=lambda: [Case((*_points(12, 5), -1.0, 2.0, 0.05, 9, 3, 7), label="9 steps of batch 3 on 12 points"),
                    Case((*_points(10, 8), 0.5, -0.5, 0.1, 12, 2, 3), label="12 steps of batch 2 on 10 points")],
     passed="two runs of different lengths and batch sizes",
     hint="each step takes the next batch of indices, moves (w, b) by the gradient on those points only, and appends "
     "the new pair",
     mistakes=[
+        _m("the path is not float64, so it keeps fewer digits than the data. Try: build the tensor with "
+           "dtype=torch.float64", lambda *a: _sgd(*a).float(), mechanism=True,
+           when=lambda o: torch.is_tensor(o.got) and o.got.dtype != torch.float64 and o.got.shape == o.want.shape),
         _m("the path is transposed: it has 2 rows. Try: one row per point, a tensor of shape (steps + 1, 2)",
            lambda *a: _sgd(*a).T, when=lambda o: tuple(o.got.shape) == tuple(o.want.shape)[::-1]),
         _m("the path has one row too many or too few: the loop ran steps + 1 or steps - 1 times. Try: after the start "
@@ -224,6 +228,31 @@ def _run_keeping_parameters(fn, case):
     return got
 
 
+def _vmapped(model, loss_fn, x, y):
+    """The per-example gradients in one torch.func pass over all of x (the model runs once)."""
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    one = lambda p, a, b: loss_fn(torch.func.functional_call(model, p, (a[None],)), b[None])
+    grads = torch.func.vmap(torch.func.grad(one), (None, 0, 0))(params, x, y)
+    return torch.cat([t.flatten(1) for t in grads.values()], 1)
+
+
+def _counting_calls(run):
+    """``run``, noting on its output (``.model_calls``) how many times the case's model ran: a loop runs it B times."""
+
+    def counted(fn, case):
+        calls = []
+        handle = case.args[0].register_forward_pre_hook(lambda m, a: calls.append(1))
+        try:
+            got = run(fn, case)
+        finally:
+            handle.remove()
+        with contextlib.suppress(AttributeError):
+            got.model_calls = len(calls)
+        return got
+
+    return counted
+
+
 def _b_simple(g, dim=0, ddof=1, correct=True) -> float:
     """tr(Sigma) / |G|^2 from [B, P] gradients: squared deviations over B - ddof; |mean|^2 less tr(Sigma)/B if ``correct``."""
     g = torch.as_tensor(g).double()
@@ -271,9 +300,14 @@ PER_EXAMPLE_GRADS_LOOP = Exercise(
     refuse_hint="loop over the examples, one torch.autograd.grad call on each example's own loss",
     **_PER_EXAMPLE | {"refuse": _PER_EXAMPLE["refuse"] + ("torch.func.vmap", "torch.vmap")},
 )
+_LOOPED = _m("your function runs the model once per example, in a Python loop. Try: write the loss of ONE example as a "
+             "function of the parameters (torch.func.functional_call), take its torch.func.grad and map it over the "
+             "batch with torch.func.vmap", lambda *a: _per_example(*a), mechanism=True,
+             when=lambda o: getattr(o.got, "model_calls", 0) >= len(o.want) > 1 and _close(o.got, o.want))  # fmt: skip
 PER_EXAMPLE_GRADS = Exercise(
-    name="per_example_grads", refuse_hint="use torch.func.functional_call, grad and vmap", **_PER_EXAMPLE
-)
+    name="per_example_grads", refuse_hint="use torch.func.functional_call, grad and vmap",
+    **_PER_EXAMPLE | {"run": _counting_calls(_run_keeping_parameters), "mistakes": [*_PER_EXAMPLE["mistakes"], _LOOPED]},
+)  # fmt: skip
 _ESTIMATES = tuple(f"utils.gradient_noise.{f}" for f in ("noise_scale", "dataset_noise_scale", "two_batch_estimates"))
 NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
     name="noise_scale_from_per_example", oracle=_b_simple, run=_keeping(), passed="three sets of per-example gradients",
@@ -310,8 +344,23 @@ def _chunked(m, f, x, y, c, keep=None, each=False, **kw):
     return float(np.mean([_b_simple(g, **kw) for g in chunks])) if each else _b_simple(torch.cat(chunks), **kw)
 
 
+def _run_in_chunks(fn, case):
+    """The answer's B_simple; it raises when the model saw more than ``chunk`` examples in one pass, or ran fewer
+    times than there are chunks (one torch.func pass over all of them)."""
+    model, _, x, _, chunk = case.args
+    seen = []
+    handle = model.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0] if a[0].dim() else 1))
+    try:
+        got = fn(*case.args)
+    finally:
+        handle.remove()
+    if max(seen, default=0) > chunk or 0 < len(seen) < -(-len(x) // chunk):
+        raise RuntimeError(f"the model saw more than chunk={chunk} examples in one pass")
+    return got
+
+
 DATASET_NOISE_SCALE = Exercise(
-    name="dataset_noise_scale", oracle=lambda m, f, x, y, c: _b_simple(_per_example(m, f, x, y)),
+    name="dataset_noise_scale", oracle=lambda m, f, x, y, c: _b_simple(_per_example(m, f, x, y)), run=_run_in_chunks,
     rtol=1e-6, passed="two models, in chunks that leave a shorter last one",
     cases=lambda: [Case((*case.args, c), label=f"{case.label} in chunks of {c}") for case, c in zip(_models_cases(), (3, 4))],
     refuse=("utils.gradient_noise.per_example_grads", "utils.gradient_noise.noise_scale",
@@ -320,6 +369,10 @@ DATASET_NOISE_SCALE = Exercise(
     hint="keep two running totals over every chunk (the summed gradients, the summed squared entries), divide once by "
     "N at the end, then use the unbiased tr(Sigma) and |G|^2",
     mistakes=[
+        _m("your function ignores chunk: the model saw more examples at once than chunk allows, so every example's "
+           "gradient is held at the same time. Try: slice x and y into pieces of chunk examples and take each piece's "
+           "per-example gradients in turn", lambda m, f, x, y, c: _b_simple(_vmapped(m, f, x, y)),
+           when=lambda o: "examples in one pass" in o.error),
         _m("you averaged the per-chunk B_simple values. Try: accumulate sums over ALL examples and divide once at the "
            "end", partial(_chunked, each=True)),
         _m("only the first chunk was used. Try: loop over every chunk, and add up before dividing",

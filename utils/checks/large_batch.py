@@ -69,9 +69,10 @@ WARMUP_LR = Exercise(
 )  # fmt: skip
 
 
-def _ratio(w, g, weight_decay, trust_coefficient, eps):
+def _ratio(w, g, weight_decay, trust_coefficient, eps, eps_outside=False):
     wn, gn = torch.linalg.vector_norm(w), torch.linalg.vector_norm(g)
-    ratio = trust_coefficient * wn / (gn + weight_decay * wn + eps)
+    den = gn + weight_decay * wn + (0 if eps_outside else eps)
+    ratio = trust_coefficient * wn / den + (eps if eps_outside else 0)
     return torch.where((wn > 0) & (gn > 0), ratio, torch.ones_like(wn))
 
 
@@ -85,16 +86,19 @@ def _ratio_case(shape, scale, *hp, seed):  # three (w, g) pairs: the 2nd with ze
 
 TRUST_RATIO = Exercise(
     name="trust_ratio", oracle=_ratio, passed="the paper's formula and its fallback, all on tensors",
-    cases=lambda: [_ratio_case((6, 5), 3.0, 0.01, 0.02, 1e-9, seed=4), _ratio_case((7,), 0.5, 0.1, 1e-3, 1e-8, seed=5)],
+    cases=lambda: [_ratio_case((6, 5), 3.0, 0.01, 0.02, 1e-9, seed=4), _ratio_case((7,), 0.5, 0.1, 1e-3, 1e-8, seed=5),
+                   _ratio_case((5,), 1.0, 0.0, 0.5, 0.2, seed=6)],
     # a case's pairs go through torch.func.vmap, where reading a tensor back to Python cannot run
     run=lambda f, c: torch.func.vmap(lambda w, g: f(w, g, *c.args[2:]))(*c.args[:2]),
     hint="the ratio is trust_coefficient times the norm of the whole w over the norm of g plus weight_decay times the "
-    "norm of w plus eps",
+    "norm of w plus eps, and 1 where either norm is 0",
     mistakes=_named({
         "host": (lambda w, g, wd, tc, eps: torch.tensor(_ratio(w, g, wd, tc, eps).item()), "it reads a tensor back to Python (.item(), float(), .tolist() or an `if` on a tensor), which on a GPU waits for the device. Try: keep the norms and the fallback as tensors and choose between the ratio and 1 with torch.where"),
         "number": (lambda w, g, wd, tc, eps: tc, "it returns a Python number, not a tensor. Try: return a 0-d tensor, computed with torch.linalg.vector_norm and torch.where"),
         "no_wd": (lambda w, g, wd, tc, eps: _ratio(w, g, 0.0, tc, eps), "weight decay is missing from the denominator. Try: the denominator is the norm of g plus weight_decay times the norm of w plus eps"),
         "swapped": (lambda w, g, wd, tc, eps: _ratio(g, w, wd, tc, eps), "the norms are swapped: the ratio is the weights' norm over the gradient's, not the other way round. Try: put the norm of w in the numerator"),
+        "no_eps": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, 0.0), "eps is missing from the denominator. Try: add eps to the norm of g plus weight_decay times the norm of w, inside the division"),
+        "eps_outside": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, eps, eps_outside=True), "eps was added to the ratio, outside the division. Try: eps belongs in the denominator, beside the two norms, where it keeps the division away from 0"),
         "no_tc": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, 1.0, eps), "the ratio is not multiplied by trust_coefficient. Try: multiply it by trust_coefficient"),
         "no_fallback": (lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps), "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give 1, chosen with torch.where so that it stays on the device"),
     }, host=_raised("item()", "data pointer", "control flow"), number=_raised("only return Tensors")),
@@ -199,7 +203,7 @@ class _LarsVariant(torch.optim.Optimizer):
     def __init__(self, params, lr, momentum=0.9, weight_decay=0.0, trust_coefficient=0.001, eps=1e-8):
         self.init_lr, self.bufs = lr, {}
         hp = dict(lr=lr, momentum=momentum, weight_decay=weight_decay, trust_coefficient=trust_coefficient, eps=eps)
-        super().__init__(params, dict(hp, exclude=False))
+        super().__init__(params, hp if "no_default_exclude" in self.kinds else dict(hp, exclude=False))
 
     def step(self, closure=None):
         k = self.kinds
@@ -220,8 +224,8 @@ class _LarsVariant(torch.optim.Optimizer):
                         p.sub_(lr * store[key].detach())
 
 
-def _flipped(groups, old, new):  # the groups with the flag ``old`` replaced by its negation ``new``
-    return [{**{k: v for k, v in g.items() if k != old}, new: not g[old]} for g in groups]
+def _flipped(groups, old, new):  # the flag ``old`` (False where missing) replaced by its negation ``new``
+    return [{**{k: v for k, v in g.items() if k != old}, new: not g.get(old, False)} for g in groups]
 
 
 class _LarsOracle(LARS):
@@ -240,6 +244,7 @@ def _run_optimizer(cls, case):
         model.unused = nn.Parameter(torch.randn(2, 2, dtype=F64))  # never gets a gradient
         data = [(torch.randn(16, i, dtype=F64), torch.randint(0, o, (16,))) for _ in lrs]
     groups = _flipped(lars_param_groups(model, hp["weight_decay"]), "adapt", "exclude")
+    groups = [{k: v for k, v in g.items() if v is not False} for g in groups]  # "exclude" only where it is True
     opt, out = _made(cls, torch.optim.Optimizer, groups, **hp), {"params": [], "state": True, "plain": True}
     for (x, y), lr in zip(data, lrs):
         for g in opt.param_groups:
@@ -271,6 +276,7 @@ LARS_OPTIMIZER = Exercise(
         "not_class": _NOT_CLASS,
         "not_optimizer": "your class is not a torch.optim.Optimizer. Try: subclass torch.optim.Optimizer and pass your groups and defaults to its constructor",
         "grad_on": "your step ran with autograd on: an in-place update of a parameter fails, or a momentum buffer joins the autograd graph. Try: run the update with autograd off (torch.no_grad, as a context or a decorator of step)",
+        "no_default_exclude": "a group that does not say \"exclude\" made your step crash. Try: put exclude=False in the defaults you hand to the Optimizer constructor, which fills it into every group that leaves it out",
         "none_grads": "a parameter without a gradient (its .grad is None) made your step crash. Try: skip parameters whose .grad is None, as torch.optim.SGD does",
         "rebind": "after a step no parameter has changed. Try: update each parameter in place under torch.no_grad(); assigning p a new value only rebinds a local name",
         "ignore_exclude": "you applied the trust ratio to the excluded group too. Try: parameters of a group with exclude set get plain SGD with momentum, the trust ratio fixed at 1",
@@ -281,7 +287,7 @@ LARS_OPTIMIZER = Exercise(
         "lr_from_init": "your step ignores a changed learning rate, which a schedule sets in group['lr'] each step. Try: read lr from the parameter group inside step, not from a value saved in __init__",
         "outside_state": "a parameter has no momentum buffer in its per-parameter state. Try: keep each parameter's buffer in self.state, under that parameter, which PyTorch saves with the optimizer",
     }, _class_variant(_LarsVariant, "MyLARS"), not_class=_raised("not a class"), not_optimizer=_raised("not a Optimizer class"),
-       grad_on=lambda o: "leaf Variable" in o.error or o.got["plain"] is False, none_grads=_raised("NoneType"),
+       grad_on=lambda o: "leaf Variable" in o.error or o.got["plain"] is False, none_grads=_raised("NoneType"), no_default_exclude=_raised("KeyError: 'exclude'"),
        outside_state=lambda o: o.got["state"] is False),
 )  # fmt: skip
 

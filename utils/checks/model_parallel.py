@@ -25,17 +25,28 @@ LAB = "lab5_memory_and_model_parallel"
 def _tp_run(answer, case):
     """How many times each weight and bias was cut, and every rank's partial output summed (the all-reduce) + b2."""
     (column_shard, row_shard), (block, x, n) = answer, case.args
-    out = {"y": block[2].bias.detach().clone()}
+    out = {"y": block[2].bias.detach().clone(), "shapes": {}}
     for r in range(n):
         (w1, b1), w2 = column_shard(block[0], r, n), row_shard(block[2], r, n)
         for k, t, whole in (("w1", w1, block[0].weight), ("b1", b1, block[0].bias), ("w2", w2, block[2].weight)):
             ok = torch.is_tensor(t) and t.dim() == whole.dim() and 0 not in t.shape
             out[k] = tuple(a // b for a, b in zip(whole.shape, t.shape)) if ok else None
+            out["shapes"][k] = tuple(t.shape) if torch.is_tensor(t) else type(t).__name__
         try:
             out["y"] = out["y"] + F.gelu(x @ w1.T + b1) @ w2.T
         except (RuntimeError, TypeError, AttributeError):
             out["y"] = None
     return out
+
+
+def _tp_compare(got, want):
+    """The first piece cut otherwise than world_size asks, by its shape, else whether the partial outputs add up."""
+    for k, what in (("w1", "column_shard's weight"), ("b1", "column_shard's bias"), ("w2", "row_shard's weight")):
+        if got[k] != want[k]:
+            return f"returned {what} of shape {got['shapes'][k]} where {want['shapes'][k]} was expected"
+    if got["y"] is None or difference(got["y"], want["y"]) is not None:
+        return "gave slices whose partial outputs do not add up to the whole MLP's output"
+    return None
 
 
 def _col(linear, r, n, dim=0, bias=True):
@@ -53,7 +64,7 @@ def _miscount(o, key, dim):
 
 
 TENSOR_PARALLEL = Exercise(
-    name="tensor_parallel", answer=("column_shard", "row_shard"), run=_tp_run,
+    name="tensor_parallel", answer=("column_shard", "row_shard"), run=_tp_run, compare=_tp_compare,
     cases=lambda: [Case((mlp(16, 2, in_features=8, out_features=8, activation="gelu", seed=n), torch.randn(5, 8, generator=torch.Generator().manual_seed(n)), n), label=f"{n} rank(s)") for n in (1, 2, 4)],
     oracle=(tp.column_shard, tp.row_shard), refuse=("utils.parallel.tensor_parallel",),
     hint="rank r keeps the SAME slice r of the hidden units in both layers, in equal contiguous slices",

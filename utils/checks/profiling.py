@@ -182,7 +182,8 @@ def _loader(dataset, batch_size, device, seed, listed=False, **kw):  # the oracl
 
 
 def _run_loader(answer, case):
-    """Two epochs of the answer's loader over a counting dataset whose labels are the images' indices."""
+    """Two epochs of the answer's loader over a counting dataset whose labels are the images' indices, and the
+    device of its first batch when asked for the meta device (tensors without data)."""
     n, batch, seed = case.args
     ds = _Counting(torch.randn(n, 3, 2, generator=torch.Generator().manual_seed(seed)), torch.arange(n))
     loader, epochs = answer(ds, batch, "cpu", seed), []
@@ -191,7 +192,8 @@ def _run_loader(answer, case):
     for epoch in range(2):
         data.set_epoch(loader, epoch)
         epochs.append([(bx.cpu(), by.cpu()) for bx, by in loader])
-    return {"worker processes": 0, "per-image reads": getattr(ds, "reads", 0), "batch sizes": [[len(y) for _, y in e]
+    on_meta = next(iter(answer(torch.utils.data.TensorDataset(*ds.tensors), batch, "meta", seed)))
+    return {"on the device asked for": all(t.device.type == "meta" for t in on_meta), "worker processes": 0, "per-image reads": getattr(ds, "reads", 0), "batch sizes": [[len(y) for _, y in e]
             for e in epochs], "order": [[int(i) for _, y in e for i in y] for e in epochs],
             "images with their labels": all(torch.equal(bx, ds.tensors[0][by]) for e in epochs for bx, by in e)}  # fmt: skip
 
@@ -214,6 +216,8 @@ FIXED_LOADER = Exercise(
            partial(_loader, shuffle=False)),
         _m("your batch sizes differ from the original's. Try: keep the last, smaller batch (no drop_last)",
            partial(_loader, drop_last=True), when=lambda o: o.got["batch sizes"] != o.want["batch sizes"]),
+        _m("your batches are not on the device your function is given. Try: move the dataset's tensors to that device "
+           "once, before the first epoch, and slice the batches there", lambda ds, b, dev, seed: _loader(ds, b, "cpu", seed)),
         _m("your batches differ from the original's for this seed. Try: use utils.data's order (make_loader's seed)",
            lambda ds, b, dev, seed: _loader(ds, b, dev, 0)),
     ],
