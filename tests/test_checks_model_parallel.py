@@ -1,5 +1,5 @@
 """Lab 5's exercises on the engine: each solution in solutions/lab5_memory_and_model_parallel.ipynb passes,
-every named mistake's variant is named, the placeholder is not implemented. ZeRO-2 runs on 2 processes
+every named mistake's variant is named, the placeholder is not implemented. ZeRO-2 runs on 3 processes
 (slow: one launch on the solution names the replayed mistakes; the others, one launch each, extended); a few refusals and what check_zero2 measures are
 tested on their own."""
 
@@ -34,7 +34,8 @@ def test_zero2_mistake(mistake):  # the mistakes a predicate sees: each needs a 
 
 @pytest.mark.slow
 def test_zero2_measures_the_zero2_formulas():
-    """The 57-parameter MLP with Adam on 2 ranks, hand-counted: 57 padded to 58, 29 per rank, 2 fp32 moments."""
+    """The 57-parameter MLP with Adam on 2 ranks (the check's last run, after 3), hand-counted: 57 padded to 58,
+    29 per rank, 2 fp32 moments."""
     from utils.parallel import ring_bytes
 
     got = checks.check_zero2(*harness.answer(LAB, mp.ZERO2))

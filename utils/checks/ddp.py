@@ -5,11 +5,10 @@ overlapped DDP on 2, then 3 processes, so that a fixed divisor fails); sharding 
 from __future__ import annotations
 
 import contextlib
-import io
 import os
 import tempfile
 from collections.abc import Callable
-from functools import partial, wraps
+from functools import partial
 from typing import Any
 from unittest import mock
 
@@ -37,22 +36,6 @@ class _Watched:
             self._note()
             self.waited = True
         return getattr(self._work, attr)
-
-
-def _at_world_sizes(ex: Exercise, doc: str):
-    """The check of ``ex`` on 2, then on 3 processes; only the last run's tick is shown."""
-
-    @wraps(ex.checker(doc))
-    def check_fn(answer):
-        try:
-            for n in (2, 3):
-                ex.ranks = n
-                with contextlib.redirect_stdout(io.StringIO()) if n == 2 else contextlib.nullcontext():
-                    check(ex, answer)
-        finally:
-            ex.ranks = 3
-
-    return check_fn
 
 
 # ---------------------------------------------------------------------------- ring all-reduce
@@ -146,7 +129,7 @@ RING_ALL_REDUCE = Exercise(
         _m("some values were added twice: the all-gather adds what it receives. Try: in the all-gather copy the received chunk into place; only reduce-scatter adds", partial(_ring, gather_add=True)),
     ],
 )
-check_ring_all_reduce = _at_world_sizes(RING_ALL_REDUCE, "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 all-gather steps of one batched send and receive each; run on 2, then 3 processes for tensors of 12, 7 and 2 elements.")
+check_ring_all_reduce = RING_ALL_REDUCE.checker("``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 all-gather steps of one batched send and receive each; run on 2, then 3 processes for tensors of 12, 7 and 2 elements.", (2, 3))
 # fmt: on
 
 
@@ -201,7 +184,7 @@ AVERAGE_GRADIENTS = Exercise(
         _m("the gradients were divided by 2, not by the number of processes. Try: divide by the world size: the check runs on 2 and on 3 processes", partial(_average, by=2)),
     ],
 )
-check_average_gradients = _at_world_sizes(AVERAGE_GRADIENTS, "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run on 2, then 3 processes.")
+check_average_gradients = AVERAGE_GRADIENTS.checker("``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run on 2, then 3 processes.", (2, 3))
 # fmt: on
 
 # ---------------------------------------------------------------------------- overlapped DDP by hand
@@ -356,7 +339,7 @@ OVERLAP_TRACE = Exercise(
     hint="all-reduce a bucket from the hook of its last parameter, in the order the hooks fire",
     mistakes=_OVERLAP_MISTAKES[1:5], passed="2 processes, a traced step with backward running while all-reduces were outstanding",
 )  # fmt: skip
-check_overlap_ddp = _at_world_sizes(OVERLAP_DDP, "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.")  # fmt: skip
+check_overlap_ddp = OVERLAP_DDP.checker("``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.", (2, 3))  # fmt: skip
 
 
 def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) -> list:

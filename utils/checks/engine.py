@@ -17,6 +17,7 @@ import dataclasses
 import functools
 import importlib
 import inspect
+import io
 import linecache
 import math
 import pkgutil
@@ -105,11 +106,19 @@ class Exercise:
             raise ValueError(f"two exercises are named {self.name!r}")
         REGISTRY[self.name] = self
 
-    def checker(self, doc: str = "") -> Callable[..., Any]:
-        """The ``check_*`` function a lab calls with the student's answer."""
+    def checker(self, doc: str = "", world_sizes: tuple = ()) -> Callable[..., Any]:
+        """The ``check_*`` function a lab calls with the student's answer. A rank-run exercise runs on each of
+        ``world_sizes`` processes in turn, so that a world size written into the answer fails; the last run's
+        tick is shown."""
 
         def check_fn(*answer):
-            return check(self, *answer)
+            sizes, ranks = world_sizes or (self.ranks,), self.ranks
+            try:
+                for i, self.ranks in enumerate(sizes):
+                    with contextlib.redirect_stdout(io.StringIO()) if i < len(sizes) - 1 else contextlib.nullcontext():
+                        check(self, *answer)
+            finally:
+                self.ranks = ranks
 
         check_fn.__name__ = check_fn.__qualname__ = f"check_{self.name}"
         check_fn.__doc__ = doc or f"Check {', '.join(self.answer)} (see the exercise above)."

@@ -14,7 +14,7 @@ from ..models import mlp
 from ..parallel import tensor_parallel as tp
 from ..parallel import zero_bytes
 from ..parallel.shard import CommCounter, ring_bytes
-from .engine import Case, Exercise, check, difference
+from .engine import Case, Exercise, difference
 from .engine import mistake as _m
 
 __all__ = ["check_tensor_parallel", "check_zero_memory", "check_zero2", "check_gpipe_microbatches"]
@@ -105,8 +105,10 @@ check_zero_memory = ZERO_MEMORY.checker("``zero_memory(n_params, world_size, sta
 
 # ---------------------------------------------------------------------------- exercise 3: ZeRO-2 by hand
 def _zero2_cases(ctx):
-    models = (("44-parameter MLP", (4, 6, 2)), ("57-parameter MLP", (5, 6, 3)))  # 57 does not divide by 2 ranks
-    return [Case((sizes, kind, ctx), label=f"the {m} with {kind}") for m, sizes in models for kind in ("SGD", "Adam")]
+    """Two MLPs, 44 and 57 parameters: on 2 or 3 ranks, one divides by the world size and the other does not."""
+    models = {44: (4, 6, 2), 57: (5, 6, 3)}
+    odd = lambda n: "" if n % ctx.world_size == 0 else f", which does not divide by {ctx.world_size} ranks,"
+    return [Case((sizes, kind, ctx), label=f"the {n}-parameter MLP{odd(n)} with {kind}") for n, sizes in models.items() for kind in ("SGD", "Adam")]  # fmt: skip
 
 
 def _zero2_run(answer, case):
@@ -131,7 +133,7 @@ def _zero2_run(answer, case):
             out["sent"].append(comm.sent)
             out["calls"].append(dict(comm.calls))
             out["grads"].append(sum(p.grad.numel() for p in model.parameters() if p.grad is not None))
-    except Exception as e:  # which case: the no-padding mistake raises on the 57-parameter MLP only
+    except Exception as e:  # which case: the no-padding mistake raises on the MLP that does not divide only
         raise RuntimeError(f"on {case.label}: {type(e).__name__}: {e}") from e
     state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     view = sum(p.untyped_storage().nbytes() - p.numel() * p.element_size() for p in held) > 0  # a shard that shares
@@ -161,9 +163,10 @@ def _zero2_optimizer(model, optimizer_class, pad="end", copy=True, whole=False, 
     return optimizer_class(model.parameters() if whole else [(shard.clone() if copy else shard).requires_grad_()], **kwargs)  # fmt: skip
 
 
-def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=True, copy=True, bcast=False, whole=False):  # fmt: skip
+def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=True, copy=True, bcast=False, whole=False, by=None):  # fmt: skip
     """The reference (the defaults): reduce-scatter the flat gradient, step the shard, all-gather, copy back.
-    Each keyword makes one named mistake (``whole``: average every gradient, then step the whole model)."""
+    Each keyword makes one named mistake (``whole``: average every gradient, then step the whole model; ``by``: a
+    divisor written into the code)."""
     world, params, shard = dist.get_world_size(), list(model.parameters()), opt.param_groups[0]["params"][0]
     grads = _flat([p.grad for p in params], world, pad)
     for p in params:
@@ -172,7 +175,7 @@ def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=
     shard.grad = torch.empty_like(shard)
     dist.reduce_scatter_tensor(shard.grad, grads)
     _ = dist.broadcast(torch.zeros_like(shard), 0) if bcast else None
-    shard.grad /= world**power
+    shard.grad /= (by or world) ** power
     if whole:
         dist.all_gather_into_tensor(grads, shard.grad)
         return _copy_back([p.grad for p in params], grads) or opt.step()
@@ -186,7 +189,7 @@ def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=
 
 _REF, _step = _zero2_optimizer, lambda **wrong: partial(_zero2_step, **wrong)  # partials: the ranks unpickle them
 ZERO2 = Exercise(
-    name="zero2", answer=("zero2_optimizer", "zero2_step"), oracle=(_zero2_optimizer, _zero2_step), ranks=2,
+    name="zero2", answer=("zero2_optimizer", "zero2_step"), oracle=(_zero2_optimizer, _zero2_step), ranks=3,
     cases=_zero2_cases, run=_zero2_run, timeout_s=180,
     compare=lambda got, want: _SEEN.append(got) or difference(got, want),
     refuse=("torch.distributed.all_reduce", "torch.distributed.optim.ZeroRedundancyOptimizer",
@@ -195,16 +198,17 @@ ZERO2 = Exercise(
     refuse_hint="write the step from dist.reduce_scatter_tensor, an optimizer over your shard, and dist.all_gather_into_tensor",
     hint="rank r's shard is slice r of the padded flat vector cut into N equal slices, in both the reduce-scatter "
     "and the all-gather, and its gradient is the MEAN over the ranks",
-    passed="2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the optimizer "
+    passed="3 and 2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the optimizer "
     "state, only the shard's gradient after each step, and DDP's traffic",
     mistakes=[
-        _m("your code failed on the 57-parameter MLP, which does not divide by 2 ranks. Try: pad the flat vectors with zeros at the end to a multiple of the world size", (partial(_REF, pad=""), _step(pad="")), lambda o: "57-parameter" in o.error),
-        _m("after a step the two ranks hold different parameters. Try: all-gather the updated shards and copy the full vector into the parameters, on every rank", (_REF, _step(gather=False)), lambda o: difference(o.got[0]["params"], o.got[1]["params"])),
+        _m("your code failed on the MLP whose parameter count does not divide by the number of ranks. Try: pad the flat vectors with zeros at the end to a multiple of the world size", (partial(_REF, pad=""), _step(pad="")), lambda o: "does not divide" in o.error),
+        _m("after a step the ranks hold different parameters. Try: all-gather the updated shards and copy the full vector into the parameters, on every rank", (_REF, _step(gather=False)), lambda o: any(difference(o.got[0]["params"], r["params"]) for r in o.got[1:])),
         _m("the model's parameters never change. Try: after the step, all-gather the shards and copy them back into the parameters in place, without autograd", (_REF, _step(copy=False))),
         _m("the parameters are one step behind: you gathered before stepping. Try: step the optimizer on your shard first, then all-gather", (_REF, _step(first=True))),
-        _m("the parameters moved as if the gradients were 2x too large: reduce-scatter sums. Try: divide your shard's gradient by the world size", (_REF, _step(power=0))),
-        _m("the parameters moved as if the gradients were 2x too small: they were averaged twice. Try: reduce-scatter with a sum, then divide by the world size once", (_REF, _step(power=2))),
-        _m("the 57-parameter MLP went wrong where the 44-parameter one was right: the padding sits at the front. Try: pad at the END, so the parameters start at offset 0", (partial(_REF, pad="front"), _step(pad="front"))),
+        _m("the parameters moved as if the gradients were N times too large, N the number of ranks: reduce-scatter sums. Try: divide your shard's gradient by the world size", (_REF, _step(power=0))),
+        _m("the parameters moved as if the gradients were N times too small, N the number of ranks: they were averaged twice. Try: reduce-scatter with a sum, then divide by the world size once", (_REF, _step(power=2))),
+        _m("the MLP whose parameter count does not divide by the number of ranks went wrong where the other was right: the padding sits at the front. Try: pad at the END, so the parameters start at offset 0", (partial(_REF, pad="front"), _step(pad="front"))),
+        _m("the gradients were divided by 2, not by the number of ranks. Try: divide by the world size: the check runs on 3 and on 2 processes", (_REF, _step(by=2))),
         _m("a rank's shard is a view into the whole flat vector, which then stays in memory. Try: copy your slice into a tensor of its own", (partial(_REF, copy=False), _zero2_step), lambda o: any(r["view"] for r in o.got)),
         _m("a rank's optimizer holds the whole model's state. Try: give the optimizer only your shard, a new leaf tensor of 1/N of the padded elements", (partial(_REF, whole=True), _step(whole=True)), lambda o: o.got[0]["held"] >= o.got[0]["numel"]),
         _m("after its step a rank still holds the model's full gradients. Try: free each parameter's gradient once it is flattened for the reduce-scatter", (_REF, _step(keep=True)), lambda o: any(any(r["grads"]) for r in o.got)),
@@ -216,10 +220,10 @@ _SEEN: list = []  # what the answer measured, case by case (the compare sees it)
 
 
 def check_zero2(zero2_optimizer: Callable, zero2_step: Callable) -> dict:
-    """ZeRO-2 by hand (Rajbhandari et al. 2019, arXiv 1910.02054) on 2 processes against one process's torch.optim;
-    returns what it measured on the 57-parameter MLP with Adam."""
+    """ZeRO-2 by hand (Rajbhandari et al. 2019, arXiv 1910.02054) on 3, then 2 processes against one process's
+    torch.optim; returns what it measured on 2 processes, on the 57-parameter MLP with Adam."""
     _SEEN.clear()
-    check(ZERO2, zero2_optimizer, zero2_step)
+    ZERO2.checker(world_sizes=(3, 2))(zero2_optimizer, zero2_step)
     last = _SEEN[-1]
     n, numel = len(last), last[0]["numel"]
     return dict(world_size=n, numel=numel, padded=-(-numel // n) * n, state_bytes=[r["state"] for r in last],
