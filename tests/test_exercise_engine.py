@@ -209,6 +209,21 @@ def test_a_refused_class_refuses_a_subclass_and_a_right_answer_passes_beside_a_h
     engine.check(ex, lambda x: x.mean().item() + 0 * len(dir(PROFILE_LIKE)))
 
 
+def test_a_refused_modules_private_class_is_refused_to_the_answer_and_its_subclass_not_to_the_library():
+    ex = engine.Exercise("engine_test_private", _mean_cases, MEAN.oracle, "add and divide", refuse=("utils.parallel.tensor_parallel",))  # fmt: skip
+    ns = {"__name__": "__main__"}
+    cell = "from utils.parallel.tensor_parallel import _CopyToTP\nclass Mine(_CopyToTP):\n    pass\n"
+    exec(cell + "def answer(x):\n    return Mine.apply(x).mean().item()\n", ns)
+    with pytest.raises(CheckFailed, match="uses utils.parallel.tensor_parallel._CopyToTP.apply, which this exercise"):
+        engine.check(ex, ns["answer"])
+    with pytest.raises(CheckFailed, match="uses utils.parallel.tensor_parallel._CopyToTP, which this exercise"):
+        engine.check(ex, ns["Mine"])
+    assert ns["Mine"].__mro__[1].__name__ == "_CopyToTP", "restored after the check"
+    # the module keeps its private class while the answer runs, for its own functions to use
+    module = importlib.import_module("utils.parallel.tensor_parallel")
+    engine.check(ex, lambda x: x.mean().item() + 0 * len(module._CopyToTP.__name__))
+
+
 def test_the_library_itself_and_the_oracle_are_refused():
     with pytest.raises(CheckFailed, match="the library's own code"):
         engine.check(MEAN, torch.mean)

@@ -70,6 +70,7 @@ FAST_TIER_PROCESSES = {
     "test_exercise_engine.py::test_a_refused_function_raises_wherever_the_answer_reaches_it": IN_PROCESS,
     "test_exercise_engine.py::test_a_refused_function_raises_through_a_partial_a_default_and_the_module_that_defines_it": IN_PROCESS,
     "test_exercise_engine.py::test_a_refused_class_refuses_a_subclass_and_a_right_answer_passes_beside_a_hostile_global": IN_PROCESS,
+    "test_exercise_engine.py::test_a_refused_modules_private_class_is_refused_to_the_answer_and_its_subclass_not_to_the_library": IN_PROCESS,
     "test_exercise_engine.py::test_a_replayed_mistake_is_named_and_a_constant_fails_on_the_second_case": IN_PROCESS,
     "test_exercise_engine.py::test_a_right_answer_passes_and_the_success_line_names_no_target": IN_PROCESS,
     "test_exercise_engine.py::test_the_library_itself_and_the_oracle_are_refused": IN_PROCESS,

@@ -196,13 +196,18 @@ def difference(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-6) -> s
 # ---------------------------------------------------------------------------------------- refusing
 
 
-class _RefusedModule(types.ModuleType):
+class _Refused(types.ModuleType):
+    """What the answer holds in place of a refused module or class: using it, or any attribute of it, refuses."""
+
     def __init__(self, name: str, raise_: Callable[[str], None]):
         super().__init__(name)
         self.raise_ = raise_
 
-    def __getattr__(self, attr):  # every other attribute of a refused module refuses
+    def __getattr__(self, attr):
         self.raise_(f"{self.__name__}.{attr}")
+
+    def __call__(self, *args, **kwargs):
+        self.raise_(self.__name__)
 
 
 def _functions(obj) -> list:
@@ -217,7 +222,8 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     """[(holder, attribute, replacement)] while the answer runs. What ``ex.refuse`` names (a module: the public
     callables it defines) raises in the module that holds it, in the one that defines it, and wherever the answer
     holds it: its globals, closures and default arguments, ``scopes``, a partial of it there; a class named there
-    also refuses to make an instance of a subclass. The functions of a refused module's submodules and of the spec's
+    also refuses to make an instance of a subclass. A refused module's private callables (the library uses
+    them) are refused only where the answer holds them, with the answer's subclasses of them. The functions of a refused module's submodules and of the spec's
     own module (its oracles, reached through their module) are guarded: a call from the answer's code raises, the
     library's own calls go through."""
 
@@ -234,9 +240,9 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     refused = []  # (holder, attribute, object, guarded)
     for dotted in ex.refuse:
         obj = pkgutil.resolve_name(dotted)
-        if isinstance(obj, types.ModuleType):
-            public = [(a, v) for a, v in vars(obj).items() if not a.startswith("_") and callable(v)]
-            refused += [(obj, a, v, False) for a, v in public if str(getattr(v, "__module__", "")).startswith(obj.__name__)]  # fmt: skip
+        if isinstance(obj, types.ModuleType):  # its private callables only where the answer holds them ("scope")
+            own_ = [(a, v) for a, v in vars(obj).items() if callable(v) and str(getattr(v, "__module__", "")).startswith(obj.__name__)]  # fmt: skip
+            refused += [(obj, a, v, "scope" if a.startswith("_") else False) for a, v in own_]
         else:
             refused.append((pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1], obj, None))
     spec = sys.modules.get(ex.module)
@@ -256,6 +262,12 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         if guarded == "spec":  # reached through its module only: a test's variant may hold it in its own scope
             out.append((holder, attr, guard(obj, no)))
             continue
+        if guarded == "scope":  # a private callable: the answer's own subclasses of it are refused with it
+            held = lambda v, obj=obj: v is obj or (inspect.isclass(v) and inspect.isclass(obj) and issubclass(v, obj))
+            _ = no() if any(held(a) for a in answer) else None
+            stand_in = _Refused(f"{holder.__name__}.{attr}", raise_) if inspect.isclass(obj) else no
+            out += [(s, k, stand_in) for s in scopes for k, v in s.items() if held(v)]
+            continue
         out += [(holder, attr, guard(obj, no) if guarded else no)] + [(s, k, no) for s in scopes for k, v in s.items() if v is obj]  # fmt: skip
         out += [(c, "cell_contents", no) for c in cells if _try(getattr, c, "cell_contents") is obj]  # empty: None
         partial_of = lambda v, obj=obj: isinstance(v, functools.partial) and v.func is obj
@@ -267,7 +279,7 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         if inspect.isclass(obj) and "__init__" in vars(obj) and named:
             out.append((obj, "__init__", lambda self, *a, _no=no, **k: _no()))
     mods = [(s, k, v) for s in scopes for k, v in s.items() if any(v is m for m in modules)]
-    return out + [(s, k, _RefusedModule(v.__name__, raise_)) for s, k, v in mods]
+    return out + [(s, k, _Refused(v.__name__, raise_)) for s, k, v in mods]
 
 
 def _swap(holder, attr, value):
