@@ -41,6 +41,13 @@ def test_the_unbiased_estimates_agree_with_the_library_population_ones():
     assert gd_sgd._b_simple(gradient_noise.per_example_grads(x, y, 1.7, -0.6)) == pytest.approx(want, rel=1e-9)
 
 
+def test_the_chunked_oracle_equals_b_simple_of_every_gradient_at_once():
+    for case in gd_sgd.DATASET_NOISE_SCALE.cases():
+        model, loss_fn, x, y, _ = case.args
+        want = gd_sgd._b_simple(gd_sgd._per_example(model, loss_fn, x, y))
+        assert gd_sgd.DATASET_NOISE_SCALE.oracle(*case.args) == pytest.approx(want, rel=1e-9)
+
+
 def test_many_gd_steps_reach_least_squares():
     case = gd_sgd.GD_STEP.cases()[2]
     x, y, *_ = case.args

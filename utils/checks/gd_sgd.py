@@ -10,6 +10,7 @@ from functools import partial
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .. import gradient_noise as _noise
 from .. import linear_regression as _linreg
@@ -338,29 +339,50 @@ NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
 )  # fmt: skip
 
 
-def _chunked(m, f, x, y, c, keep=None, each=False, **kw):
-    """B_simple of the gradients in chunks of ``c``: of the first ``keep`` chunks, or (``each``) the mean of each's."""
-    chunks = [_per_example(m, f, x[i : i + c], y[i : i + c]) for i in range(0, len(x), c)][:keep]
-    return float(np.mean([_b_simple(g, **kw) for g in chunks])) if each else _b_simple(torch.cat(chunks), **kw)
+def _chunked(m, f, x, y, c, keep=None, each=False, ddof=1, correct=True):
+    """B_simple from running sums over the chunks of ``c`` (the first ``keep`` only), or (``each``) the mean of each
+    chunk's; ``ddof`` and ``correct`` as in :func:`_b_simple`."""
+    chunks = [_per_example(m, f, x[i : i + c], y[i : i + c]).double() for i in range(0, len(x), c)][:keep]
+    if each:
+        return float(np.mean([_b_simple(g) for g in chunks]))
+    n, total, squares = sum(map(len, chunks)), sum(g.sum(0) for g in chunks), sum((g**2).sum() for g in chunks)
+    tr = (squares - n * ((total / n) ** 2).sum()) / (n - ddof)
+    return float(tr / (((total / n) ** 2).sum() - (tr / n if correct else 0)))
+
+
+class _Rows(TorchFunctionMode):
+    """The most rows of any [rows, P] tensor made while it is on (P: the model's parameter count)."""
+
+    def __init__(self, p: int):
+        super().__init__()
+        self.p, self.most = p, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] == self.p:
+            self.most = max(self.most, out.shape[0])
+        return out
 
 
 def _run_in_chunks(fn, case):
-    """The answer's B_simple; it raises when the model saw more than ``chunk`` examples in one pass, or ran fewer
-    times than there are chunks (one torch.func pass over all of them)."""
+    """The answer's B_simple; it raises when the model saw more than ``chunk`` examples in one pass, ran fewer
+    times than there are chunks (one torch.func pass over all of them), or more than ``chunk`` examples'
+    gradients were held at once (a [rows, P] tensor)."""
     model, _, x, _, chunk = case.args
-    seen = []
+    seen, rows = [], _Rows(sum(p.numel() for p in model.parameters()))
     handle = model.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0] if a[0].dim() else 1))
     try:
-        got = fn(*case.args)
+        with rows:
+            got = fn(*case.args)
     finally:
         handle.remove()
-    if max(seen, default=0) > chunk or 0 < len(seen) < -(-len(x) // chunk):
-        raise RuntimeError(f"the model saw more than chunk={chunk} examples in one pass")
+    if max(seen, default=0) > chunk or 0 < len(seen) < -(-len(x) // chunk) or rows.most > chunk:
+        raise RuntimeError(f"more than chunk={chunk} examples went through at once")
     return got
 
 
 DATASET_NOISE_SCALE = Exercise(
-    name="dataset_noise_scale", oracle=lambda m, f, x, y, c: _b_simple(_per_example(m, f, x, y)), run=_run_in_chunks,
+    name="dataset_noise_scale", oracle=lambda *a: _chunked(*a), run=_run_in_chunks,
     rtol=1e-6, passed="two models, in chunks that leave a shorter last one",
     cases=lambda: [Case((*case.args, c), label=f"{case.label} in chunks of {c}") for case, c in zip(_models_cases(), (3, 4))],
     refuse=("utils.gradient_noise.per_example_grads", "utils.gradient_noise.noise_scale",
@@ -369,10 +391,10 @@ DATASET_NOISE_SCALE = Exercise(
     hint="keep two running totals over every chunk (the summed gradients, the summed squared entries), divide once by "
     "N at the end, then use the unbiased tr(Sigma) and |G|^2",
     mistakes=[
-        _m("your function ignores chunk: the model saw more examples at once than chunk allows, so every example's "
-           "gradient is held at the same time. Try: slice x and y into pieces of chunk examples and take each piece's "
-           "per-example gradients in turn", lambda m, f, x, y, c: _b_simple(_vmapped(m, f, x, y)),
-           when=lambda o: "examples in one pass" in o.error),
+        _m("more than chunk examples went through at once: your function ran the model on them, or held their "
+           "gradients, together. Try: slice x and y into pieces of chunk examples, take each piece's per-example "
+           "gradients in turn, and keep only running sums", lambda m, f, x, y, c: _b_simple(_vmapped(m, f, x, y)),
+           when=lambda o: "examples went through at once" in o.error),
         _m("you averaged the per-chunk B_simple values. Try: accumulate sums over ALL examples and divide once at the "
            "end", partial(_chunked, each=True)),
         _m("only the first chunk was used. Try: loop over every chunk, and add up before dividing",
