@@ -223,9 +223,9 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     callables it defines) raises in the module that holds it, in the one that defines it, and wherever the answer
     holds it: its globals, closures and default arguments, ``scopes``, a partial of it there; a class named there
     also refuses to make an instance of a subclass. A refused module's private callables (the library uses
-    them) are refused only where the answer holds them, with the answer's subclasses of them. The functions of a refused module's submodules and of the spec's
-    own module (its oracles, reached through their module) are guarded: a call from the answer's code raises, the
-    library's own calls go through."""
+    them) are refused only where the answer holds them, with the answer's own subclasses of them. The functions
+    of a refused module's submodules and of the spec's own module (its oracles, reached through their module) are
+    guarded: a call from the answer's code raises, the library's own calls go through."""
 
     def raise_(what: str, *args, **kwargs):
         problem = f"your code uses {what}, which this exercise asks you to write yourself"
@@ -235,14 +235,15 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     scopes = list({id(fn.__globals__): fn.__globals__ for fn in fns}.values()) + list(scopes)
     lib = lambda scope: str(scope.get("__name__", "")).split(".")[0] in ("utils", "torch")
     own = {id(s) for s in scopes if not lib(s)}  # the answer's namespaces
+    mine = lambda v: inspect.isclass(v) and str(v.__module__).split(".")[0] not in ("utils", "torch")  # its classes
     cells = [c for fn in fns for c in (fn.__closure__ or ())]
     modules = [m for m in map(pkgutil.resolve_name, ex.refuse) if isinstance(m, types.ModuleType)]
     refused = []  # (holder, attribute, object, guarded)
     for dotted in ex.refuse:
         obj = pkgutil.resolve_name(dotted)
         if isinstance(obj, types.ModuleType):  # its private callables only where the answer holds them ("scope")
-            own_ = [(a, v) for a, v in vars(obj).items() if callable(v) and str(getattr(v, "__module__", "")).startswith(obj.__name__)]  # fmt: skip
-            refused += [(obj, a, v, "scope" if a.startswith("_") else False) for a, v in own_]
+            defined = [(a, v) for a, v in vars(obj).items() if callable(v) and str(getattr(v, "__module__", "")).startswith(obj.__name__)]  # fmt: skip
+            refused += [(obj, a, v, "scope" if a.startswith("_") else False) for a, v in defined]
         else:
             refused.append((pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1], obj, None))
     spec = sys.modules.get(ex.module)
@@ -263,7 +264,7 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
             out.append((holder, attr, guard(obj, no)))
             continue
         if guarded == "scope":  # a private callable: the answer's own subclasses of it are refused with it
-            held = lambda v, obj=obj: v is obj or (inspect.isclass(v) and inspect.isclass(obj) and issubclass(v, obj))
+            held = lambda v, obj=obj: v is obj or (mine(v) and inspect.isclass(obj) and issubclass(v, obj))
             _ = no() if any(held(a) for a in answer) else None
             stand_in = _Refused(f"{holder.__name__}.{attr}", raise_) if inspect.isclass(obj) else no
             out += [(s, k, stand_in) for s in scopes for k, v in s.items() if held(v)]
