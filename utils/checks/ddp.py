@@ -81,19 +81,19 @@ def _ring_no_wait(tensor):  # written out: a crash is recognised from this sourc
 
 def _ring_run(fn, case):
     """The tensor passed in, the one returned, how many requests of the batches were never waited for, and how many
-    batches there were (one per step)."""
+    sends they held (one per step)."""
     (x,) = case.args
-    real, reqs, batches = dist.batch_isend_irecv, [], [0]
+    real, reqs, sends = dist.batch_isend_irecv, [], [0]
 
     def batch(ops, *a, **k):
-        batches[0] += 1
+        sends[0] += sum(getattr(op, "op", None) is dist.isend for op in ops)
         reqs.extend(_Watched(w) for w in real(ops, *a, **k))
         return reqs[len(reqs) - len(ops) :]
 
     with mock.patch.object(dist, "batch_isend_irecv", batch):
         out = fn(x)
     returned = out.detach().cpu() if isinstance(out, torch.Tensor) else None
-    return x.detach().cpu(), returned, sum(not r.waited for r in reqs), batches[0]
+    return x.detach().cpu(), returned, sum(not r.waited for r in reqs), sends[0]
 
 
 def _ring_compare(got, want):
@@ -118,7 +118,7 @@ RING_ALL_REDUCE = Exercise(
            _ring_blocking, lambda o: bool(o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source),  # the mistake under test
         _m("the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before it arrives. Try: call wait() on every request of the batch before you read the received buffer",
            _ring_no_wait, lambda o: any(g[2] for g in o.got) if o.got else (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source, mechanism=True),
-        _m("your ring takes more than 2(N-1) steps: an extra step passes on a chunk that every rank already holds. Try: N-1 reduce-scatter steps, then N-1 all-gather steps, one batched send and receive each",
+        _m("your ring sends more than 2(N-1) chunks: an extra step passes on a chunk that every rank already holds. Try: N-1 reduce-scatter steps, then N-1 all-gather steps, one chunk sent and one received each",
            partial(_ring, more=1), lambda o: bool(o.got) and any(g[3] > 2 * (len(o.got) - 1) for g in o.got) and _ring_compare(o.got, o.want) is None, mechanism=True),
         _m("the returned tensor is right but the tensor passed in was not changed. Try: work in place, like dist.all_reduce: add into views of the tensor, then return it",
            partial(_ring, clone=True), lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want))),

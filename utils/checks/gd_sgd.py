@@ -340,7 +340,7 @@ NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
 
 
 def _chunked(m, f, x, y, c, keep=None, each=False, ddof=1, correct=True):
-    """B_simple from running sums over the chunks of ``c`` (the first ``keep`` only), or (``each``) the mean of each
+    """B_simple from the sums over the chunks of ``c`` (the first ``keep`` only), or (``each``) the mean of each
     chunk's; ``ddof`` and ``correct`` as in :func:`_b_simple`."""
     chunks = [_per_example(m, f, x[i : i + c], y[i : i + c]).double() for i in range(0, len(x), c)][:keep]
     if each:
