@@ -125,7 +125,7 @@ def _sgd(x, y, w0, b0, lr, n, bs, seed, lr_x=1.0, bs_all=False, steps_more=0):
 
 
 SGD = Exercise(
-    name="sgd", answer=("minibatch_sgd",), oracle=_linreg.sgd, rtol=1e-6, atol=1e-9,
+    name="sgd", answer=("minibatch_sgd",), oracle=_linreg.sgd, rtol=1e-10, atol=1e-12,  # float32 rounding fails
     run=lambda f, c: _converted(f(*c.args), lambda g: g if torch.is_tensor(g) else torch.as_tensor(g, dtype=torch.float64)),
     cases=lambda: [Case((*_points(12, 5), -1.0, 2.0, 0.05, 9, 3, 7), label="9 steps of batch 3 on 12 points"),
                    Case((*_points(10, 8), 0.5, -0.5, 0.1, 12, 2, 3), label="12 steps of batch 2 on 10 points")],
@@ -133,9 +133,10 @@ SGD = Exercise(
     hint="each step takes the next batch of indices, moves (w, b) by the gradient on those points only, and appends "
     "the new pair",
     mistakes=[
-        _m("the path is not float64, so it keeps fewer digits than the data. Try: build the tensor with "
-           "dtype=torch.float64", lambda *a: _sgd(*a).float(), mechanism=True,
-           when=lambda o: torch.is_tensor(o.got) and o.got.dtype != torch.float64 and o.got.shape == o.want.shape),
+        _m("the path is float32, or went through float32 (torch.tensor of Python floats is float32), so it keeps "
+           "fewer digits than the data. Try: make every tensor of the path with dtype=torch.float64", lambda *a: _sgd(*a).float(), mechanism=True,
+           when=lambda o: torch.is_tensor(o.got) and o.got.shape == o.want.shape and (o.got.dtype != torch.float64 or (
+               difference(o.got, o.want, 1e-10, 1e-12) is not None and difference(o.got, o.want, 1e-5, 1e-7) is None))),
         _m("the path is transposed: it has 2 rows. Try: one row per point, a tensor of shape (steps + 1, 2)",
            lambda *a: _sgd(*a).T, when=lambda o: tuple(o.got.shape) == tuple(o.want.shape)[::-1]),
         _m("the path has one row too many or too few: the loop ran steps + 1 or steps - 1 times. Try: after the start "
@@ -237,21 +238,32 @@ def _vmapped(model, loss_fn, x, y):
     return torch.cat([t.flatten(1) for t in grads.values()], 1)
 
 
-def _counting_calls(run):
-    """``run``, noting on its output (``.model_calls``) how many times the case's model ran: a loop runs it B times."""
+@contextlib.contextmanager
+def _forwards(model):
+    """Per run of ``model`` (``model(x)`` or ``model.forward(x)``): the input's first dim, and whether it ran
+    outside every torch.func.vmap."""
+    seen, forward = [], model.forward
 
-    def counted(fn, case):
-        calls = []
-        handle = case.args[0].register_forward_pre_hook(lambda m, a: calls.append(1))
-        try:
-            got = run(fn, case)
-        finally:
-            handle.remove()
-        with contextlib.suppress(AttributeError):
-            got.model_calls = len(calls)
-        return got
+    def counted(x, *args, **kwargs):
+        transforms = torch._C._functorch.get_interpreter_stack() or ()
+        seen.append((x.shape[0] if x.dim() else 1, not any(str(t.key()).endswith("Vmap") for t in transforms)))
+        return forward(x, *args, **kwargs)
 
-    return counted
+    model.forward = counted
+    try:
+        yield seen
+    finally:
+        del model.forward
+
+
+def _run_counting_loops(fn, case):
+    """As _run_keeping_parameters, noting on the output (``.unmapped_calls``) how many times the model ran outside
+    torch.func.vmap: a Python loop does so once per example (or pair), a vmap never."""
+    with _forwards(case.args[0]) as seen:
+        got = _run_keeping_parameters(fn, case)
+    with contextlib.suppress(AttributeError):
+        got.unmapped_calls = sum(unmapped for _, unmapped in seen)
+    return got
 
 
 def _b_simple(g, dim=0, ddof=1, correct=True) -> float:
@@ -301,13 +313,13 @@ PER_EXAMPLE_GRADS_LOOP = Exercise(
     refuse_hint="loop over the examples, one torch.autograd.grad call on each example's own loss",
     **_PER_EXAMPLE | {"refuse": _PER_EXAMPLE["refuse"] + ("torch.func.vmap", "torch.vmap")},
 )
-_LOOPED = _m("your function runs the model once per example, in a Python loop. Try: write the loss of ONE example as a "
+_LOOPED = _m("your function runs the model in a Python loop, outside torch.func.vmap. Try: write the loss of ONE example as a "
              "function of the parameters (torch.func.functional_call), take its torch.func.grad and map it over the "
              "batch with torch.func.vmap", lambda *a: _per_example(*a), mechanism=True,
-             when=lambda o: getattr(o.got, "model_calls", 0) >= len(o.want) > 1 and _close(o.got, o.want))  # fmt: skip
+             when=lambda o: getattr(o.got, "unmapped_calls", 0) >= 2 and _close(o.got, o.want))  # fmt: skip
 PER_EXAMPLE_GRADS = Exercise(
     name="per_example_grads", refuse_hint="use torch.func.functional_call, grad and vmap",
-    **_PER_EXAMPLE | {"run": _counting_calls(_run_keeping_parameters), "mistakes": [*_PER_EXAMPLE["mistakes"], _LOOPED]},
+    **_PER_EXAMPLE | {"run": _run_counting_loops, "mistakes": [*_PER_EXAMPLE["mistakes"], _LOOPED]},
 )  # fmt: skip
 _ESTIMATES = tuple(f"utils.gradient_noise.{f}" for f in ("noise_scale", "dataset_noise_scale", "two_batch_estimates"))
 NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
@@ -351,32 +363,30 @@ def _chunked(m, f, x, y, c, keep=None, each=False, ddof=1, correct=True):
 
 
 class _Rows(TorchFunctionMode):
-    """The most rows of any [rows, P] tensor made while it is on (P: the model's parameter count)."""
+    """The most rows of any per-example gradient made while it is on: a [rows, P] tensor (P: the parameter count)
+    or a [rows, *shape] one of a parameter's shape; the data's and the parameters' own shapes are left out."""
 
-    def __init__(self, p: int):
+    def __init__(self, model, *data):
         super().__init__()
-        self.p, self.most = p, 0
+        self.shapes = {(sum(p.numel() for p in model.parameters()),)} | {tuple(p.shape) for p in model.parameters()}
+        self.most, self.data = 0, {tuple(t.shape) for t in data} | self.shapes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor) and out.dim() == 2 and out.shape[1] == self.p:
-            self.most = max(self.most, out.shape[0])
+        if isinstance(out, torch.Tensor) and out.dim() and tuple(out.shape[1:]) in self.shapes:
+            self.most = max(self.most, 0 if tuple(out.shape) in self.data else out.shape[0])
         return out
 
 
 def _run_in_chunks(fn, case):
     """The answer's B_simple; it raises when the model saw more than ``chunk`` examples in one pass, ran fewer
     times than there are chunks (one torch.func pass over all of them), or more than ``chunk`` examples'
-    gradients were held at once (a [rows, P] tensor)."""
-    model, _, x, _, chunk = case.args
-    seen, rows = [], _Rows(sum(p.numel() for p in model.parameters()))
-    handle = model.register_forward_pre_hook(lambda m, a: seen.append(a[0].shape[0] if a[0].dim() else 1))
-    try:
-        with rows:
-            got = fn(*case.args)
-    finally:
-        handle.remove()
-    if max(seen, default=0) > chunk or 0 < len(seen) < -(-len(x) // chunk) or rows.most > chunk:
+    gradients were held at once (in one tensor)."""
+    model, _, x, y, chunk = case.args
+    with _forwards(model) as seen, _Rows(model, x, y) as rows:
+        got = fn(*case.args)
+    chunks = -(-len(x) // chunk)  # a [chunks, P] stack of the chunks' sums is no per-example gradient
+    if max((n for n, _ in seen), default=0) > chunk or 0 < len(seen) < chunks or rows.most > max(chunk, chunks):
         raise RuntimeError(f"more than chunk={chunk} examples went through at once")
     return got
 
@@ -384,7 +394,7 @@ def _run_in_chunks(fn, case):
 DATASET_NOISE_SCALE = Exercise(
     name="dataset_noise_scale", oracle=lambda *a: _chunked(*a), run=_run_in_chunks,
     rtol=1e-6, passed="two models, in chunks that leave a shorter last one",
-    cases=lambda: [Case((*case.args, c), label=f"{case.label} in chunks of {c}") for case, c in zip(_models_cases(), (3, 4))],
+    cases=lambda: [Case((*case.args, c), label=f"{case.label} in chunks of {c}") for case, c in zip(_models_cases(), (3, 3))],
     refuse=("utils.gradient_noise.per_example_grads", "utils.gradient_noise.noise_scale",
             "utils.gradient_noise.dataset_noise_scale"),
     refuse_hint="accumulate the sums yourself, with your own per_example_grads",

@@ -80,7 +80,8 @@ def _ratio_case(shape, scale, *hp, seed):  # three (w, g) pairs: the 2nd with ze
     gen = torch.Generator().manual_seed(seed)
     w, g = torch.randn(3, *shape, generator=gen, dtype=F64) * scale, torch.randn(3, *shape, generator=gen, dtype=F64)
     w[1], g[2] = 0.0, 0.0
-    label = f"three {'x'.join(map(str, shape))} tensors, one with zero weights and one with a zero gradient"
+    size = "x".join(map(str, shape)) if len(shape) > 1 else f"{shape[0]}-element"
+    label = f"three {size} tensors, one with zero weights and one with a zero gradient"
     return Case((w, g * 0.1, *hp), label=label)
 
 
@@ -97,7 +98,7 @@ TRUST_RATIO = Exercise(
         "number": (lambda w, g, wd, tc, eps: tc, "it returns a Python number, not a tensor. Try: return a 0-d tensor, computed with torch.linalg.vector_norm and torch.where"),
         "no_wd": (lambda w, g, wd, tc, eps: _ratio(w, g, 0.0, tc, eps), "weight decay is missing from the denominator. Try: the denominator is the norm of g plus weight_decay times the norm of w plus eps"),
         "swapped": (lambda w, g, wd, tc, eps: _ratio(g, w, wd, tc, eps), "the norms are swapped: the ratio is the weights' norm over the gradient's, not the other way round. Try: put the norm of w in the numerator"),
-        "no_eps": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, 0.0), "eps is missing from the denominator. Try: add eps to the norm of g plus weight_decay times the norm of w, inside the division"),
+        "no_eps": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, 0.0), "eps is not added to the denominator. Try: add eps to the norm of g plus weight_decay times the norm of w, inside the division"),
         "eps_outside": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, eps, eps_outside=True), "eps was added to the ratio, outside the division. Try: eps belongs in the denominator, beside the two norms, where it keeps the division away from 0"),
         "no_tc": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, 1.0, eps), "the ratio is not multiplied by trust_coefficient. Try: multiply it by trust_coefficient"),
         "no_fallback": (lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps), "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give 1, chosen with torch.where so that it stays on the device"),
@@ -236,16 +237,18 @@ class _LarsOracle(LARS):
 
 
 def _run_optimizer(cls, case):
-    """The case's network trained by ``cls``: its parameters after every step, and where its buffers live."""
-    seed, (i, h, o), hp, lrs = case.args
+    """The case's network trained by ``cls``: its parameters after every step, and where its buffers live. Its
+    groups say exclude=True, and exclude=False where ``keep_false`` (else they leave it out, as the lab allows)."""
+    seed, (i, h, o), hp, lrs, keep_false = case.args
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(i, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Linear(h, o)).double()
         model.unused = nn.Parameter(torch.randn(2, 2, dtype=F64))  # never gets a gradient
         data = [(torch.randn(16, i, dtype=F64), torch.randint(0, o, (16,))) for _ in lrs]
     groups = _flipped(lars_param_groups(model, hp["weight_decay"]), "adapt", "exclude")
-    groups = [{k: v for k, v in g.items() if v is not False} for g in groups]  # "exclude" only where it is True
+    groups = groups if keep_false else [{k: v for k, v in g.items() if v is not False} for g in groups]
     opt, out = _made(cls, torch.optim.Optimizer, groups, **hp), {"params": [], "state": True, "plain": True}
+    out["names"] = [n for n, _ in model.named_parameters()]
     for (x, y), lr in zip(data, lrs):
         for g in opt.param_groups:
             g["lr"] = lr
@@ -260,13 +263,23 @@ def _run_optimizer(cls, case):
     return out
 
 
+def _lars_compare(got, want):
+    """The first parameter, by name, that differs from utils.optim.LARS's, and after which step."""
+    for step, (g, w) in enumerate(zip(got["params"], want["params"])):
+        for name, a, b in zip(want["names"], g, w):
+            if difference(a, b, 1e-7, 1e-10):
+                return f"left parameter {name} different from utils.optim.LARS's after step {step + 1}"
+    flags = lambda out: {k: v for k, v in out.items() if k != "names"}
+    return difference(flags(got), flags(want), 1e-7, 1e-10)
+
+
 _HP = ("lr", "momentum", "weight_decay", "trust_coefficient", "eps")
 LARS_OPTIMIZER = Exercise(
-    name="lars_optimizer", answer=("MyLARS",), oracle=_LarsOracle, run=_run_optimizer, rtol=1e-7, atol=1e-10,
-    cases=lambda: [Case((41, (6, 8, 3), dict(zip(_HP, (0.4, 0.9, 0.01, 0.02, 1e-9))), (0.4, 0.4, 0.2, 0.2)),
+    name="lars_optimizer", answer=("MyLARS",), oracle=_LarsOracle, run=_run_optimizer, compare=_lars_compare,
+    cases=lambda: [Case((41, (6, 8, 3), dict(zip(_HP, (0.4, 0.9, 0.01, 0.02, 1e-9))), (0.4, 0.4, 0.2, 0.2), False),
                         label="4 steps of a 6-8-3 network with batch norm, lr halved at step 2"),
-                   Case((7, (5, 4, 2), dict(zip(_HP, (0.05, 0.8, 0.05, 0.01, 1e-8))), (0.05, 0.1, 0.15)),
-                        label="3 steps of a 5-4-2 network with batch norm, lr rising in a warmup")],
+                   Case((7, (5, 4, 2), dict(zip(_HP, (0.05, 0.8, 0.05, 0.01, 1e-8))), (0.05, 0.1, 0.15), True),
+                        label="3 steps of a 5-4-2 network with batch norm, lr rising in a warmup, a group with exclude=False")],
     refuse=("utils.optim.LARS.step",),
     refuse_hint="subclass torch.optim.Optimizer and write the step yourself; your trust_ratio and lars_step may help",
     hint="per parameter: the weight-decayed gradient times the trust ratio (1 in an excluded group), folded into the "
