@@ -15,6 +15,7 @@ from unittest import mock
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DistributedSampler
 
 from .engine import Case, Exercise, check, difference, fail
@@ -36,6 +37,26 @@ class _Watched:
             self._note()
             self.waited = True
         return getattr(self._work, attr)
+
+
+@contextlib.contextmanager
+def _spying(fn, name: str, spy):
+    """``dist.<name>`` replaced by ``spy`` while the answer ``fn`` runs, also where its globals hold it by name."""
+    real, scope = getattr(dist, name), getattr(fn, "__globals__", {})
+    with mock.patch.object(dist, name, spy), mock.patch.dict(scope, {k: spy for k, v in scope.items() if v is real}):
+        yield
+
+
+class _Sent(TorchDispatchMode):
+    """The elements this rank sends point to point: c10d's send, however the answer called it."""
+
+    def __init__(self):
+        super().__init__()
+        self.elements = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.elements += sum(t.numel() for t in args[0]) if str(func).startswith("c10d.send") else 0
+        return func(*args, **(kwargs or {}))
 
 
 # ---------------------------------------------------------------------------- ring all-reduce
@@ -81,19 +102,18 @@ def _ring_no_wait(tensor):  # written out: a crash is recognised from this sourc
 
 def _ring_run(fn, case):
     """The tensor passed in, the one returned, how many requests of the batches were never waited for, and how many
-    sends they held (one per step)."""
+    elements this rank sent."""
     (x,) = case.args
-    real, reqs, sends = dist.batch_isend_irecv, [], [0]
+    real, reqs = dist.batch_isend_irecv, []
 
     def batch(ops, *a, **k):
-        sends[0] += sum(getattr(op, "op", None) is dist.isend for op in ops)
         reqs.extend(_Watched(w) for w in real(ops, *a, **k))
         return reqs[len(reqs) - len(ops) :]
 
-    with mock.patch.object(dist, "batch_isend_irecv", batch):
+    with _spying(fn, "batch_isend_irecv", batch), _Sent() as sent:
         out = fn(x)
     returned = out.detach().cpu() if isinstance(out, torch.Tensor) else None
-    return x.detach().cpu(), returned, sum(not r.waited for r in reqs), sends[0]
+    return x.detach().cpu(), returned, sum(not r.waited for r in reqs), sent.elements
 
 
 def _ring_compare(got, want):
@@ -118,8 +138,8 @@ RING_ALL_REDUCE = Exercise(
            _ring_blocking, lambda o: bool(o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source),  # the mistake under test
         _m("the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before it arrives. Try: call wait() on every request of the batch before you read the received buffer",
            _ring_no_wait, lambda o: any(g[2] for g in o.got) if o.got else (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source, mechanism=True),
-        _m("your ring sends more than 2(N-1) chunks: an extra step passes on a chunk that every rank already holds. Try: N-1 reduce-scatter steps, then N-1 all-gather steps, one chunk sent and one received each",
-           partial(_ring, more=1), lambda o: bool(o.got) and any(g[3] > 2 * (len(o.got) - 1) for g in o.got) and _ring_compare(o.got, o.want) is None, mechanism=True),
+        _m("your ring sends more than 2(N-1) chunks of 1/N of the tensor per rank: it takes extra steps, or sends more than a chunk at a time. Try: N-1 reduce-scatter steps, then N-1 all-gather steps, each sending one chunk",
+           partial(_ring, more=1), lambda o: bool(o.got) and any(g[3] > 2 * (len(o.got) - 1) * -(-g[0].numel() // len(o.got)) for g in o.got) and _ring_compare(o.got, o.want) is None, mechanism=True),
         _m("the returned tensor is right but the tensor passed in was not changed. Try: work in place, like dist.all_reduce: add into views of the tensor, then return it",
            partial(_ring, clone=True), lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want))),
         _m("every rank still holds its own tensor: your chunks are copies, not views changed in place. Try: cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy into them", partial(_ring, copies=True)),
@@ -220,7 +240,7 @@ def _overlap_run(fn, case):
         seen = lambda: c.update(early=c["early"] or now["bw"], stale=c["stale"] or now["step"] != c["step"])
         return _Watched(work, seen) if c["async"] else work
 
-    with mock.patch.object(dist, "all_reduce", spy):
+    with _spying(fn, "all_reduce", spy):
         finish = fn(model, cap)
         for step, (x, y) in enumerate(batches):
             now["step"] = step

@@ -391,7 +391,12 @@ def ship(name: str, answer: tuple) -> Shipment:
         for base in obj.__bases__ if inspect.isclass(obj) else ():  # a class of the notebook it subclasses, first
             _ = visit(base) if _notebook_defined(base) else None
         glb = fns[0].__globals__ if fns else vars(inspect.getmodule(obj) or types.ModuleType("x"))
-        for n, v in [(n, glb[n]) for n in sorted(set().union(*(_code_names(f.__code__) for f in fns))) if n in glb]:
+        names = set().union(*(_code_names(f.__code__) for f in fns))
+        # and the names a class's bases are written with (a module, or a class imported by name)
+        with contextlib.suppress(OSError, TypeError, SyntaxError, IndexError):
+            bases = ast.parse(textwrap.dedent(getsource(obj))).body[0].bases if inspect.isclass(obj) else []
+            names |= {n.id for b in bases for n in ast.walk(b) if isinstance(n, ast.Name)}
+        for n, v in [(n, glb[n]) for n in sorted(names) if n in glb]:
             if isinstance(v, types.ModuleType):
                 imports[n] = v.__name__
             elif _notebook_defined(v):

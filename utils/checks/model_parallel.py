@@ -65,9 +65,9 @@ def _miscount(o, key, dim):
 
 TENSOR_PARALLEL = Exercise(
     name="tensor_parallel", answer=("column_shard", "row_shard"), run=_tp_run, compare=_tp_compare,
-    cases=lambda: [Case((mlp(16, 2, in_features=8, out_features=8, activation="gelu", seed=n), torch.randn(5, 8, generator=torch.Generator().manual_seed(n)), n), label=f"{n} rank(s)") for n in (1, 2, 4)],
+    cases=lambda: [Case((mlp(16, 2, in_features=8, out_features=8, activation="gelu", seed=n), torch.randn(5, 8, generator=torch.Generator().manual_seed(n)), n), label=f"{n} rank" + "s" * (n > 1)) for n in (1, 2, 4)],
     oracle=(tp.column_shard, tp.row_shard), refuse=("utils.parallel.tensor_parallel",),
-    hint="rank r keeps the SAME slice r of the hidden units in both layers, in equal contiguous slices",
+    hint="rank r keeps the SAME slice r of the hidden units in both layers, in equal contiguous slices (nn.Linear's weight is [out_features, in_features])",
     passed="1, 2 and 4 ranks: the partial outputs add up to the whole MLP",
     mistakes=[
         _m("column_shard must return a (weight, bias) pair of tensors, row_shard one weight. Try: return this rank's slices of the weight and bias from column_shard, of the weight from row_shard", (lambda lin, r, n: [t.tolist() for t in _col(lin, r, n)], _row), lambda o: "unpack" in o.error or None in (o.got["w1"], o.got["b1"], o.got["w2"])),
@@ -108,7 +108,7 @@ def _zero2_cases(ctx):
     """Two MLPs, 44 and 57 parameters: on 2 or 3 ranks, one divides by the world size and the other does not."""
     models = {44: (4, 6, 2), 57: (5, 6, 3)}
     odd = lambda n: "" if n % ctx.world_size == 0 else f", which does not divide by {ctx.world_size} ranks,"
-    return [Case((sizes, kind, ctx), label=f"the {n}-parameter MLP{odd(n)} with {kind}") for n, sizes in models.items() for kind in ("SGD", "Adam")]  # fmt: skip
+    return [Case((sizes, kind, ctx), label=f"the {n}-parameter MLP{odd(n)} with {kind} on {ctx.world_size} ranks") for n, sizes in models.items() for kind in ("SGD", "Adam")]  # fmt: skip
 
 
 def _zero2_run(answer, case):
@@ -187,11 +187,20 @@ def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=
     _ = _copy_back(params, full) if copy else None
 
 
+def _zero2_compare(got, want):
+    """Which rank's parameters first differ from one process's, after which step; else any other difference."""
+    for r, (g, w) in enumerate(zip(got, want)):
+        for step, (a, b) in enumerate(zip(g["params"], w["params"])):
+            if difference(a, b):
+                return f"left parameters on rank {r} that differ from one process's after step {step + 1}"
+    return difference(got, want)
+
+
 _REF, _step = _zero2_optimizer, lambda **wrong: partial(_zero2_step, **wrong)  # partials: the ranks unpickle them
 ZERO2 = Exercise(
     name="zero2", answer=("zero2_optimizer", "zero2_step"), oracle=(_zero2_optimizer, _zero2_step), ranks=3,
     cases=_zero2_cases, run=_zero2_run, timeout_s=180,
-    compare=lambda got, want: _SEEN.append(got) or difference(got, want),
+    compare=lambda got, want: _SEEN.append(got) or _zero2_compare(got, want),
     refuse=("torch.distributed.all_reduce", "torch.distributed.optim.ZeroRedundancyOptimizer",
             "torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FullyShardedDataParallel",
             "torch.nn.parallel.DistributedDataParallel", "utils.parallel", "utils.parallel.shard.shard_model"),
@@ -201,7 +210,7 @@ ZERO2 = Exercise(
     passed="3 and 2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the optimizer "
     "state, only the shard's gradient after each step, and DDP's traffic",
     mistakes=[
-        _m("your code failed on the MLP whose parameter count does not divide by the number of ranks. Try: pad the flat vectors with zeros at the end to a multiple of the world size", (partial(_REF, pad=""), _step(pad="")), lambda o: "does not divide" in o.error),
+        _m("your code failed on the MLP whose parameter count does not divide by the number of ranks: it pads to a multiple of another number, or not at all. Try: pad the flat vectors with zeros at the end to a multiple of dist.get_world_size()", (partial(_REF, pad=""), _step(pad="")), lambda o: "does not divide" in o.error),
         _m("after a step the ranks hold different parameters. Try: all-gather the updated shards and copy the full vector into the parameters, on every rank", (_REF, _step(gather=False)), lambda o: any(difference(o.got[0]["params"], r["params"]) for r in o.got[1:])),
         _m("the model's parameters never change. Try: after the step, all-gather the shards and copy them back into the parameters in place, without autograd", (_REF, _step(copy=False))),
         _m("the parameters are one step behind: you gathered before stepping. Try: step the optimizer on your shard first, then all-gather", (_REF, _step(first=True))),

@@ -171,8 +171,9 @@ SYNCS_PER_STEP = Exercise(
 
 
 class _Counting(torch.utils.data.TensorDataset):  # counts its per-image reads (dataset[i]): the planted loader's cost
-    def __getitem__(self, i):
-        self.reads = getattr(self, "reads", 0) + 1
+    def __getitem__(self, i):  # a batch of indices at once (a tensor or list) is no per-image read
+        one = not isinstance(i, (list, torch.Tensor)) or torch.is_tensor(i) and i.dim() == 0
+        self.reads = getattr(self, "reads", 0) + one
         return super().__getitem__(i)
 
 
