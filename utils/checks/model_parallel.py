@@ -210,7 +210,7 @@ ZERO2 = Exercise(
     passed="3 and 2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the optimizer "
     "state, only the shard's gradient after each step, and DDP's traffic",
     mistakes=[
-        _m("your code failed on the MLP whose parameter count does not divide by the number of ranks: it pads to a multiple of another number, or not at all. Try: pad the flat vectors with zeros at the end to a multiple of dist.get_world_size()", (partial(_REF, pad=""), _step(pad="")), lambda o: "does not divide" in o.error),
+        _m("your code failed on the MLP whose parameter count does not divide by the number of ranks: it pads to a multiple of another number, or not at all. Try: pad the flat vectors with zeros at the end to a multiple of the world size, which torch.distributed gives you", (partial(_REF, pad=""), _step(pad="")), lambda o: "does not divide" in o.error),
         _m("after a step the ranks hold different parameters. Try: all-gather the updated shards and copy the full vector into the parameters, on every rank", (_REF, _step(gather=False)), lambda o: any(difference(o.got[0]["params"], r["params"]) for r in o.got[1:])),
         _m("the model's parameters never change. Try: after the step, all-gather the shards and copy them back into the parameters in place, without autograd", (_REF, _step(copy=False))),
         _m("the parameters are one step behind: you gathered before stepping. Try: step the optimizer on your shard first, then all-gather", (_REF, _step(first=True))),
