@@ -211,6 +211,9 @@ FIXED_LOADER = Exercise(
            "per-image work every epoch. Try: serve each batch as a slice of the dataset's tensors",
            partial(_loader, kind="dataloader"), when=lambda o: o.got["worker processes"] or o.got["per-image reads"],
            mechanism=True),
+        _m("your loader is an iterator (a generator, or iter(...)), which runs dry after one pass, so the second epoch had no "
+           "batches. Try: return an object that starts again each time it is iterated, such as a class with __iter__",
+           lambda ds, b, dev, seed: iter(_loader(ds, b, dev, seed)), when=lambda o: "order" in o.got and not o.got["order"][1]),
         _m("epoch 1 repeats epoch 0 or differs from the original's. Try: use a loader with set_epoch, as utils.data's are",
            partial(_loader, listed=True), when=lambda o: _same_epoch(o, 0) and not _same_epoch(o, 1)),
         _m("your batches come in the dataset's order. Try: shuffle, with the seed you are given",
