@@ -246,7 +246,8 @@ def _forwards(model):
 
     def counted(x, *args, **kwargs):
         transforms = torch._C._functorch.get_interpreter_stack() or ()
-        seen.append((x.shape[0] if x.dim() else 1, not any(str(t.key()).endswith("Vmap") for t in transforms)))
+        rows = x.shape[0] if torch.is_tensor(x) and x.dim() else 1  # a model called with something else: 1
+        seen.append((rows, not any(str(t.key()).endswith("Vmap") for t in transforms)))
         return forward(x, *args, **kwargs)
 
     model.forward = counted
