@@ -6,6 +6,7 @@ import contextlib
 import copy
 import itertools
 import math
+import weakref
 from functools import partial
 
 import numpy as np
@@ -352,50 +353,78 @@ NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
 )  # fmt: skip
 
 
-def _chunked(m, f, x, y, c, keep=None, each=False, ddof=1, correct=True):
-    """B_simple from the sums over the chunks of ``c`` (the first ``keep`` only), or (``each``) the mean of each
-    chunk's; ``ddof`` and ``correct`` as in :func:`_b_simple`."""
-    chunks = [_per_example(m, f, x[i : i + c], y[i : i + c]).double() for i in range(0, len(x), c)][:keep]
+def _chunked(m, f, x, y, c, keep=None, each=False, ddof=1, correct=True, hold=False):
+    """B_simple from running sums over the chunks of ``c`` (the first ``keep`` only), or (``each``) the mean of each
+    chunk's; ``ddof`` and ``correct`` as in :func:`_b_simple`; ``hold`` keeps every chunk's gradients to the end."""
+    n, total, squares, each_b, held = 0, 0.0, 0.0, [], []
+    for i in list(range(0, len(x), c))[:keep]:
+        g = _per_example(m, f, x[i : i + c], y[i : i + c]).double()
+        n, total, squares = n + len(g), total + g.sum(0), squares + (g**2).sum()
+        each_b += [_b_simple(g)] if each else []
+        held += [g] if hold else []
     if each:
-        return float(np.mean([_b_simple(g) for g in chunks]))
-    n, total, squares = sum(map(len, chunks)), sum(g.sum(0) for g in chunks), sum((g**2).sum() for g in chunks)
+        return float(np.mean(each_b))
     tr = (squares - n * ((total / n) ** 2).sum()) / (n - ddof)
     return float(tr / (((total / n) ** 2).sum() - (tr / n if correct else 0)))
 
 
 class _Rows(TorchFunctionMode):
-    """The most rows of any per-example gradient made while it is on: a [rows, P] tensor (P: the parameter count)
-    or a [rows, *shape] one of a parameter's shape; the data's and the parameters' own shapes are left out."""
+    """Of the per-example gradients made while it is on (a [rows, P] tensor, P the parameter count, or a [rows,
+    *shape] one of a parameter's shape; the data's and the parameters' own shapes left out): the most rows in one
+    tensor (``most``), and the most rows of one trailing shape alive at once, in distinct storages (``held``)."""
 
     def __init__(self, model, *data):
         super().__init__()
         self.shapes = {(sum(p.numel() for p in model.parameters()),)} | {tuple(p.shape) for p in model.parameters()}
-        self.most, self.data = 0, {tuple(t.shape) for t in data} | self.shapes
+        self.most, self.held, self.alive, self.data = 0, 0, [], {tuple(t.shape) for t in data} | self.shapes
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if isinstance(out, torch.Tensor) and out.dim() and tuple(out.shape[1:]) in self.shapes:
-            self.most = max(self.most, 0 if tuple(out.shape) in self.data else out.shape[0])
+            if tuple(out.shape) not in self.data:
+                self.most = max(self.most, out.shape[0])
+                self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(out)]
+                same = {_storage(t): t.shape[0] for t in (r() for r in self.alive) if t is not None and t.shape[1:] == out.shape[1:]}  # fmt: skip
+                self.held = max(self.held, sum(same.values()))
         return out
+
+
+def _storage(t):
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # a tensor inside torch.func has no storage of its own
+        return id(t)
 
 
 def _run_in_chunks(fn, case):
     """The answer's B_simple; it raises when the model saw more than ``chunk`` examples in one pass, ran fewer
-    times than there are chunks (one torch.func pass over all of them), or more than ``chunk`` examples'
-    gradients were held at once (in one tensor)."""
+    times than there are chunks (one torch.func pass over all of them), held more than ``chunk`` examples'
+    gradients in one tensor, or kept many chunks' gradients alive together (a list of them)."""
     model, _, x, y, chunk = case.args
     with _forwards(model) as seen, _Rows(model, x, y) as rows:
         got = fn(*case.args)
     chunks = -(-len(x) // chunk)  # a [chunks, P] stack of the chunks' sums is no per-example gradient
     if max((n for n, _ in seen), default=0) > chunk or 0 < len(seen) < chunks or rows.most > max(chunk, chunks):
         raise RuntimeError(f"more than chunk={chunk} examples went through at once")
+    if rows.held > max(len(x) // 2, 8 * chunk):  # a chunk and a few copies of it, never half the dataset
+        raise RuntimeError(f"the gradients of {rows.held} examples were kept at once")
     return got
 
 
+def _noise_cases() -> list:
+    """Two small cases whose last chunk is shorter, and one of many small chunks, where half the dataset's
+    gradients alive at once is far more than a chunk and a few copies of it."""
+    cases = [Case((*case.args, 3), label=f"{case.label} in chunks of 3") for case in _models_cases()]
+    gen, f64 = torch.Generator().manual_seed(3), torch.float64
+    x, y = torch.randn(48, 3, 4, generator=gen, dtype=f64), torch.randn(48, 3, generator=gen, dtype=f64)
+    return cases + [
+        Case((*cases[1].args[:2], x, y, 2), label="a linear model and the MSE on 48 examples in chunks of 2")
+    ]
+
+
 DATASET_NOISE_SCALE = Exercise(
-    name="dataset_noise_scale", oracle=lambda *a: _chunked(*a), run=_run_in_chunks,
-    rtol=1e-6, passed="two models, in chunks that leave a shorter last one",
-    cases=lambda: [Case((*case.args, c), label=f"{case.label} in chunks of {c}") for case, c in zip(_models_cases(), (3, 3))],
+    name="dataset_noise_scale", oracle=lambda *a: _chunked(*a), run=_run_in_chunks, cases=_noise_cases,
+    rtol=1e-6, passed="two models, in chunks that leave a shorter last one, and 48 examples in chunks of 2",
     refuse=("utils.gradient_noise.per_example_grads", "utils.gradient_noise.noise_scale",
             "utils.gradient_noise.dataset_noise_scale"),
     refuse_hint="accumulate the sums yourself, with your own per_example_grads",
@@ -406,6 +435,9 @@ DATASET_NOISE_SCALE = Exercise(
            "gradients, together. Try: slice x and y into pieces of chunk examples, take each piece's per-example "
            "gradients in turn, and keep only running sums", lambda m, f, x, y, c: _b_simple(_vmapped(m, f, x, y)),
            when=lambda o: "examples went through at once" in o.error),
+        _m("your function kept every chunk's gradients until the end, so its memory still grows with the number of "
+           "examples. Try: fold each chunk into the two running sums as soon as you have it, and keep nothing else of "
+           "it", partial(_chunked, hold=True), when=lambda o: "were kept at once" in o.error),
         _m("you averaged the per-chunk B_simple values. Try: accumulate sums over ALL examples and divide once at the "
            "end", partial(_chunked, each=True)),
         _m("only the first chunk was used. Try: loop over every chunk, and add up before dividing",

@@ -3,6 +3,7 @@ size, LARS as a torch.optim.Optimizer, ghost batch norm. Oracles: the warmup's c
 utils.schedules.lr_for_batch, utils.models.GhostBatchNorm2d (nn.BatchNorm2d for one virtual batch)."""
 
 import math
+from functools import partial
 
 import torch
 from torch import nn
@@ -85,6 +86,10 @@ def _ratio_case(shape, scale, *hp, seed):  # three (w, g) pairs: the 2nd with ze
     return Case((w, g * 0.1, *hp), label=label)
 
 
+def _eps_after_where(w, g, weight_decay, trust_coefficient, eps):  # eps outside the division and the fallback
+    return _ratio(w, g, weight_decay, trust_coefficient, 0.0) + eps
+
+
 TRUST_RATIO = Exercise(
     name="trust_ratio", oracle=_ratio, passed="the paper's formula and its fallback, all on tensors",
     cases=lambda: [_ratio_case((6, 5), 3.0, 0.01, 0.02, 1e-9, seed=4), _ratio_case((7,), 0.5, 0.1, 1e-3, 1e-8, seed=5),
@@ -102,7 +107,8 @@ TRUST_RATIO = Exercise(
         "eps_outside": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, eps, eps_outside=True), "eps was added to the ratio, outside the division. Try: eps belongs in the denominator, beside the two norms, where it keeps the division away from 0"),
         "no_tc": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, 1.0, eps), "the ratio is not multiplied by trust_coefficient. Try: multiply it by trust_coefficient"),
         "no_fallback": (lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps), "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give 1, chosen with torch.where so that it stays on the device"),
-    }, host=_raised("item()", "data pointer", "control flow"), number=_raised("only return Tensors")),
+    }, host=_raised("item()", "data pointer", "control flow"), number=_raised("only return Tensors"), eps_outside=lambda o: any(
+        difference(o.got, TRUST_RATIO.run(v, o.case)) is None for v in (partial(_ratio, eps_outside=True), _eps_after_where))),
 )  # fmt: skip
 
 
