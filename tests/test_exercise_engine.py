@@ -104,6 +104,13 @@ def test_a_replayed_mistake_is_named_and_a_constant_fails_on_the_second_case():
         engine.check(MEAN, lambda x: 3.0)  # right on the first case only
 
 
+def test_a_mistake_is_named_only_where_the_answer_makes_it_on_every_case():
+    # the sum on the first case (9), the mean on the second: it matches "the sum" on one case only
+    with pytest.raises(CheckFailed, match=r"on 3 numbers, your code returned 9 where 3 was expected. Try: add") as e:
+        engine.check(MEAN, lambda x: float(x.sum()) if len(x) == 3 else x.mean().item())
+    assert "it returns the sum" not in str(e.value)
+
+
 def test_a_mechanism_mistake_fails_even_when_the_number_is_right():
     def mean(x):
         return sum(v.item() for v in x) / len(x)

@@ -64,6 +64,7 @@ FAST_TIER_PROCESSES = {
     "test_checks_profiling.py::test_the_library_trace_readers_are_refused": IN_PROCESS,
     "test_exercise_engine.py::test_a_refused_function_raises_inside_a_class_answers_static_methods": IN_PROCESS,
     "test_exercise_engine.py::test_a_comment_does_not_count_as_code": IN_PROCESS,
+    "test_exercise_engine.py::test_a_mistake_is_named_only_where_the_answer_makes_it_on_every_case": IN_PROCESS,
     "test_exercise_engine.py::test_a_crash_names_the_error_and_a_placeholder_says_not_implemented": IN_PROCESS,
     "test_exercise_engine.py::test_a_hang_is_reported_within_the_timeout": IN_PROCESS,
     "test_exercise_engine.py::test_a_mechanism_mistake_fails_even_when_the_number_is_right": IN_PROCESS,

@@ -593,7 +593,13 @@ def check(ex: Exercise, *answer) -> Any:
             err = CheckFailed(message(ex.name, f"your code raised {last}", hint))
             raise err from e.with_traceback(student_frames_only(e.__traceback__))
         want = ex.run(ex.oracle, ex.cases()[i])
-        _judge(ex, Outcome(case, got, want, source=source), None, case.label or f"case {i + 1} of {len(cases)}", i)
+        _judge(
+            ex,
+            Outcome(case, got, want, source=source),
+            None,
+            case.label or f"case {i + 1} of {len(cases)}",
+            (i, answer),
+        )
     print(f"\u2714 {ex.name}: correct" + (f" ({ex.passed})" if ex.passed else ""))
 
 
@@ -616,16 +622,36 @@ def judge_on_ranks(ex: Exercise, per_case: list, source: str = "") -> None:
         _judge(ex, Outcome(None, got, want, source=source), reps, label)
 
 
-def _judge(ex: Exercise, o: Outcome, reps, label: str, i: int | None = None) -> None:
-    """Fail on a mechanism mistake, or on a difference from the oracle (naming the mistake if one matches)."""
+def _judge(ex: Exercise, o: Outcome, reps, label: str, at: tuple = ()) -> None:
+    """Fail on a mechanism mistake, or on a difference from the oracle (naming the mistake if one matches). In the
+    notebook (``at``: the case's index and the answer), a replayed mistake that matches this case is kept only
+    where the answer also matches it on every other case that both finish."""
     for m in ex.mistakes:
         if m.mechanism and m.when is not None and _try(m.when, o):
             fail(ex.name, m.problem, m.hint)
     diff = ex.differs(o.got, o.want)
     if diff is None:
         return
-    _diagnose(ex, o, [_try(ex.run, m.variant, ex.cases()[i]) for m in _replayed(ex)] if reps is None else reps)
+    if reps is None:
+        (i, answer), others = at, {}
+        reps = [_try(ex.run, m.variant, ex.cases()[i]) for m in _replayed(ex)]
+        reps = [r if r is None or ex.differs(o.got, r) is not None or _everywhere(ex, answer, m, i, others) else None for m, r in zip(_replayed(ex), reps)]  # fmt: skip
+    _diagnose(ex, o, reps)
     fail(ex.name, f"on {label}, your code {diff}", ex.hint)
+
+
+def _everywhere(ex: Exercise, answer: tuple, m: Mistake, i: int, others: dict) -> bool:
+    """Whether the answer's output equals mistake ``m``'s on every case but ``i`` where both finish and ``m``'s
+    equals itself (no NaN); the answer's outputs are kept in ``others``."""
+    for j in range(len(ex.cases())):
+        if j != i and j not in others:
+            with contextlib.suppress(Exception, _Hung), refusing(ex, answer), _deadline(ex.timeout_s):
+                others[j] = None
+                others[j] = ex.run(_one(answer), ex.cases()[j])
+        theirs = _try(ex.run, m.variant, ex.cases()[j]) if j != i and others[j] is not None else None
+        if theirs is not None and ex.differs(theirs, theirs) is None and ex.differs(others[j], theirs) is not None:
+            return False
+    return True
 
 
 def __getattr__(name: str):  # solution_answer, solution_namespace: utils.authoring's, imported when first asked for

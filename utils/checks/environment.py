@@ -50,7 +50,15 @@ ACCURACY = Exercise(
     oracle=_accuracy,
     hint="take each row's arg-max over the classes, compare it with the labels, then average the matches",
     passed="3 batches of different shapes",
-    mistakes=[mistake(text, variant) for text, variant in _MISTAKES],
+    mistakes=[mistake(text, variant) for text, variant in _MISTAKES]
+    + [
+        mistake(
+            "it returns a tensor, not a Python float. Try: turn the one-element result into a number with .item()",
+            lambda logits, labels: (logits.argmax(dim=1) == labels).float().mean(),
+            when=lambda o: torch.is_tensor(o.got),
+            mechanism=True,
+        )
+    ],
 )
 
 check_accuracy = ACCURACY.checker(

@@ -57,7 +57,8 @@ STATE_BYTES = Exercise(
                                                 "counted_state_bytes", "predict_memory")),
     mistakes=[
         _m("it does not return a dict with the keys params, grads and optimizer_state. Try: return such a dict of "
-           "numbers of bytes", lambda *a: tuple(_bytes(*a).values()), when=lambda o: type(o.got) is not dict),
+           "numbers of bytes", lambda *a: tuple(_bytes(*a).values()),
+           when=lambda o: not (o.error or o.hung) and (type(o.got) is not dict or set(o.got) != set(o.want))),
         _m("it returns the number of elements, not bytes. Try: multiply each tensor's numel() by its element_size()",
            partial(_bytes, size=lambda p: p.numel())),
         _m("it assumes 4 bytes per number, twice what a bfloat16 model holds. Try: use p.element_size()",
@@ -76,15 +77,16 @@ check_state_bytes = STATE_BYTES.checker("``state_bytes(model, optimizer, momentu
 
 
 class _Machine:
-    """A host clock ``now``; ``step()`` queues ``work[i]`` s on a device (its launch costs the host 20 us), ``sync()``
-    waits for it; iterated, a loader whose batch i comes ``loads[i]`` s after it is asked for."""
+    """A host clock ``now`` (``reads``: how often the answer read it); ``step()`` queues ``work[i]`` s on a device
+    (its launch costs the host 1 ms), ``sync()`` waits for it; iterated, a loader whose batch i comes ``loads[i]`` s
+    after it is asked for, as (x, y) with y = [i, i] and x of other values."""
 
     def __init__(self, work=(0.0,), loads=()):
         self.now = self.free = 0.0
-        self.work, self.loads, self.steps = list(work), list(loads), 0
+        self.work, self.loads, self.steps, self.reads = list(work), list(loads), 0, 0
 
     def step(self):
-        self.now += 2e-5
+        self.now += 1e-3
         self.free = max(self.free, self.now) + self.work[min(self.steps, len(self.work) - 1)]
         self.steps += 1
 
@@ -94,7 +96,7 @@ class _Machine:
     def __iter__(self):
         for i, load in enumerate(self.loads):
             self.now += load
-            yield torch.full((2, 1), float(i)), torch.tensor([i, i])
+            yield torch.full((2, 1), -1.0 - i), torch.tensor([i, i])
 
     def __len__(self):
         return len(self.loads)
@@ -102,23 +104,39 @@ class _Machine:
 
 @contextlib.contextmanager
 def _clock(machine: _Machine, answer):
-    """While the answer runs, time's clocks, under any name (``perf_counter`` imported, timeit's
-    default_timer), read ``machine.now`` in this thread; other threads read the real ones."""
-    me, names = threading.get_ident(), ("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns")
+    """While the answer runs, time's wall clocks, under any name (``perf_counter`` imported, timeit's default_timer,
+    a default argument), read ``machine.now`` in this thread; other threads read the real ones."""
+    me, names = (
+        threading.get_ident(),
+        ("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns", "time_ns"),
+    )
 
     def fake(real, ns):
-        return lambda: real() if threading.get_ident() != me else int(machine.now * 1e9) if ns else machine.now
+        def read():
+            if threading.get_ident() != me:
+                return real()
+            machine.reads += 1
+            return int(machine.now * 1e9) if ns else machine.now
+
+        return read
 
     fakes = {id(getattr(time, n)): fake(getattr(time, n), n.endswith("_ns")) for n in names}
     scopes = [vars(time), vars(timeit), getattr(answer, "__globals__", {})]
     saved = [(scope, k, v) for scope in scopes for k, v in list(scope.items()) if id(v) in fakes]
+    defaults = [
+        f for f in (answer, timeit.Timer.__init__, timeit.timeit, timeit.repeat) if getattr(f, "__defaults__", None)
+    ]
+    saved += [(f, "__defaults__", f.__defaults__) for f in defaults]
     for scope, k, v in saved:
-        scope[k] = fakes[id(v)]
+        if k == "__defaults__":
+            scope.__defaults__ = tuple(fakes.get(id(d), d) for d in v)
+        else:
+            scope[k] = fakes[id(v)]
     try:
         yield
     finally:
         for scope, k, v in saved:
-            scope[k] = v
+            _ = setattr(scope, k, v) if k == "__defaults__" else scope.__setitem__(k, v)
 
 
 def _compare(got, want):  # (result, what step() saw) against the oracle's: the calls first, then the number
@@ -126,25 +144,41 @@ def _compare(got, want):  # (result, what step() saw) against the oracle's: the 
     return f"called step() {said[0]}, not {said[1]}" if got[1] != want[1] else difference(got[0], want[0], 1e-3, 1e-9)
 
 
-def _timer(step, sync, warmup=3, repeats=5, pick=statistics.median, warm="untimed", synced=True):
-    """The oracle, and its slips: ``warm`` calls "skipped" or "timed", no sync if not ``synced``, another ``pick``."""
+def _timer(step, sync, warmup=3, repeats=5, pick=statistics.median, warm="untimed", synced=True, late=False, clock=None):  # fmt: skip
+    """The oracle, and its slips: ``warm`` calls "skipped" or "timed", no sync if not ``synced``, another ``pick``,
+    the clock started after step() (``late``), another ``clock``."""
+    clock = clock or time.perf_counter
     for _ in range(warmup if warm == "untimed" else 0):
         step()
     sync()
     times = []
     for _ in range(repeats + (warmup if warm == "timed" else 0)):
         sync() if synced else None
-        t0 = time.perf_counter()
+        t0 = None if late else clock()
         step()
+        t0 = clock() if late else t0
         sync() if synced else None
-        times.append(time.perf_counter() - t0)
+        times.append(clock() - t0)
     return pick(times)
+
+
+def _read_clock(machine, got):
+    """``got``, unless the answer stepped without reading a clock that ``machine`` follows."""
+    if machine.reads == 0:
+        raise RuntimeError("the answer read no clock that the check follows")
+    return got
 
 
 def _run_timer(answer, case: Case):
     machine = _Machine([case.args[1]] * case.args[0] + case.args[2])  # warm-up calls are slow, then the repeats
     with _clock(machine, answer):
-        return answer(machine.step, machine.sync, case.args[0], len(case.args[2])), machine.steps
+        got = answer(machine.step, machine.sync, case.args[0], len(case.args[2]))
+    return _read_clock(machine, got), machine.steps
+
+
+_OTHER_CLOCK = ("your timer reads a clock that the check's simulated GPU does not drive (CPU time such as "
+                "time.process_time, or datetime). Try: time with the wall clock time.perf_counter, read at the start "
+                "and end of each timed piece")  # fmt: skip
 
 
 TIME_STEP = Exercise(
@@ -157,12 +191,15 @@ TIME_STEP = Exercise(
     mistakes=[
         _m("it returns something other than one number of seconds. Try: return the median of the per-repeat times",
            partial(_timer, pick=list), when=lambda o: not isinstance(o.got[0], (int, float, torch.Tensor))),
-        _m("step() was called fewer than warmup + repeats times, as if the warm-up calls were left out. Try: run "
-           "`warmup` untimed calls first, then `repeats` timed ones", partial(_timer, warm="skipped"),
-           when=lambda o: o.got[1] < o.want[1]),
+        _m(_OTHER_CLOCK, partial(_timer, clock=time.process_time), when=lambda o: "read no clock" in o.error),
+        _m("step() was called only `repeats` times, as if the warm-up calls were left out. Try: run `warmup` untimed "
+           "calls first, then `repeats` timed ones", partial(_timer, warm="skipped"),
+           when=lambda o: o.got[1] == o.want[1] - o.case.args[0]),
         _m("it measured far less than the work each step queues. Try: the step only QUEUES work, as on a GPU: call "
            "sync() before reading the clock at the end of each timed repeat (and before starting it)",
            partial(_timer, synced=False), when=lambda o: o.got[0] < o.want[0] / 4),
+        _m("the clock starts after step() returns, so it misses what step() itself costs the host. Try: read the "
+           "clock before calling step(), right after a sync()", partial(_timer, late=True)),
         _m("it returns milliseconds. Try: return seconds, the difference of two perf_counter readings",
            partial(_timer, pick=lambda t: 1e3 * statistics.median(t))),
         _m("the slow warm-up calls were timed with the repeats. Try: keep the `warmup` calls out of the times",
@@ -176,17 +213,19 @@ TIME_STEP = Exercise(
 check_time_step = TIME_STEP.checker("``time_step(step, sync, warmup, repeats)``: the median seconds of one step().")
 
 
-def _fraction(loader, step, out=lambda wait, total: wait / total, fresh=False, warm=False):
-    """The oracle, and its slips: another ``out``, a ``fresh`` iterator per batch, a ``warm``-up step."""
-    waited, start, it = 0.0, time.perf_counter(), iter(loader)
+def _fraction(loader, step, out=lambda wait, total: wait / total, fresh=False, warm=False, clock=None):
+    """The oracle, and its slips: another ``out``, a ``fresh`` iterator per batch, a ``warm``-up step, another
+    ``clock``."""
+    clock = clock or time.perf_counter
+    waited, start, it = 0.0, clock(), iter(loader)
     step(next(iter(loader))) if warm else None
     while True:
-        t0 = time.perf_counter()
+        t0 = clock()
         try:
             batch = next(iter(loader) if fresh else it)  # a fresh iterator gives batch 0 for ever
         except StopIteration:
-            return out(waited, time.perf_counter() - start)
-        waited += time.perf_counter() - t0
+            return out(waited, clock() - start)
+        waited += clock() - t0
         step(batch)
 
 
@@ -198,7 +237,8 @@ def _run_pass(answer, case: Case):
         machine.now += case.args[1]
 
     with _clock(machine, answer):
-        return answer(machine, step), stepped
+        got = answer(machine, step)
+    return _read_clock(machine, got), stepped
 
 
 WAIT_FRACTION = Exercise(
@@ -214,8 +254,10 @@ WAIT_FRACTION = Exercise(
            when=lambda o: o.hung, replay=False),
         _m("it returns something other than one fraction. Try: divide the waiting time by the whole pass's time",
            partial(_fraction, out=lambda w, t: (w, t)), when=lambda o: not isinstance(o.got[0], (int, float, torch.Tensor))),
-        _m("step() did not see each batch exactly once, in order. Try: call step(batch) once on each batch of one "
-           "pass, and on nothing else", partial(_fraction, warm=True), when=lambda o: o.got[1] != o.want[1]),
+        _m(_OTHER_CLOCK, partial(_fraction, clock=time.process_time), when=lambda o: "read no clock" in o.error),
+        _m("step() did not see each batch exactly once, in order. Try: call step(batch) with the whole batch the "
+           "loader gave, once on each batch of one pass, and on nothing else", partial(_fraction, warm=True),
+           when=lambda o: o.got[1] != o.want[1]),
         _m("it returns a percentage. Try: return a fraction between 0 and 1", partial(_fraction, out=lambda w, t: 100 * w / t)),
         _m("it divides the waiting time by the stepping time. Try: divide by the TOTAL time (waiting + stepping)",
            partial(_fraction, out=lambda w, t: w / (t - w))),
