@@ -54,7 +54,7 @@ STATE_BYTES = Exercise(
     "state: twice that for Adam, once for SGD with momentum, zero without",
     passed="byte for byte what a real optimizer holds, for 5 models and optimizers",
     refuse=tuple(f"utils.memory.{f}" for f in ("parameter_bytes", "grad_bytes", "optimizer_state_bytes",
-                                                "counted_state_bytes", "predict_memory")),
+                                                "counted_state_bytes", "predict_memory", "_state_multiplier", "_nbytes")),
     mistakes=[
         _m("it does not return a dict with the keys params, grads and optimizer_state. Try: return such a dict of "
            "numbers of bytes", lambda *a: tuple(_bytes(*a).values()),
