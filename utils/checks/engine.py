@@ -324,14 +324,19 @@ def _strip(source: str) -> str:
 
 def getsource(obj: Any) -> str:
     """``inspect.getsource``, which also finds a class defined in a notebook cell: before Python 3.13 ``inspect``
-    looks for a class only in its module's file, so it is read from the cell of its methods."""
+    looks for a class only in its module's file, so it is read from the cell of its methods, or (a class with
+    none) from the last cell that defines a class of its name."""
     try:
         return inspect.getsource(obj)
     except (OSError, TypeError):
-        for fn in _functions(obj) if inspect.isclass(obj) else ():
-            text = "".join(linecache.getlines(fn.__code__.co_filename))
-            for node in ast.walk(ast.parse(text)) if text else ():
-                if isinstance(node, ast.ClassDef) and node.name == obj.__name__ and node.lineno <= fn.__code__.co_firstlineno <= node.end_lineno:  # fmt: skip
+        cells = [f for f in linecache.cache if "ipykernel_" in f or f.startswith("<ipython-input")][::-1]
+        at = [(fn.__code__.co_filename, fn.__code__.co_firstlineno) for fn in _functions(obj)] or [
+            (f, 0) for f in cells
+        ]
+        for file, line in at if inspect.isclass(obj) else ():
+            text = "".join(linecache.getlines(file))
+            for node in ast.walk(_try(ast.parse, text) or ast.Module([], [])):
+                if isinstance(node, ast.ClassDef) and node.name == obj.__name__ and (not line or node.lineno <= line <= node.end_lineno):  # fmt: skip
                     start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
                     return "".join(text.splitlines(keepends=True)[start - 1 : node.end_lineno])
         raise
