@@ -176,6 +176,16 @@ def difference(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-6) -> s
     shapes = {tuple(t.shape) for t in (got, want) if isinstance(t, torch.Tensor)}
     if _category(got) != _category(want) or len(shapes) == 2:
         return kinds
+    if isinstance(want, dict):  # key by key, in the expected order: the first part that differs
+        if got.keys() != want.keys():
+            missing, extra = [k for k in want if k not in got], [k for k in got if k not in want]
+            return f"returned a dict whose keys differ from the expected ones (missing: {missing}, unexpected: {extra})"
+        diffs = ((k, difference(got[k], want[k], rtol, atol)) for k in want)
+        k, diff = next(((k, d) for k, d in diffs if d is not None), (None, None))
+        rest = (diff or "").removeprefix("returned")  # a nested dict's own ", at [...]" joins the path
+        return (
+            None if diff is None else f"returned, at [{k!r}]" + (rest[5:] if rest.startswith(", at [") else f",{rest}")
+        )
     if isinstance(want, (str, bool)) or want is None:
         return None if got == want else f"returned {got!r} where {want!r} was expected"
     try:

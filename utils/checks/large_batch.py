@@ -56,7 +56,7 @@ def _warmup(step, base_lr, peak_lr, warmup_steps):
 
 
 WARMUP_LR = Exercise(
-    name="warmup_lr", oracle=_warmup, run=lambda f, c: [f(t, *c.args[:3]) for t in c.args[3]],
+    name="warmup_lr", oracle=_warmup, run=lambda f, c: {f"step {t}": f(t, *c.args[:3]) for t in c.args[3]},
     cases=lambda: [Case((0.1, 0.9, 8, (0, 1, 4, 7, 8, 20)), label="a warmup from 0.1 to 0.9 over 8 steps, read at steps 0 to 20"),
                    Case((0.02, 0.5, 5, (0, 2, 3, 5, 9)), label="a warmup from 0.02 to 0.5 over 5 steps, read at steps 0 to 9")],
     refuse=("utils.schedules.WarmupDecay",), passed="two warmups, read inside and after the ramp",
@@ -66,7 +66,7 @@ WARMUP_LR = Exercise(
         "from_zero": (lambda t, b, p, w: p * min(t, w) / w, "the ramp starts at 0, but Goyal et al.'s warmup starts at the base rate. Try: ramp from base_lr to peak_lr, not from 0"),
         "off_by_one": (lambda t, b, p, w: b + (p - b) * min(t + 1, w) / w, "step 0 is one increment along the ramp already (off by one). Try: step 0 must run at base_lr exactly: use the fraction of the warmup done before this step"),
         "no_peak": (lambda t, b, p, w: b + (p - b) * t / w, "after the warmup the rate keeps growing. Try: from step warmup_steps on, the rate stays at the peak"),
-    }, list=lambda o: any(not isinstance(v, (int, float, torch.Tensor)) for v in o.got)),
+    }, list=lambda o: any(not isinstance(v, (int, float, torch.Tensor)) for v in o.got.values())),
 )  # fmt: skip
 
 
@@ -99,7 +99,8 @@ TRUST_RATIO = Exercise(
     hint="the ratio is trust_coefficient times the norm of the whole w over the norm of g plus weight_decay times the "
     "norm of w plus eps, and 1 where either norm is 0",
     mistakes=_named({
-        "host": (lambda w, g, wd, tc, eps: torch.tensor(_ratio(w, g, wd, tc, eps).item()), "it reads a tensor back to Python (.item(), float(), .tolist() or an `if` on a tensor), which on a GPU waits for the device. Try: keep the norms and the fallback as tensors and choose between the ratio and 1 with torch.where"),
+        "host": (lambda w, g, wd, tc, eps: torch.tensor(_ratio(w, g, wd, tc, eps).item()), "it reads a tensor back to Python (.item(), float(), .tolist() or an `if` on a tensor) or indexes with a boolean mask, which on a GPU waits for the device. Try: keep the norms and the fallback as tensors and choose between the ratio and 1 with torch.where"),
+        "one_element": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, eps).reshape(1), "it returns a 1-element tensor, not a 0-d one. Try: keep the result 0-d, as the norms are, also where the fallback gives 1"),
         "number": (lambda w, g, wd, tc, eps: tc, "it returns a Python number, not a tensor. Try: return a 0-d tensor, computed with torch.linalg.vector_norm and torch.where"),
         "no_wd": (lambda w, g, wd, tc, eps: _ratio(w, g, 0.0, tc, eps), "weight decay is missing from the denominator. Try: the denominator is the norm of g plus weight_decay times the norm of w plus eps"),
         "swapped": (lambda w, g, wd, tc, eps: _ratio(g, w, wd, tc, eps), "the norms are swapped: the ratio is the weights' norm over the gradient's, not the other way round. Try: put the norm of w in the numerator"),
@@ -107,7 +108,7 @@ TRUST_RATIO = Exercise(
         "eps_outside": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, eps, eps_outside=True), "eps was added to the ratio, outside the division. Try: eps belongs in the denominator, beside the two norms, where it keeps the division away from 0"),
         "no_tc": (lambda w, g, wd, tc, eps: _ratio(w, g, wd, 1.0, eps), "the ratio is not multiplied by trust_coefficient. Try: multiply it by trust_coefficient"),
         "no_fallback": (lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps), "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give 1, chosen with torch.where so that it stays on the device"),
-    }, host=_raised("item()", "data pointer", "control flow"), number=_raised("only return Tensors"), eps_outside=lambda o: any(
+    }, host=_raised("item()", "data pointer", "control flow", "boolean mask"), one_element=lambda o: o.got.shape == o.want.shape + (1,), number=_raised("only return Tensors"), eps_outside=lambda o: any(
         difference(o.got, TRUST_RATIO.run(v, o.case)) is None for v in (partial(_ratio, eps_outside=True), _eps_after_where))),
 )  # fmt: skip
 
@@ -142,7 +143,7 @@ def _run_steps(f, case):
     for g, lr in zip(grads, lrs):
         args = (w.clone(), g.clone(), None if buf is None else buf.clone())
         res = f(*args, lr, *hp)
-        if not (isinstance(res, tuple) and len(res) == 2):
+        if not (isinstance(res, (tuple, list)) and len(res) == 2):
             raise TypeError(f"lars_step returned {type(res).__name__}, not a pair (new_w, new_buf)")
         out["inputs kept"] &= all(a is None or torch.equal(a, b) for a, b in zip(args, (w, g, buf)))
         out["steps"].append(res)
@@ -244,8 +245,10 @@ class _LarsOracle(LARS):
 
 def _run_optimizer(cls, case):
     """The case's network trained by ``cls``: its parameters after every step, and where its buffers live. Its
-    groups say exclude=True, and exclude=False where ``keep_false`` (else they leave it out, as the lab allows)."""
-    seed, (i, h, o), hp, lrs, keep_false = case.args
+    groups say exclude=True, and exclude=False where ``keep_false`` (else they leave it out, as the lab allows);
+    ``mixed`` groups set their own momentum, weight decay, trust coefficient, eps and lr (an ``lr_scale`` of the
+    schedule's), with a 1-D weight adapted and a matrix excluded."""
+    seed, (i, h, o), hp, lrs, keep_false, *mixed = case.args
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(i, h), nn.BatchNorm1d(h), nn.ReLU(), nn.Linear(h, o)).double()
@@ -253,17 +256,21 @@ def _run_optimizer(cls, case):
         data = [(torch.randn(16, i, dtype=F64), torch.randint(0, o, (16,))) for _ in lrs]
     groups = _flipped(lars_param_groups(model, hp["weight_decay"]), "adapt", "exclude")
     groups = groups if keep_false else [{k: v for k, v in g.items() if v is not False} for g in groups]
+    if mixed:
+        (a, bn, _, b), adapted = model, dict(weight_decay=0.01, momentum=0.7, trust_coefficient=0.03, eps=1e-7)
+        groups = [dict(params=[a.weight, bn.weight, model.unused], **adapted),
+                  dict(params=[a.bias, bn.bias, b.weight, b.bias], exclude=True, weight_decay=0.02, momentum=0.5, lr_scale=0.5)]  # fmt: skip
     opt, out = _made(cls, torch.optim.Optimizer, groups, **hp), {"params": [], "state": True, "plain": True}
     out["names"] = [n for n, _ in model.named_parameters()]
     for (x, y), lr in zip(data, lrs):
         for g in opt.param_groups:
-            g["lr"] = lr
+            g["lr"] = lr * g.get("lr_scale", 1.0)
         opt.zero_grad(set_to_none=False)  # zeroes each .grad in place: a buffer that is a .grad is zeroed with it
         nn.functional.cross_entropy(model(x), y).backward()
         opt.step()
         out["params"].append([p.detach().clone() for p in model.parameters()])
         for p in model.parameters():
-            kept = [v for v in opt.state.get(p, {}).values() if isinstance(v, torch.Tensor)]
+            kept = [v for k, s in opt.state.items() if k is p for v in s.values() if isinstance(v, torch.Tensor)]
             out["state"] &= p.grad is None or any(v.shape == p.shape for v in kept)  # a buffer in self.state
             out["plain"] &= not any(v.requires_grad for v in kept)  # and outside the autograd graph
     return out
@@ -285,7 +292,10 @@ LARS_OPTIMIZER = Exercise(
     cases=lambda: [Case((41, (6, 8, 3), dict(zip(_HP, (0.4, 0.9, 0.01, 0.02, 1e-9))), (0.4, 0.4, 0.2, 0.2), False),
                         label="4 steps of a 6-8-3 network with batch norm, lr halved at step 2"),
                    Case((7, (5, 4, 2), dict(zip(_HP, (0.05, 0.8, 0.05, 0.01, 1e-8))), (0.05, 0.1, 0.15), True),
-                        label="3 steps of a 5-4-2 network with batch norm, lr rising in a warmup, a group with exclude=False")],
+                        label="3 steps of a 5-4-2 network with batch norm, lr rising in a warmup, a group with exclude=False"),
+                   Case((3, (6, 5, 3), dict(zip(_HP, (0.2, 0.9, 0.0, 0.02, 1e-9))), (0.2, 0.1, 0.1), False, True),
+                        label="3 steps of a 6-5-3 network in two groups with settings of their own: a 1-D weight adapted, "
+                        "a matrix excluded, the excluded group with weight decay and half the lr")],
     refuse=("utils.optim.LARS.step",),
     refuse_hint="subclass torch.optim.Optimizer and write the step yourself; your trust_ratio and lars_step may help",
     hint="per parameter: the weight-decayed gradient times the trust ratio (1 in an excluded group), folded into the "
@@ -304,7 +314,7 @@ LARS_OPTIMIZER = Exercise(
         "forget_buffer": "the momentum buffer is not kept from one step to the next. Try: store each parameter's buffer in its per-parameter state (self.state) and update it there every step",
         "wd_after": "weight decay was added after the trust ratio. Try: add weight_decay times the parameter to the gradient first, then scale the sum by the trust ratio",
         "lr_from_init": "your step ignores a changed learning rate, which a schedule sets in group['lr'] each step. Try: read lr from the parameter group inside step, not from a value saved in __init__",
-        "outside_state": "a parameter has no momentum buffer in its per-parameter state. Try: keep each parameter's buffer in self.state, under that parameter, which PyTorch saves with the optimizer",
+        "outside_state": "a parameter has no momentum buffer in its per-parameter state: it is kept somewhere else, or that parameter gets no momentum. Try: every parameter with a gradient, in an excluded group too, keeps its buffer in self.state under the parameter itself, which PyTorch saves with the optimizer",
     }, _class_variant(_LarsVariant, "MyLARS"), not_class=_raised("not a class"), not_optimizer=_raised("not a Optimizer class"),
        grad_on=lambda o: "leaf Variable" in o.error or o.got["plain"] is False, none_grads=_raised("NoneType"), no_default_exclude=_raised("KeyError: 'exclude'"),
        outside_state=lambda o: o.got["state"] is False),
@@ -324,6 +334,8 @@ class _GhostVariant(nn.Module):
         self.bias = nn.Parameter(torch.zeros(num_features))
         for name, value in (("running_mean", torch.zeros(num_features)), ("running_var", torch.ones(num_features))):
             setattr(self, name, value) if "plain_running" in k else self.register_buffer(name, value)
+        if "shaped" in k:
+            self.weight = nn.Parameter(self.weight.detach().view(1, -1, 1, 1))
         if "rename" in k:
             self.gamma = self.weight
             del self.weight
@@ -368,8 +380,10 @@ def _run_ghost(cls, case):
     state, names = {**dict(m.named_parameters()), **dict(m.named_buffers())}, ("running_mean", "running_var")
     if all(isinstance(getattr(m, k, None), torch.Tensor) and k not in state for k in names):
         raise AttributeError("its running statistics are plain tensors, not buffers")
-    if any(k not in state or state[k].shape != (3,) for k in ("weight", "bias", *names)):
-        raise AttributeError("it lacks weight, bias, running_mean or running_var, one value per channel")
+    if any(k not in state for k in ("weight", "bias", *names)):
+        raise AttributeError("it lacks weight, bias, running_mean or running_var")
+    if any(state[k].shape != (3,) for k in ("weight", "bias", *names)):
+        raise AttributeError("its weight, bias or running statistics are not of shape (C,)")
     out = {"initial state": [state[k].detach().clone() for k in ("weight", "bias", *names)]}
     with torch.no_grad():
         m.weight.copy_(torch.rand(3, generator=gen, dtype=F64) + 0.5)
@@ -422,6 +436,7 @@ GHOST_BATCH_NORM = Exercise(
     mistakes=_named({
         "not_class": _NOT_CLASS,
         "not_module": "your class is not an nn.Module. Try: subclass nn.Module and call super().__init__() first",
+        "shaped": "weight, bias, running_mean and running_var must be of shape (C,), one value per channel, as in nn.BatchNorm2d, whose state_dict they must match. Try: create them with C values and reshape them to (1, C, 1, 1) only where forward uses them",
         "rename": "the parameters or buffers are not named as in nn.BatchNorm2d. Try: use weight and bias (nn.Parameter), running_mean and running_var (register_buffer), one value per channel",
         "plain_running": "running_mean and running_var are plain tensors, not buffers, so state_dict() and model.to(device) leave them out. Try: create them with self.register_buffer",
         "zero_weight": "weight, bias or the running statistics do not start as in nn.BatchNorm2d. Try: start with weight 1, bias 0, running_mean 0 and running_var 1",
@@ -440,8 +455,8 @@ GHOST_BATCH_NORM = Exercise(
         "eval_batch_stats": "in eval mode your outputs differ from nn.BatchNorm2d. Try: in eval mode normalise with running_mean and running_var, not the batch's statistics",
         "eval_updates": "eval mode changed the running statistics. Try: update them only when self.training is True",
     }, _ghost_variant, **{k.split()[0]: _stage(k, *keys) for k, keys in _GHOST_STAGES.items()}, not_class=_raised("not a class"),
-       not_module=_raised("not a Module class"), rename=_raised("one value per channel"), plain_running=_raised("not buffers"),
-       zero_weight=lambda o: difference(o.got["initial state"], o.want["initial state"]) is not None, reshape=_raised("is invalid for input of size"),
+       not_module=_raised("not a Module class"), rename=_raised("lacks weight"), shaped=_raised("not of shape (C,)"), plain_running=_raised("not buffers"),
+       zero_weight=lambda o: difference(o.got["initial state"], o.want["initial state"]) is not None, reshape=_raised("is invalid for input of size", "multiply up to"),
        graph_running=lambda o: o.got["running stats outside autograd"] is False),
 )  # fmt: skip
 
