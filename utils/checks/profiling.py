@@ -119,10 +119,10 @@ _wait = partial(
 )
 _span = lambda ev, _: max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)  # the trace's whole span
 # a wait before the recorded steps; steps of 10 and 20 ms, 2 ms apart, waiting 3 and 5 ms, the loader's own event
-# inside each wait; an op after
+# inside each wait; a wait in the gap between the steps; an op after
 _LOADER = "enumerate(DataLoader)#_SingleProcessDataLoaderIter.__next__"
 _WAITS = [("phase:data", 0, 4000, 1, UA), (f"{STEP}1", 5000, 1e4, 1, UA), ("phase:data", 5000, 3000, 1, UA),
-          (_LOADER, 5100, 2800), (f"{STEP}2", 17000, 2e4, 1, UA), ("phase:data", 17000, 5000, 1, UA),
+          (_LOADER, 5100, 2800), ("phase:data", 15500, 1000, 1, UA), (f"{STEP}2", 17000, 2e4, 1, UA), ("phase:data", 17000, 5000, 1, UA),
           (_LOADER, 17100, 4800), ("Optimizer.step#SGD.step", 40000, 10000)]  # fmt: skip
 DATA_WAIT_FRACTION = Exercise(
     name="data_wait_fraction", oracle=_wait, run=_reading, rtol=1e-3, atol=1e-3, timeout_s=30,
@@ -135,7 +135,7 @@ DATA_WAIT_FRACTION = Exercise(
         _m("it returns a percentage. Try: return a fraction between 0 and 1", lambda ev: 100 * _wait(ev)),
         _m("the DataLoader's events inside phase:data were counted again. Try: count only the phase:data events",
            partial(_wait, match=lambda n: n.startswith(("phase:d", "enum")))),
-        _m("a wait before the first recorded step was counted. Try: count only waits starting inside a ProfilerStep#",
+        _m("a wait outside the recorded steps was counted. Try: count only waits starting inside a ProfilerStep#",
            partial(_wait, inside=False)),
         _m("it divides by the trace's whole span. Try: divide by the total duration of the ProfilerStep# events",
            partial(_wait, per=_span)),
