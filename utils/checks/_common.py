@@ -1,5 +1,5 @@
 """What the labs' self-checks share: :class:`CheckFailed`, the one message form ("name: what is wrong. Try: what to
-do."), tracebacks without the checks' own frames in Jupyter, and ``check_prediction``."""
+do."), tracebacks without the checks' own frames in Jupyter, ``check_prediction``, and :class:`HostReads`."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ import contextlib
 import math
 import types
 from typing import NoReturn
+
+import torch
+from torch.overrides import TorchFunctionMode
 
 
 class CheckFailed(AssertionError):
@@ -70,3 +73,30 @@ def check_prediction(
     else:
         print(f"\u2717 {said}, {ratio:.3g} x your number." + (f" Likely: {if_off}" if if_off else ""))
     return ratio
+
+
+class HostReads(TorchFunctionMode):
+    """Counts the tensors read back to the host (each read waits for the device on a GPU), however made:
+    ``.cpu().tolist()`` reads one, ``torch.tensor`` of a list of tensors reads each."""
+
+    READS = {"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__"}
+
+    def __init__(self):
+        super().__init__()
+        self.n, self.read = 0, set()  # reads in all the blocks it ran; the tensors read in the current one
+
+    def __enter__(self):
+        self.read = set()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        self.n += len(self.read)
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        to_cpu = func.__name__ == "to" and any(str(a) == "cpu" for a in (*args[1:], *(kwargs or {}).values()))
+        if func.__name__ in self.READS or to_cpu:
+            self.read.add(id(args[0]))  # .cpu() of a tensor on the CPU is the tensor itself: one read
+        if func.__name__ in ("tensor", "as_tensor") and args and isinstance(args[0], (list, tuple)):
+            self.read |= {id(t) for t in args[0] if isinstance(t, torch.Tensor)}
+        return func(*args, **(kwargs or {}))

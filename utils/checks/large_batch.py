@@ -11,6 +11,7 @@ from torch import nn
 from ..models import GhostBatchNorm2d
 from ..optim import LARS, lars_param_groups
 from ..schedules import lr_for_batch as _lr_reference
+from ._common import HostReads
 from .engine import Case, Exercise, difference, mistake
 
 LAB = "lab4_large_batch"
@@ -223,6 +224,7 @@ class _LarsVariant(torch.optim.Optimizer):
                         continue
                     wd, adapt = group["weight_decay"], not ex or "ignore_exclude" in k
                     r = _ratio(p, p.grad, wd, group["trust_coefficient"], group["eps"]) if adapt else 1.0
+                    r = float(r) if "host" in k else r
                     d = r * p.grad + wd * p if "wd_after" in k else r * (p.grad + wd * p)
                     d = p.grad.copy_(d) if "alias" in k else d  # the update written into .grad itself
                     store, key = (self.bufs, p) if "outside_state" in k else (self.state[p], "buf")
@@ -261,19 +263,21 @@ def _run_optimizer(cls, case):
         groups = [dict(params=[a.weight, bn.weight, model.unused], **adapted),
                   dict(params=[a.bias, bn.bias, b.weight, b.bias], exclude=True, weight_decay=0.02, momentum=0.5, lr_scale=0.5)]  # fmt: skip
     opt, out = _made(cls, torch.optim.Optimizer, groups, **hp), {"params": [], "state": True, "plain": True}
+    reads = HostReads()
     out["names"] = [n for n, _ in model.named_parameters()]
     for (x, y), lr in zip(data, lrs):
         for g in opt.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
         opt.zero_grad(set_to_none=False)  # zeroes each .grad in place: a buffer that is a .grad is zeroed with it
         nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
+        with reads:
+            opt.step()
         out["params"].append([p.detach().clone() for p in model.parameters()])
         for p in model.parameters():
             kept = [v for k, s in opt.state.items() if k is p for v in s.values() if isinstance(v, torch.Tensor)]
             out["state"] &= p.grad is None or any(v.shape == p.shape for v in kept)  # a buffer in self.state
             out["plain"] &= not any(v.requires_grad for v in kept)  # and outside the autograd graph
-    return out
+    return out | {"no host read in step": reads.n == 0}
 
 
 def _lars_compare(got, want):
@@ -314,10 +318,11 @@ LARS_OPTIMIZER = Exercise(
         "forget_buffer": "the momentum buffer is not kept from one step to the next. Try: store each parameter's buffer in its per-parameter state (self.state) and update it there every step",
         "wd_after": "weight decay was added after the trust ratio. Try: add weight_decay times the parameter to the gradient first, then scale the sum by the trust ratio",
         "lr_from_init": "your step ignores a changed learning rate, which a schedule sets in group['lr'] each step. Try: read lr from the parameter group inside step, not from a value saved in __init__",
+        "host": "your step reads tensors back to Python (.item(), float(), or an `if` on a tensor), which on a GPU waits for the device once per parameter. Try: compute the trust ratio with tensor operations only, as your trust_ratio does, and keep it a tensor",
         "outside_state": "a parameter has no momentum buffer in its per-parameter state: it is kept somewhere else, or that parameter gets no momentum. Try: every parameter with a gradient, in an excluded group too, keeps its buffer in self.state under the parameter itself, which PyTorch saves with the optimizer",
     }, _class_variant(_LarsVariant, "MyLARS"), not_class=_raised("not a class"), not_optimizer=_raised("not a Optimizer class"),
        grad_on=lambda o: "leaf Variable" in o.error or o.got["plain"] is False, none_grads=_raised("NoneType"), no_default_exclude=_raised("KeyError: 'exclude'"),
-       outside_state=lambda o: o.got["state"] is False),
+       outside_state=lambda o: o.got["state"] is False, host=lambda o: o.got["no host read in step"] is False),
 )  # fmt: skip
 
 

@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .. import data, profiling
 from ..bench import SlowDataset
 from ..train import Callback
+from ._common import HostReads
 from .engine import Case, Exercise, difference
 from .engine import mistake as _m
 
@@ -236,33 +236,6 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _Reads(TorchFunctionMode):
-    """Counts the tensors read back to the host (each read waits for the device on a GPU), however made:
-    ``.cpu().tolist()`` reads one, ``torch.tensor`` of a list of tensors reads each."""
-
-    READS = {"item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__"}
-
-    def __init__(self):
-        super().__init__()
-        self.n, self.read = 0, set()  # reads in all the blocks it ran; the tensors read in the current one
-
-    def __enter__(self):
-        self.read = set()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        self.n += len(self.read)
-        return super().__exit__(*exc)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        to_cpu = func.__name__ == "to" and any(str(a) == "cpu" for a in (*args[1:], *(kwargs or {}).values()))
-        if func.__name__ in self.READS or to_cpu:
-            self.read.add(id(args[0]))  # .cpu() of a tensor on the CPU is the tensor itself: one read
-        if func.__name__ in ("tensor", "as_tensor") and args and isinstance(args[0], (list, tuple)):
-            self.read |= {id(t) for t in args[0] if isinstance(t, torch.Tensor)}
-        return func(*args, **(kwargs or {}))
-
-
 class _Log(Callback):
     """The oracle LossLog (``kind`` None: the pending losses read in one go at each epoch's end), and its slips."""
 
@@ -282,7 +255,7 @@ class _Log(Callback):
 
 def _run_log(cls, case):
     """``cls()`` driven as fit drives a callback, over epochs of ``case.args`` steps; its host reads in each hook."""
-    log, state, in_step, at_end = cls(), SimpleNamespace(step=0), _Reads(), _Reads()
+    log, state, in_step, at_end = cls(), SimpleNamespace(step=0), HostReads(), HostReads()
     losses = torch.rand(sum(case.args), generator=torch.Generator().manual_seed(len(case.args))) * 3
     for state.epoch, steps in enumerate(case.args):
         for _ in range(steps):
