@@ -172,15 +172,19 @@ def difference(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-6) -> s
     kinds = f"returned {_kind(got)} where {_kind(want)} was expected"
     if _number(want) and _number(got):
         close = math.isclose(float(got), float(want), rel_tol=rtol, abs_tol=atol)
-        return None if close else f"returned {got:.6g} where {want:.6g} was expected"
+        digits = next(n for n in (6, 9, 12, 17) if f"{got:.{n}g}" != f"{want:.{n}g}" or n == 17)  # enough to differ
+        return None if close else f"returned {got:.{digits}g} where {want:.{digits}g} was expected"
     shapes = {tuple(t.shape) for t in (got, want) if isinstance(t, torch.Tensor)}
     if _category(got) != _category(want) or len(shapes) == 2:
         return kinds
-    if isinstance(want, dict):  # key by key, in the expected order: the first part that differs
-        if got.keys() != want.keys():
-            missing, extra = [k for k in want if k not in got], [k for k in got if k not in want]
-            return f"returned a dict whose keys differ from the expected ones (missing: {missing}, unexpected: {extra})"
-        diffs = ((k, difference(got[k], want[k], rtol, atol)) for k in want)
+    if isinstance(want, dict) and got.keys() != want.keys():
+        missing, extra = [k for k in want if k not in got], [k for k in got if k not in want]
+        return f"returned a dict whose keys differ from the expected ones (missing: {missing}, unexpected: {extra})"
+    nested = isinstance(want, (list, tuple)) and len(got) == len(want) and any(isinstance(w, dict) for w in want)
+    if isinstance(want, dict) or nested:  # part by part, in the expected order: the first part that differs
+        diffs = (
+            (k, difference(got[k], want[k], rtol, atol)) for k in (want if isinstance(want, dict) else range(len(want)))
+        )
         k, diff = next(((k, d) for k, d in diffs if d is not None), (None, None))
         rest = (diff or "").removeprefix("returned")  # a nested dict's own ", at [...]" joins the path
         return (

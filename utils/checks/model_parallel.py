@@ -89,7 +89,7 @@ def _zero(p, n, s, b=2):
 
 ZERO_MEMORY = Exercise(
     name="zero_memory", oracle=lambda p, n, s: zero_bytes(p, n, s)["total"], rtol=1e-9, atol=0,
-    cases=lambda: [Case((10**6, n, s), label=f"stage {s} on {n} GPU(s)") for n in (1, 2, 8, 64) for s in range(4)],
+    cases=lambda: [Case((10**6 + 3, n, s), label=f"stage {s} on {n} GPU(s)") for n in (1, 2, 8, 64) for s in range(4)],
     hint="bytes per parameter: parameters 2, gradients 2, optimizer state 12; divide by N the parts the stage shards",
     passed="every stage on 1 to 64 GPUs", refuse=("utils.parallel.zero_bytes",),
     refuse_hint="add up the bytes of parameters, gradients and optimizer state yourself",
@@ -104,6 +104,10 @@ check_zero_memory = ZERO_MEMORY.checker("``zero_memory(n_params, world_size, sta
 
 
 # ---------------------------------------------------------------------------- exercise 3: ZeRO-2 by hand
+# What a collective says when a tensor's length is no multiple of the world size (gloo's, NCCL's, torch's checks)
+_SIZE_ERRORS = ("worldSize", "world_size", "divisible", "tensor size", "sizes")
+
+
 def _zero2_cases(ctx):
     """Two MLPs, 44 and 57 parameters: on 2 or 3 ranks, one divides by the world size and the other does not."""
     models = {44: (4, 6, 2), 57: (5, 6, 3)}
@@ -210,7 +214,7 @@ ZERO2 = Exercise(
     passed="3 and 2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the optimizer "
     "state, only the shard's gradient after each step, and DDP's traffic",
     mistakes=[
-        _m("your code failed on the MLP whose parameter count does not divide by the number of ranks: it pads to a multiple of another number, or not at all. Try: pad the flat vectors with zeros at the end to a multiple of the world size, which torch.distributed gives you", (partial(_REF, pad=""), _step(pad="")), lambda o: "does not divide" in o.error),
+        _m("your code failed on the MLP whose parameter count does not divide by the number of ranks: it pads to a multiple of another number, or not at all. Try: pad the flat vectors with zeros at the end to a multiple of the world size, which torch.distributed gives you", (partial(_REF, pad=""), _step(pad="")), lambda o: "does not divide" in o.error and any(w in o.error for w in _SIZE_ERRORS)),
         _m("after a step the ranks hold different parameters. Try: all-gather the updated shards and copy the full vector into the parameters, on every rank", (_REF, _step(gather=False)), lambda o: any(difference(o.got[0]["params"], r["params"]) for r in o.got[1:])),
         _m("the model's parameters never change. Try: after the step, all-gather the shards and copy them back into the parameters in place, without autograd", (_REF, _step(copy=False))),
         _m("the parameters are one step behind: you gathered before stepping. Try: step the optimizer on your shard first, then all-gather", (_REF, _step(first=True))),
