@@ -106,10 +106,8 @@ class _Machine:
 def _clock(machine: _Machine, answer):
     """While the answer runs, time's wall clocks, under any name (``perf_counter`` imported, timeit's default_timer,
     a default argument), read ``machine.now`` in this thread; other threads read the real ones."""
-    me, names = (
-        threading.get_ident(),
-        ("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns", "time_ns"),
-    )
+    me = threading.get_ident()
+    names = ("perf_counter", "monotonic", "time", "perf_counter_ns", "monotonic_ns", "time_ns")
 
     def fake(real, ns):
         def read():
@@ -136,7 +134,10 @@ def _clock(machine: _Machine, answer):
         yield
     finally:
         for scope, k, v in saved:
-            _ = setattr(scope, k, v) if k == "__defaults__" else scope.__setitem__(k, v)
+            if k == "__defaults__":
+                scope.__defaults__ = v
+            else:
+                scope[k] = v
 
 
 def _compare(got, want):  # (result, what step() saw) against the oracle's: the calls first, then the number
