@@ -192,3 +192,15 @@ def test_the_lab_sizes_fit_every_profile(name):
     if cfg.dataset == "digits":
         splits = data.load("digits", cfg.lab6_n_train, cfg.n_val)
         assert len(splits.train) == cfg.lab6_n_train
+
+
+def test_host_reads_count_the_tensors_read_once_each_per_block():
+    from utils.checks._common import HostReads
+
+    losses, reads = [torch.rand(()) for _ in range(7)], HostReads()
+    for read, n in [(lambda: torch.stack(losses).cpu().tolist(), 1), (lambda: torch.tensor(losses), 7),
+                    (lambda: [float(t) for t in losses], 7), (lambda: torch.stack(losses), 0)]:  # fmt: skip
+        before = reads.n
+        with reads:
+            read()
+        assert reads.n - before == n

@@ -280,6 +280,10 @@ def test_a_crash_names_the_error_and_a_placeholder_says_not_implemented():
         ([torch.ones(2), 1.0], [torch.ones(2), 1.0], None),
         ({"a": torch.ones(2)}, {"a": torch.zeros(2)}, "returned"),
         ({"input grad": torch.ones(20)}, {"input grad": torch.zeros(20)}, "at ['input grad']"),
+        # the first part that differs in the expected order, not in sorted order (assert_close sorts keys)
+        ({"y": torch.ones(20), "a": torch.ones(20)}, {"y": torch.zeros(20), "a": torch.zeros(20)}, "at ['y'], values"),
+        ([{"y": 1.0, "g": {"b": 2.0}}], [{"y": 1.0, "g": {"b": 3.0}}], "returned, at [0]['g']['b'], 2 where 3 was"),
+        ({"params": 1, "optimizer": 2}, {"params": 1, "grads": 2}, "(missing: ['grads'], unexpected: ['optimizer'])"),
         ([True, False], [0.5, 1.0], "returned [True, False] where [0.5, 1.0] was expected"),
     ],
 )
@@ -289,6 +293,10 @@ def test_difference_against_assert_close(got, want, words):
 
 
 # ---------------------------------------------------------------------------- on ranks
+
+
+def test_two_numbers_that_differ_are_printed_with_digits_enough_to_differ():
+    assert engine.difference(5500015.0, 5500016.5, rtol=1e-9, atol=0) == "returned 5500015 where 5500016.5 was expected"
 
 
 @pytest.mark.slow
