@@ -5,6 +5,7 @@ placeholders and the mistakes a predicate sees need a launch each, extended). Th
 process's Block."""
 
 import linecache
+import pickle
 
 import exercise_harness as harness
 import pytest
@@ -43,6 +44,17 @@ def test_a_class_defined_in_a_cell_is_found_from_its_methods():
     assert shipped.sources == [("Twice", cell[cell.index("class") :])] and shipped.answer == ("Twice",)
 
 
+def test_a_shipment_carries_an_operators_alias_and_a_notebooks_dict_to_a_rank():
+    cell = ("class Twice(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, t):\n        return 2 * t\n\n\n"
+            "twice = Twice.apply\nseen = {'calls': 0}\n\n\ndef double(t):\n    seen['calls'] += 1\n    return twice(t)\n")  # fmt: skip
+    name = "<ipython-input-8-double>"
+    linecache.cache[name] = (len(cell), None, cell.splitlines(keepends=True), name)
+    ns = {"__name__": "__main__", "torch": torch}
+    exec(compile(cell, name, "exec"), ns)
+    (double,), scope = pickle.loads(pickle.dumps(engine.ship("double", (ns["double"],)))).define()  # as a rank does
+    assert double(torch.ones(2)).tolist() == [2.0, 2.0] and scope["seen"] == {"calls": 1} and ns["seen"] == {"calls": 0}
+
+
 NAMES = {"shards.qkv_weight": "attn.qkv.weight", "shards.qkv_bias": "attn.qkv.bias", "shards.fc_weight": "mlp.fc.weight",
          "shards.fc_bias": "mlp.fc.bias", "shards.attn_proj_weight": "attn.proj.weight", "attn_proj_bias": "attn.proj.bias",
          "shards.mlp_proj_weight": "mlp.proj.weight", "mlp_proj_bias": "mlp.proj.bias"}  # fmt: skip
@@ -70,7 +82,8 @@ def test_the_oracle_blocks_on_2_ranks_equal_one_process_block():
                 assert len(got["grads"]) == len(params)
                 for k, grad in got["grads"].items():
                     torch.testing.assert_close(grad, params[NAMES.get(k, k)].grad, rtol=1e-4, atol=1e-5, msg=k)
-            assert rank["sp_block"][i]["norm_rows"] == [t // 2] * 2 and rank["sp_block"][i]["all_reduce"] == 0
+            # each LayerNorm normalised the rank's t / 2 tokens of each of the 2 sequences, and nothing all-reduced
+            assert rank["sp_block"][i]["norm_rows"] == [2 * t // 2] * 2 and rank["sp_block"][i]["all_reduce"] == 0
 
 
 def _oracles_on_ranks():

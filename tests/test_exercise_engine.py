@@ -252,6 +252,25 @@ def test_the_library_itself_and_the_oracle_are_refused():
         engine.check(MEAN, MEAN.oracle)
 
 
+def test_an_oracle_that_is_a_library_function_is_refused_to_the_answer_and_put_back_after():
+    from utils import linear_regression as lr
+
+    points = [
+        (torch.tensor([1.0, 2.0]), torch.tensor([3.0, 5.0]), 0.0, 0.0, 0.1),
+        (torch.ones(3), torch.ones(3), 1.0, 0.5, 0.2),
+    ]
+    ex = engine.Exercise(name="engine_test_library_oracle", cases=lambda: [engine.Case(a) for a in points],
+                         oracle=lr.gd_step, hint="move against the gradient")  # fmt: skip
+    step = lr.gd_step
+    for answer in (lambda *a: step(*a), lambda *a: lr.gd_step(*a)):  # held by name, reached through its module
+        with pytest.raises(
+            CheckFailed, match="uses utils.linear_regression.gd_step, which this exercise asks you to write"
+        ):
+            engine.check(ex, answer)
+    engine.check(ex, lambda x, y, w, b, r: tuple(v - r * d for v, d in zip((w, b), lr.mse_grad(x, y, w, b))))
+    assert lr.gd_step is step and lr.gd(*points[0][:4], 0.1, 2).shape == (3, 2)  # the library works as before
+
+
 def test_a_hang_is_reported_within_the_timeout():
     def mean(x):
         while True:

@@ -20,6 +20,7 @@ import inspect
 import io
 import linecache
 import math
+import pickle
 import pkgutil
 import re
 import signal
@@ -238,8 +239,9 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     holds it: its globals, closures and default arguments, ``scopes``, a partial of it there; a class named there
     also refuses to make an instance of a subclass. A refused module's private callables (the library uses
     them) are refused only where the answer holds them, with the answer's own subclasses of them. The functions
-    of a refused module's submodules and of the spec's own module (its oracles, reached through their module) are
-    guarded: a call from the answer's code raises, the library's own calls go through."""
+    of a refused module's submodules, of the spec's own module (its oracles, reached through their module) and an
+    oracle that is a library function are guarded: a call from the answer's code raises, the library's own calls
+    go through."""
 
     def raise_(what: str, *args, **kwargs):
         problem = f"your code uses {what}, which this exercise asks you to write yourself"
@@ -263,6 +265,10 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     spec = sys.modules.get(ex.module)
     if spec is not None and own and not any(lib(fn.__globals__) for fn in fns):  # the oracles: no student's answer
         refused += [(spec, a, v, "spec") for a, v in vars(spec).items() if inspect.isfunction(v) and v.__module__ == ex.module]  # fmt: skip
+        # and an oracle that is the library's own function (utils.linear_regression.gd_step)
+        oracles = ex.oracle if isinstance(ex.oracle, tuple) else (ex.oracle,)
+        at = lambda o: sys.modules[o.__module__] if re.match(r"utils\.(?!checks\b)", o.__module__) else None
+        refused += [(at(o), o.__name__, o, True) for o in oracles if inspect.isfunction(o) and at(o)]
     for holder, _, obj, guarded in list(refused):  # a re-exported function, where it is defined
         home = sys.modules.get(getattr(obj, "__module__", None) or "")
         if home not in (None, holder) and not guarded and vars(home).get(getattr(obj, "__name__", "")) is obj:
@@ -313,7 +319,7 @@ def refusing(ex: Exercise, answer: Sequence, scopes: Sequence[dict] = ()) -> Ite
     it; everything is put back afterwards."""
     saved = []
     try:
-        for holder, attr, value in _patches(ex, answer, scopes) if ex.refuse else ():
+        for holder, attr, value in _patches(ex, answer, scopes):
             saved.append((holder, attr, _swap(holder, attr, value)))
         yield
     finally:
@@ -368,6 +374,14 @@ def _code_names(code) -> set:
     return set(code.co_names).union(*(_code_names(c) for c in code.co_consts if hasattr(c, "co_names")))
 
 
+def _travels(value) -> bool:
+    """Whether a spawned rank can unpickle ``value``: nothing in it is the notebook's own."""
+    try:
+        return b"__main__" not in pickle.dumps(value)
+    except Exception:  # noqa: BLE001 - whatever pickling raises, the value stays behind
+        return False
+
+
 def _notebook_defined(obj) -> bool:
     where = getattr(obj, "__module__", None) in ("__main__", "__mp_main__")
     return where and (hasattr(obj, "__code__") or inspect.isclass(obj))
@@ -411,19 +425,23 @@ def ship(name: str, answer: tuple) -> Shipment:
             _ = visit(base) if _notebook_defined(base) else None
         glb = fns[0].__globals__ if fns else vars(inspect.getmodule(obj) or types.ModuleType("x"))
         names = set().union(*(_code_names(f.__code__) for f in fns))
-        # and the names a class's bases are written with (a module, or a class imported by name)
-        with contextlib.suppress(OSError, TypeError, SyntaxError, IndexError):
-            bases = ast.parse(textwrap.dedent(getsource(obj))).body[0].bases if inspect.isclass(obj) else []
-            names |= {n.id for b in bases for n in ast.walk(b) if isinstance(n, ast.Name)}
+        # and the names its source reads outside the code: a class's bases and body, default arguments
+        with contextlib.suppress(OSError, TypeError, SyntaxError):
+            names |= {n.id for n in ast.walk(ast.parse(textwrap.dedent(getsource(obj)))) if isinstance(n, ast.Name)}
         for n, v in [(n, glb[n]) for n in sorted(names) if n in glb]:
             if isinstance(v, types.ModuleType):
                 imports[n] = v.__name__
             elif _notebook_defined(v):
                 visit(v)
+            elif inspect.ismethod(v) and _notebook_defined(v.__self__):  # an alias, f = CopyToTP.apply
+                visit(v.__self__)
+                sources.append((n, f"{n} = {v.__self__.__name__}.{v.__name__}\n"))
             elif isinstance(v, (int, float, str, bool, tuple)) and not n.startswith("_"):
                 constants[n] = v
             elif getattr(v, "__module__", None) and hasattr(v, "__name__"):
                 imports[n] = (v.__module__, v.__name__)
+            elif not n.startswith("_") and _travels(v):  # a notebook's dict or list of plain values: a copy per rank
+                constants[n] = v
         try:
             sources.append((obj.__name__, textwrap.dedent(getsource(obj))))
         except (OSError, TypeError):

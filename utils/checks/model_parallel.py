@@ -70,7 +70,7 @@ TENSOR_PARALLEL = Exercise(
     hint="rank r keeps the SAME slice r of the hidden units in both layers, in equal contiguous slices (nn.Linear's weight is [out_features, in_features])",
     passed="1, 2 and 4 ranks: the partial outputs add up to the whole MLP",
     mistakes=[
-        _m("column_shard must return a (weight, bias) pair of tensors, row_shard one weight. Try: return this rank's slices of the weight and bias from column_shard, of the weight from row_shard", (lambda lin, r, n: [t.tolist() for t in _col(lin, r, n)], _row), lambda o: "unpack" in o.error or None in (o.got["w1"], o.got["b1"], o.got["w2"])),
+        _m("column_shard must return a (weight, bias) pair of tensors, row_shard one weight. Try: return this rank's slices of the weight and bias from column_shard, of the weight from row_shard", (lambda lin, r, n: [t.tolist() for t in _col(lin, r, n)], _row), lambda o: "unpack" in o.error or str in map(type, o.got["shapes"].values())),
         _m("a weight is cut into the wrong number of pieces. Try: cut it into world_size equal pieces with Tensor.chunk(world_size, dim), not into pieces of world_size rows", (lambda lin, r, n: (lin.weight.detach().split(n)[r], lin.bias.detach().split(n)[r]), lambda lin, r, n: lin.weight.detach().split(n, 1)[r]),
            lambda o: None not in (o.got["w1"], o.got["w2"]) and (_miscount(o, "w1", 0) or _miscount(o, "w2", 1))),
         _m("column_shard's weight is not cut by output features. Try: a column-parallel layer splits the OUTPUT features (nn.Linear's weight is [out, in])", (partial(_col, dim=1, bias=False), _row), lambda o: o.got["w1"] and o.got["w1"][0] == 1 != o.want["w1"][0]),
@@ -214,7 +214,7 @@ ZERO2 = Exercise(
     passed="3 and 2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the optimizer "
     "state, only the shard's gradient after each step, and DDP's traffic",
     mistakes=[
-        _m("your code failed on the MLP whose parameter count does not divide by the number of ranks: it pads to a multiple of another number, or not at all. Try: pad the flat vectors with zeros at the end to a multiple of the world size, which torch.distributed gives you", (partial(_REF, pad=""), _step(pad="")), lambda o: "does not divide" in o.error and any(w in o.error for w in _SIZE_ERRORS)),
+        _m("your code failed on the MLP whose parameter count does not divide by the number of ranks: a collective got a buffer that is not padded to a multiple of the world size. Try: pad the flat vectors with zeros at the end to a multiple of the world size (torch.distributed gives it), and give the all-gather an output of that padded size", (partial(_REF, pad=""), _step(pad="")), lambda o: "does not divide" in o.error and any(w in o.error for w in _SIZE_ERRORS)),
         _m("after a step the ranks hold different parameters. Try: all-gather the updated shards and copy the full vector into the parameters, on every rank", (_REF, _step(gather=False)), lambda o: any(difference(o.got[0]["params"], r["params"]) for r in o.got[1:])),
         _m("the model's parameters never change. Try: after the step, all-gather the shards and copy them back into the parameters in place, without autograd", (_REF, _step(copy=False))),
         _m("the parameters are one step behind: you gathered before stepping. Try: step the optimizer on your shard first, then all-gather", (_REF, _step(first=True))),
@@ -252,20 +252,21 @@ def _gpipe_cases():
 
 def _gpipe_run(answer, case):
     """The step, on stages holding gradients from before: the gradients it added, its loss, and the order of
-    stage 0's forwards (F) and backwards (B)."""
+    stage 0's forwards (F) and backwards (B), and whether stage 1 ever ran on a tensor with stage 0's history."""
     s0, s1, x, y, m = case.args
     params, order, g = [*s0.parameters(), *s1.parameters()], [], torch.Generator().manual_seed(m)
     before = [torch.randn(p.shape, generator=g) for p in params]
     for p, b in zip(params, before):
         p.grad = b.clone()
-    hooks = [s0.register_forward_pre_hook(lambda *a: order.append("F")), params[0].register_hook(lambda _: order.append("B"))]  # fmt: skip
+    hooks = [s0.register_forward_pre_hook(lambda *a: order.append("F")), params[0].register_hook(lambda _: order.append("B")),
+             s1.register_forward_pre_hook(lambda m, a: order.append("" if a[0].is_leaf else "T"))]  # fmt: skip
     try:
         loss = answer(s0, s1, x, y, m)
     finally:
         [h.remove() for h in hooks]
     added = [((b if p.grad is None else p.grad) - b).flatten() for p, b in zip(params, before)]
     n0 = len(list(s0.parameters()))
-    return {"loss": loss if loss is None else float(loss), "stage0": torch.cat(added[:n0]), "stage1": torch.cat(added[n0:]), "order": "".join(order)}  # fmt: skip
+    return {"loss": loss if loss is None else float(loss), "stage0 gradients": torch.cat(added[:n0]), "stage1 gradients": torch.cat(added[n0:]), "order": "".join(order).replace("T", ""), "through": "T" in order}  # fmt: skip
 
 
 def _full_batch(s0, s1, x, y, m):
@@ -301,17 +302,17 @@ def _gpipe(s0, s1, x, y, m, cut="leaf", div=True, fb=False, zero=False, back=Tru
 _NO_BOUNDARY_GRAD = ("implicitly created only for scalar outputs", "does not require grad", "a second time")
 GPIPE = Exercise(
     name="gpipe_microbatches", cases=_gpipe_cases, oracle=_full_batch, run=_gpipe_run,
-    compare=lambda got, want: difference(got["loss"], want["loss"])
-    or difference((got["stage0"], got["stage1"]), (want["stage0"], want["stage1"])),
+    compare=lambda got, want: difference(*({k: o[k] for k in ("loss", "stage0 gradients", "stage1 gradients")} for o in (got, want))),
     hint="backpropagate stage 0's output with the gradient of the leaf that stage 1 received, once per micro-batch",
     passed="1, 2 and 4 micro-batches: the GPipe order, and the gradients of one full-batch step",
     mistakes=[
         _m("stage0's backward got no gradient from the boundary: it is not a leaf that requires grad, or stage0's backward ran before the loss's. Try: make the boundary a leaf that requires grad (cut off stage0's graph), run the loss's backward, then stage0's with the boundary's .grad", partial(_gpipe, cut="none"), lambda o: any(k in o.error for k in _NO_BOUNDARY_GRAD)),
-        _m("stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into m equal micro-batches and run each through stage0 once", lambda *a: _full_batch(*a), lambda o: o.got["order"].count("F") != o.case.args[4], mechanism=True),
+        _m("stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into m equal micro-batches and run each through stage0 once", lambda *a: _gpipe(*a[:4], 1), lambda o: o.got["order"].count("F") != o.case.args[4], mechanism=True),
         _m("the forwards and backwards are interleaved, but GPipe runs all m forwards, then all m backwards. Try: a loop of all forwards, keeping each boundary and loss, then a loop of all backwards", partial(_gpipe, fb=True), lambda o: "B" in o.got["order"][: o.got["order"].rfind("F")], mechanism=True),
         _m("the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch loss is their mean", partial(_gpipe, div=False)),
         _m("stage0's gradients are twice too large: the loss's backward already reached stage0. Try: cut the graph at the boundary with a new leaf holding stage0's values", partial(_gpipe, cut="retain")),
-        _m("stage0's parameters got no gradient. Try: after each loss's backward, backpropagate stage0's output with the gradient that arrived at the boundary", partial(_gpipe, back=False), lambda o: not o.got["stage0"].any()),
+        _m("stage1 ran on stage0's output itself, so one backward crossed both stages: across two devices it cannot. Try: hand stage1 a new leaf holding stage0's values, and backpropagate stage0 with that leaf's .grad", partial(_gpipe, cut="retain", back=False), lambda o: o.got["through"] and GPIPE.differs(o.got, o.want) is None, mechanism=True),
+        _m("stage0's parameters got no gradient. Try: after each loss's backward, backpropagate stage0's output with the gradient that arrived at the boundary", partial(_gpipe, back=False), lambda o: not o.got["stage0 gradients"].any()),
         _m("stage1's gradients differ from the full batch's: earlier gradients are gone. Try: do not zero the gradients inside: the caller zeroes them, and each backward adds to them", partial(_gpipe, zero=True)),
         _m("the returned loss differs from the full batch's. Try: return the sum of the m micro-batch losses, each already divided by m, as a float", lambda *a: _gpipe(*a) / a[4], lambda o: o.got["loss"] is None or difference(o.got["loss"], o.want["loss"])),
     ],

@@ -18,7 +18,7 @@ from .engine import mistake as _m
 __all__ = ["check_tp_operators", "check_shard_block", "check_tp_block", "check_sp_block"]
 LAB = "lab7_tensor_parallel_transformer"
 REFUSE = ("utils.parallel.tensor_parallel", "torch.distributed.tensor.parallel.parallelize_module",
-          "torch.distributed.tensor.distribute_tensor", "torch.distributed.nn", "torch.distributed.nn.functional")  # fmt: skip
+          "torch.distributed.tensor.distribute_tensor", "torch.distributed.nn", "torch.distributed.nn.functional", "torch.distributed._functional_collectives")  # fmt: skip
 REFUSE_HINT = "write the collectives yourself with torch.distributed (all_reduce, all_gather_into_tensor, reduce_scatter_tensor)"  # fmt: skip
 
 
@@ -142,7 +142,7 @@ SHARD_BLOCK = Exercise(
     name="shard_block", oracle=_shard, run=_shard_run, refuse=REFUSE,
     cases=lambda: [Case((d, h, n, d), label=f"width {d}, {h} heads on {n} ranks") for d, h, n in ((8, 2, 2), (12, 6, 3), (16, 4, 4))],
     compare=lambda got, want: _shapes_differ(got["shapes"], want["shapes"])
-    or difference((got["attn"], got["mlp"]), (want["attn"], want["mlp"]), atol=1e-5),
+    or difference(*({"attention": o["attn"], "MLP": o["mlp"]} for o in (got, want)), atol=1e-5),
     hint="rank r keeps the q, k and v rows of heads r*H/N to (r+1)*H/N, fc's hidden units r*4d/N to (r+1)*4d/N, and the same slices of the projections' inputs",
     passed="2, 3 and 4 ranks: the partial outputs add up to the block's attention and MLP",
     mistakes=[
@@ -200,7 +200,7 @@ def _block_run(answer, case, sp=False):
     x, probe = (torch.randn(2, t, d, generator=gen).to(ctx.device) for _ in range(2))
     mine = (lambda v: v.chunk(n, 1)[rank]) if sp else (lambda v: v)
     part, rows, xs = answer(block, rank, n).to(ctx.device), [], mine(x).clone().requires_grad_()
-    seen = [norm.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[1])) for norm in (part.norm1, part.norm2)]  # fmt: skip
+    seen = [norm.register_forward_pre_hook(lambda m, a: rows.append(a[0].numel() // a[0].shape[-1])) for norm in (part.norm1, part.norm2)]  # fmt: skip
     with CommCounter(n) as comm:
         y = part(xs)
         (y * mine(probe)).sum().backward()
@@ -242,7 +242,7 @@ SP_BLOCK = Exercise(
     hint="per branch: LayerNorm on your sequence shard, all-gather the sequence, the column- and row-parallel layers, reduce-scatter back to your shard, then the bias and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block, with no all-reduce",
     mistakes=[
-        _m("your block called an all-reduce: sequence parallelism replaces g's all-reduce with a reduce-scatter. Try: after a row-parallel layer, reduce-scatter the partial sums along the sequence",
+        _m("your block called an all-reduce, where sequence parallelism reduce-scatters along the sequence: in g's forward and in the all-gather's backward. Try: reduce-scatter there (dist.reduce_scatter_tensor), so each rank keeps the sum of its own shard only",
            partial(_SPBlock, how="all_reduce"), lambda o: any(r["all_reduce"] for r in o.got), mechanism=True),
         _m("a LayerNorm ran on the whole sequence: every rank normalised (and kept) all the rows. Try: run each LayerNorm on your own sequence shard, then all-gather its output",
            partial(_SPBlock, how="full norm"), lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]), mechanism=True),
