@@ -40,6 +40,11 @@ def _close(a, b) -> bool:
     return difference(torch.as_tensor(a).double(), torch.as_tensor(b).double(), 1e-6, 1e-9) is None
 
 
+def _float32_digits(got, want) -> bool:
+    """``got`` differs from ``want`` in the digits float32 loses: not within 1e-10, but within 1e-5."""
+    return difference(got, want, 1e-10, 1e-12) is not None and difference(got, want, 1e-5, 1e-7) is None
+
+
 def _keeping(run=lambda f, case: f(*case.args)):
     """``run``, which must leave the case's arguments as they were given: the caller uses them again."""
 
@@ -136,8 +141,7 @@ SGD = Exercise(
     mistakes=[
         _m("the path is float32, or went through float32 (torch.tensor of Python floats is float32), so it keeps "
            "fewer digits than the data. Try: make every tensor of the path with dtype=torch.float64", lambda *a: _sgd(*a).float(), mechanism=True,
-           when=lambda o: torch.is_tensor(o.got) and o.got.shape == o.want.shape and (o.got.dtype != torch.float64 or (
-               difference(o.got, o.want, 1e-10, 1e-12) is not None and difference(o.got, o.want, 1e-5, 1e-7) is None))),
+           when=lambda o: torch.is_tensor(o.got) and o.got.shape == o.want.shape and (o.got.dtype != torch.float64 or _float32_digits(o.got, o.want))),
         _m("the path is transposed: it has 2 rows. Try: one row per point, a tensor of shape (steps + 1, 2)",
            lambda *a: _sgd(*a).T, when=lambda o: tuple(o.got.shape) == tuple(o.want.shape)[::-1]),
         _m("the path has one row too many or too few: the loop ran steps + 1 or steps - 1 times. Try: after the start "
@@ -353,12 +357,13 @@ NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
 )  # fmt: skip
 
 
-def _chunked(m, f, x, y, c, keep=None, each=False, ddof=1, correct=True, hold=False):
+def _chunked(m, f, x, y, c, keep=None, each=False, ddof=1, correct=True, hold=False, dtype=torch.float64):
     """B_simple from running sums over the chunks of ``c`` (the first ``keep`` only), or (``each``) the mean of each
-    chunk's; ``ddof`` and ``correct`` as in :func:`_b_simple`; ``hold`` keeps every chunk's gradients to the end."""
+    chunk's; ``ddof`` and ``correct`` as in :func:`_b_simple`; ``hold`` keeps every chunk's gradients to the end;
+    the sums in ``dtype``."""
     n, total, squares, each_b, held = 0, 0.0, 0.0, [], []
     for i in list(range(0, len(x), c))[:keep]:
-        g = _per_example(m, f, x[i : i + c], y[i : i + c]).double()
+        g = _per_example(m, f, x[i : i + c], y[i : i + c]).to(dtype)
         n, total, squares = n + len(g), total + g.sum(0), squares + (g**2).sum()
         each_b += [_b_simple(g)] if each else []
         held += [g] if hold else []
@@ -424,7 +429,7 @@ def _noise_cases() -> list:
 
 DATASET_NOISE_SCALE = Exercise(
     name="dataset_noise_scale", oracle=lambda *a: _chunked(*a), run=_run_in_chunks, cases=_noise_cases,
-    rtol=1e-6, passed="two models, in chunks that leave a shorter last one, and 48 examples in chunks of 2",
+    rtol=1e-10, atol=1e-12, passed="two models, in chunks that leave a shorter last one, and 48 examples in chunks of 2",
     refuse=("utils.gradient_noise.per_example_grads", "utils.gradient_noise.noise_scale",
             "utils.gradient_noise.dataset_noise_scale"),
     refuse_hint="accumulate the sums yourself, with your own per_example_grads",
@@ -438,6 +443,9 @@ DATASET_NOISE_SCALE = Exercise(
         _m("your function kept every chunk's gradients until the end, so its memory still grows with the number of "
            "examples. Try: fold each chunk into the two running sums as soon as you have it, and keep nothing else of "
            "it", partial(_chunked, hold=True), when=lambda o: "were kept at once" in o.error),
+        _m("the sums kept fewer digits than the float64 gradients: they were float32 (torch.zeros and torch.tensor of "
+           "Python floats make float32). Try: start the running sums at 0.0, or make them with the gradients' dtype",
+           partial(_chunked, dtype=torch.float32), when=lambda o: _float32_digits(o.got, o.want)),
         _m("you averaged the per-chunk B_simple values. Try: accumulate sums over ALL examples and divide once at the "
            "end", partial(_chunked, each=True)),
         _m("only the first chunk was used. Try: loop over every chunk, and add up before dividing",
