@@ -64,7 +64,7 @@ def _ops_run(answer, case):
     x.requires_grad_()
     y = getattr(g, "apply", g)(getattr(f, "apply", f)(x) @ w[ctx.rank])
     (y * probe).sum().backward()
-    return {"y": y.detach(), "x_grad": x.grad}
+    return {"output": y.detach(), "input grad": x.grad}
 
 
 TP_OPERATORS = Exercise(
@@ -212,12 +212,12 @@ def _block_run(answer, case, sp=False):
             out[k] = _gather(v.unflatten(0, (3, -1)), 1).flatten(0, 1)
         else:
             out[k] = _gather(v, cut) if cut is not None else _gather(v[None], 0).sum(0) if sp else v
-    res = {"y": _gather(y.detach(), 1) if sp else y.detach(), "x_grad": _gather(xs.grad, 1) if sp else xs.grad}
-    return res | {"grads": out, "norm_rows": rows, "all_reduce": comm.calls.get("all_reduce", 0), "sent": comm.sent}
+    res = {"output": _gather(y.detach(), 1) if sp else y.detach(), "input grad": _gather(xs.grad, 1) if sp else xs.grad}
+    return res | {"param grads": out, "norm_rows": rows, "all_reduce": comm.calls.get("all_reduce"), "sent": comm.sent}
 
 
 _block_cases = lambda ctx: [Case((d, h, t, d + t, ctx), label=f"width {d}, {h} heads, {t} tokens") for d, h, t in ((8, 2, 6), (12, 4, 4))]  # fmt: skip
-_numbers = lambda rs: [{k: r[k] for k in ("y", "x_grad", "grads")} for r in rs]  # not what the mechanism mistakes read
+_numbers = lambda rs: [{k: r[k] for k in ("output", "input grad", "param grads")} for r in rs]  # not the mechanisms
 _BLOCK = dict(
     ranks=2,
     cases=_block_cases,
