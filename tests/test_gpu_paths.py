@@ -261,7 +261,7 @@ def test_time_fn_records_events_on_the_measured_device(monkeypatch):
     assert all(e.device == 1 for e in fake.events), "events must belong to cuda:1, the measured device"
     assert all(e.stream.device_index == 1 for e in fake.events), "recorded on cuda:1's stream"
     assert torch.cuda.current_device() == 0, "the current device is restored"
-    assert t.median == pytest.approx(0.01, rel=0.5)
+    assert 0.009 <= t.median < 0.5, "the events time the 10 ms sleep (a busy machine only makes it longer)"
 
 
 # ---------------------------------------------------------------------------- 7. warm-up epoch reported apart
