@@ -239,9 +239,9 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     holds it: its globals, closures and default arguments, ``scopes``, a partial of it there; a class named there
     also refuses to make an instance of a subclass. A refused module's private callables (the library uses
     them) are refused only where the answer holds them, with the answer's own subclasses of them. The functions
-    of a refused module's submodules, of the spec's own module (its oracles, reached through their module) and an
-    oracle that is a library function are guarded: a call from the answer's code raises, the library's own calls
-    go through."""
+    of a refused module's submodules, a refused function of the library's modules, the spec's own module's (its
+    oracles, reached through their module) and an oracle that is a library function are guarded: a call from the
+    answer's code raises, the library's own calls go through. Only the answer's own namespaces are patched."""
 
     def raise_(what: str, *args, **kwargs):
         problem = f"your code uses {what}, which this exercise asks you to write yourself"
@@ -251,6 +251,7 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     scopes = list({id(fn.__globals__): fn.__globals__ for fn in fns}.values()) + list(scopes)
     lib = lambda scope: str(scope.get("__name__", "")).split(".")[0] in ("utils", "torch")
     own = {id(s) for s in scopes if not lib(s)}  # the answer's namespaces
+    scopes = [s for s in scopes if id(s) in own]
     mine = lambda v: inspect.isclass(v) and str(v.__module__).split(".")[0] not in ("utils", "torch")  # its classes
     cells = [c for fn in fns for c in (fn.__closure__ or ())]
     modules = [m for m in map(pkgutil.resolve_name, ex.refuse) if isinstance(m, types.ModuleType)]
@@ -261,7 +262,8 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
             defined = [(a, v) for a, v in vars(obj).items() if callable(v) and str(getattr(v, "__module__", "")).startswith(obj.__name__)]  # fmt: skip
             refused += [(obj, a, v, "scope" if a.startswith("_") else False) for a, v in defined]
         else:
-            refused.append((pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1], obj, None))
+            holder, attr = pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1]
+            refused.append((holder, attr, obj, dotted.startswith("utils.") and inspect.ismodule(holder) or None))
     spec = sys.modules.get(ex.module)
     if spec is not None and own and not any(lib(fn.__globals__) for fn in fns):  # the oracles: no student's answer
         refused += [(spec, a, v, "spec") for a, v in vars(spec).items() if inspect.isfunction(v) and v.__module__ == ex.module]  # fmt: skip
@@ -271,8 +273,9 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         refused += [(at(o), o.__name__, o, True) for o in oracles if inspect.isfunction(o) and at(o)]
     for holder, _, obj, guarded in list(refused):  # a re-exported function, where it is defined
         home = sys.modules.get(getattr(obj, "__module__", None) or "")
-        if home not in (None, holder) and not guarded and vars(home).get(getattr(obj, "__name__", "")) is obj:
-            refused.append((home, obj.__name__, obj, guarded is False and inspect.isfunction(obj)))
+        name = getattr(obj, "__name__", "")
+        if home not in (None, holder) and not isinstance(guarded, str) and vars(home).get(name) is obj:
+            refused.append((home, name, obj, guarded is True or (guarded is False and inspect.isfunction(obj))))
 
     def guard(real, no):
         return lambda *a, **k: no() if id(sys._getframe(1).f_globals) in own else real(*a, **k)

@@ -93,6 +93,8 @@ def _first_step_on_other_points(o) -> bool:
 _points = lambda n, seed: _linreg.LinearProblem().sample(n, seed=seed)
 GD_STEP = Exercise(
     name="gd_step", oracle=_linreg.gd_step, run=_run_steps, passed="one step on two datasets and 400 steps in a row",
+    refuse=("utils.linear_regression.mse_grad", "utils.linear_regression.gd"),
+    refuse_hint="compute the residual and the two gradients yourself, from the formulas above the exercise",
     # By hand on the first case: r = (-1.25, -1.75, -3.25), dL/dw = 2 mean(r x) = -29/3, dL/db = 2 mean(r) = -25/6.
     cases=lambda: [
         Case((torch.tensor([1.0, 2, 3]).double(), torch.tensor([2.0, 3, 5]).double(), 0.5, 0.25, 0.1, 1), label="one step on 3 points"),
@@ -132,6 +134,7 @@ def _sgd(x, y, w0, b0, lr, n, bs, seed, lr_x=1.0, bs_all=False, steps_more=0):
 
 SGD = Exercise(
     name="sgd", answer=("minibatch_sgd",), oracle=_linreg.sgd, rtol=1e-10, atol=1e-12,  # float32 rounding fails
+    refuse=("utils.linear_regression.gd_step", "utils.linear_regression.gd"), refuse_hint="step with your own gd_step",
     run=lambda f, c: _converted(f(*c.args), lambda g: g if torch.is_tensor(g) else torch.as_tensor(g, dtype=torch.float64)),
     cases=lambda: [Case((*_points(12, 5), -1.0, 2.0, 0.05, 9, 3, 7), label="9 steps of batch 3 on 12 points"),
                    Case((*_points(10, 8), 0.5, -0.5, 0.1, 12, 2, 3), label="12 steps of batch 2 on 10 points")],
@@ -167,23 +170,31 @@ SGD = Exercise(
 
 
 # ------------------------------------------------------------------ exercise 3: the gradient noise scale from pairs
+def _no_ratio(variant):  # the mistake of dividing by a |G|^2 estimate that is not positive (``variant`` does)
+    return _m("the mean |G|^2 estimate is not positive here: the noise hides the gradient, and the ratio means nothing. "
+              "Try: return infinity (math.inf) when the |G|^2 estimate is zero or negative", variant,
+              when=lambda o: o.want == math.inf and float(o.got) <= 0)  # fmt: skip
+
+
 def _pairs(f):
     """A b_simple that returns f(s, g, b_small, b_big, |G|^2 estimates, tr(Sigma) estimates)."""
     return lambda s, g, bs, bb: float(f(s, g, bs, bb, (bb * g - bs * s) / (bb - bs), (s - g) / (1 / bs - 1 / bb)))
 
 
 NOISE_SCALE = Exercise(
-    name="noise_scale", answer=("b_simple",), oracle=lambda *a: _noise.noise_scale(*a).b_simple,
-    passed="hand-made pairs and a stream",
+    name="noise_scale", answer=("b_simple",), oracle=lambda *a: _noise.noise_scale(*a).b_simple, run=_keeping(),
+    passed="hand-made pairs, a stream, and pairs too noisy to measure",
     # Built so that mean |G_4|^2 = 11 and mean |G_64|^2 = 1.625: |G|^2 = 1, tr(Sigma) = 40, B_simple = 40.
     cases=lambda: [
         Case((torch.tensor([6.0, 16, 9, 13]).double(), torch.tensor([1.2, 2.5, 1.0, 1.8]).double(), 4, 64), label="4 hand-made pairs"),
-        Case((*_noise.linear_grad_sq_norms(_linreg.LinearProblem(), 2.3, -1.0, 4, 128, 1000), 4, 128), label="1000 pairs from a stream")],
+        Case((*_noise.linear_grad_sq_norms(_linreg.LinearProblem(), 2.3, -1.0, 4, 128, 1000), 4, 128), label="1000 pairs from a stream"),
+        Case((torch.tensor([10.0, 12]).double(), torch.tensor([0.4, 0.5]).double(), 4, 64), label="2 pairs whose mean |G|^2 estimate is negative")],
     refuse=("utils.gradient_noise.noise_scale", "utils.gradient_noise.two_batch_estimates"),
     refuse_hint="write the two estimates from the formulas above the exercise",
     hint="compare each line with the two formulas above the exercise (which batch size goes with which norm, the "
     "signs), and average each kind of estimate over the pairs before dividing",
     mistakes=[
+        _no_ratio(_pairs(lambda s, g, bs, bb, G2, tr: tr.mean() / G2.mean())),
         _m("you averaged the per-pair ratios. Try: average the |G|^2 and the tr(Sigma) estimates SEPARATELY, then "
            "divide the two means", _pairs(lambda s, g, bs, bb, G2, tr: (tr / G2).mean())),
         _m("|G|^2 was taken as the big batch's |G_big|^2. Try: that norm still holds noise: weight each norm by its "
@@ -194,9 +205,10 @@ NOISE_SCALE = Exercise(
            "batch's term first", _pairs(lambda s, g, bs, bb, G2, tr: tr.mean() / ((bs * g - bb * s) / (bs - bb)).mean())),
         _m("the ratio is upside down (|G|^2 / tr(Sigma)). Try: B_simple is tr(Sigma) over |G|^2: the noise on top",
            _pairs(lambda s, g, bs, bb, G2, tr: G2.mean() / tr.mean())),
-        _m("the noise scale is negative. Try: check the signs: the small batch's norm minus the big batch's, over "
-           "1/B_small minus 1/B_big, is positive", _pairs(lambda s, g, bs, bb, G2, tr: -tr.mean() / G2.mean()),
-           when=lambda o: o.got < 0),
+        _m("the noise scale is negative. Try: check the signs in both estimates: tr(Sigma)'s numerator and denominator "
+           "both put the small batch first, and |G|^2 weights each norm by its own batch size, the big batch's first",
+           _pairs(lambda s, g, bs, bb, G2, tr: -tr.mean() / G2.mean()), when=lambda o: o.got < 0 < o.want < math.inf),
+        _changed(lambda s, g, bs, bb: (_noise.noise_scale(s, g, bs, bb).b_simple, s.sub_(g))[0]),
     ],
 )  # fmt: skip
 
@@ -272,13 +284,15 @@ def _run_counting_loops(fn, case):
     return got
 
 
-def _b_simple(g, dim=0, ddof=1, correct=True) -> float:
-    """tr(Sigma) / |G|^2 from [B, P] gradients: squared deviations over B - ddof; |mean|^2 less tr(Sigma)/B if ``correct``."""
+def _b_simple(g, dim=0, ddof=1, correct=True, inf=True) -> float:
+    """tr(Sigma) / |G|^2 from [B, P] gradients: squared deviations over B - ddof; |mean|^2 less tr(Sigma)/B if
+    ``correct``; infinite (if ``inf``) where |G|^2 is not positive."""
     g = torch.as_tensor(g).double()
     B = g.shape[0]
     mean = g.mean(dim, keepdim=True)
     tr = ((g - mean) ** 2).sum() / (B - ddof)
-    return float(tr / ((mean**2).sum() - (tr / B if correct else 0)))
+    G2 = (mean**2).sum() - (tr / B if correct else 0)
+    return float(tr / G2) if G2 > 0 or not inf else math.inf
 
 
 _sorted_equal = lambda a, b: _close(a.sort()[0], b.sort()[0])
@@ -329,17 +343,20 @@ PER_EXAMPLE_GRADS = Exercise(
 )  # fmt: skip
 _ESTIMATES = tuple(f"utils.gradient_noise.{f}" for f in ("noise_scale", "dataset_noise_scale", "two_batch_estimates"))
 NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
-    name="noise_scale_from_per_example", oracle=_b_simple, run=_keeping(), passed="three sets of per-example gradients",
+    name="noise_scale_from_per_example", oracle=_b_simple, run=_keeping(),
+    passed="four sets of per-example gradients, one too noisy to measure",
     # By hand on the first case: mean (2, 1), |mean|^2 = 5, squared deviations 8, tr(Sigma) = 8/3, |G|^2 = 13/3: 8/13.
     cases=lambda: [
         Case((torch.tensor([[1.0, 0.0], [3.0, 0.0], [1.0, 2.0], [3.0, 2.0]]).double(),), label="4 hand-made gradients"),
         Case((_noise.per_example_grads(*_points(16, 4), 1.7, -0.6),), label="16 linear-regression gradients"),
-        Case((torch.randn(9, 6, generator=torch.Generator().manual_seed(2)).double() + 0.7,), label="9 gradients of 6 parameters")],
+        Case((torch.randn(9, 6, generator=torch.Generator().manual_seed(2)).double() + 0.7,), label="9 gradients of 6 parameters"),
+        Case((torch.tensor([[1.0, -1], [-1, 1], [1, 1], [-1, -0.5]]).double(),), label="4 gradients whose |G|^2 estimate is negative")],
     refuse=_ESTIMATES,
     refuse_hint="use the mean over the rows, the squared deviations from it, and their sum over the parameters",
     hint="the mean is one row, taken over the examples; tr(Sigma) sums the squared deviations over ALL entries and "
     "divides by B - 1; |G|^2 subtracts the mean's own noise",
     mistakes=[
+        _no_ratio(partial(_b_simple, inf=False)),
         _m("|G|^2 is the squared norm of the mean, which still holds the mean's own noise. Try: subtract tr(Sigma) / B "
            "from it", partial(_b_simple, correct=False)),
         _m("tr(Sigma) divides the squared deviations by B: it is biased low. Try: divide them by B - 1",
@@ -358,11 +375,12 @@ NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
 
 
 def _chunked(m, f, x, y, c, keep=None, each=False, ddof=1, correct=True, hold=False, dtype=torch.float64):
-    """B_simple from running sums over the chunks of ``c`` (the first ``keep`` only), or (``each``) the mean of each
-    chunk's; ``ddof`` and ``correct`` as in :func:`_b_simple`; ``hold`` keeps every chunk's gradients to the end;
-    the sums in ``dtype``."""
+    """B_simple from running sums over the chunks of ``c`` (the first ``keep`` only, or the "full" ones), or
+    (``each``) the mean of each chunk's; ``ddof`` and ``correct`` as in :func:`_b_simple`; ``hold`` keeps every
+    chunk's gradients to the end; the sums in ``dtype``."""
     n, total, squares, each_b, held = 0, 0.0, 0.0, [], []
-    for i in list(range(0, len(x), c))[:keep]:
+    starts = list(range(0, len(x), c))
+    for i in [i for i in starts if i + c <= len(x)] if keep == "full" else starts[:keep]:
         g = _per_example(m, f, x[i : i + c], y[i : i + c]).to(dtype)
         n, total, squares = n + len(g), total + g.sum(0), squares + (g**2).sum()
         each_b += [_b_simple(g)] if each else []
@@ -376,10 +394,12 @@ def _chunked(m, f, x, y, c, keep=None, each=False, ddof=1, correct=True, hold=Fa
 class _Rows(TorchFunctionMode):
     """Of the per-example gradients made while it is on (a [rows, P] tensor, P the parameter count, or a [rows,
     *shape] one of a parameter's shape; the data's and the parameters' own shapes left out): the most rows in one
-    tensor (``most``), and the most rows of one trailing shape alive at once, in distinct storages (``held``)."""
+    tensor (``most``), and the most rows of one trailing shape alive at once in tensors of at most ``chunk`` rows,
+    in distinct storages (``held``: a list of chunks' gradients, not one stack of the chunks' sums)."""
 
-    def __init__(self, model, *data):
+    def __init__(self, model, chunk, *data):
         super().__init__()
+        self.chunk = chunk
         self.shapes = {(sum(p.numel() for p in model.parameters()),)} | {tuple(p.shape) for p in model.parameters()}
         self.most, self.held, self.alive, self.data = 0, 0, [], {tuple(t.shape) for t in data} | self.shapes
 
@@ -389,7 +409,7 @@ class _Rows(TorchFunctionMode):
             if tuple(out.shape) not in self.data:
                 self.most = max(self.most, out.shape[0])
                 self.alive = [r for r in self.alive if r() is not None] + [weakref.ref(out)]
-                same = {_storage(t): t.shape[0] for t in (r() for r in self.alive) if t is not None and t.shape[1:] == out.shape[1:]}  # fmt: skip
+                same = {_storage(t): t.shape[0] for t in (r() for r in self.alive) if t is not None and t.shape[1:] == out.shape[1:] and len(t) <= self.chunk}  # fmt: skip
                 self.held = max(self.held, sum(same.values()))
         return out
 
@@ -403,13 +423,15 @@ def _storage(t):
 
 def _run_in_chunks(fn, case):
     """The answer's B_simple; it raises when the model saw more than ``chunk`` examples in one pass, ran fewer
-    times than there are chunks (one torch.func pass over all of them), held more than ``chunk`` examples'
-    gradients in one tensor, or kept many chunks' gradients alive together (a list of them)."""
+    times than there are chunks with the right value (one torch.func pass over all of them), held more than
+    ``chunk`` examples' gradients in one tensor, or kept many chunks' gradients alive together (a list of them)."""
     model, _, x, y, chunk = case.args
-    with _forwards(model) as seen, _Rows(model, x, y) as rows:
+    with _forwards(model) as seen, _Rows(model, chunk, x, y) as rows:
         got = fn(*case.args)
     chunks = -(-len(x) // chunk)  # a [chunks, P] stack of the chunks' sums is no per-example gradient
-    if max((n for n, _ in seen), default=0) > chunk or 0 < len(seen) < chunks or rows.most > max(chunk, chunks):
+    # fewer runs than chunks with the right value: one pass over all (with the wrong one: chunks were left out)
+    one_pass = 0 < len(seen) < chunks and difference(got, _chunked(*case.args), 1e-6, 1e-9) is None
+    if max((n for n, _ in seen), default=0) > chunk or one_pass or rows.most > max(chunk, chunks):
         raise RuntimeError(f"more than chunk={chunk} examples went through at once")
     if rows.held > max(len(x) // 2, 8 * chunk):  # a chunk and a few copies of it, never half the dataset
         raise RuntimeError(f"the gradients of {rows.held} examples were kept at once")
@@ -451,7 +473,7 @@ DATASET_NOISE_SCALE = Exercise(
         _m("only the first chunk was used. Try: loop over every chunk, and add up before dividing",
            partial(_chunked, keep=1)),
         _m("the last, shorter chunk was dropped. Try: keep the last slice, even when it is shorter",
-           partial(_chunked, keep=-1)),
+           partial(_chunked, keep="full")),
         _m("tr(Sigma) divides by N, not N - 1. Try: the summed squared norms less N |mean|^2, over N - 1",
            partial(_chunked, ddof=0)),
         _m("|G|^2 lacks the correction for the mean's own noise. Try: subtract tr(Sigma) / N from |mean|^2",
