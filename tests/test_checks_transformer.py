@@ -44,9 +44,9 @@ def test_a_class_defined_in_a_cell_is_found_from_its_methods():
     assert shipped.sources == [("Twice", cell[cell.index("class") :])] and shipped.answer == ("Twice",)
 
 
-def test_a_shipment_carries_an_operators_alias_and_a_notebooks_dict_to_a_rank():
+def test_a_shipment_carries_an_operators_alias_a_notebooks_dict_and_a_private_constant_to_a_rank():
     cell = ("class Twice(torch.autograd.Function):\n    @staticmethod\n    def forward(ctx, t):\n        return 2 * t\n\n\n"
-            "twice = Twice.apply\nseen = {'calls': 0}\n\n\ndef double(t):\n    seen['calls'] += 1\n    return twice(t)\n")  # fmt: skip
+            "twice = Twice.apply\nseen = {'calls': 0}\n_ONE = 1\n\n\ndef double(t):\n    seen['calls'] += _ONE\n    return twice(t)\n")  # fmt: skip
     name = "<ipython-input-8-double>"
     linecache.cache[name] = (len(cell), None, cell.splitlines(keepends=True), name)
     ns = {"__name__": "__main__", "torch": torch}

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from utils import checks, memory
+from utils import checks, memory, parallel
 from utils.checks import CheckFailed, engine
 
 # ---------------------------------------------------------------------------- small specs for the engine's tests
@@ -340,6 +340,21 @@ def test_a_rank_run_exercise_passes_names_a_mistake_and_names_a_crashing_rank(ca
         engine.check(RANK_SUM, doubled)
     with pytest.raises(CheckFailed, match="raised on rank 1: ValueError: boom on rank 1"):
         engine.check(RANK_SUM, crashes)
+
+
+def test_a_rank_that_lost_its_peer_or_aborted_is_told_what_that_means():
+    tb = (
+        "Traceback (most recent call last):\nRuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer\n"
+    )
+    lost = parallel.LaunchError("rank 0 raised RuntimeError", rank=0, remote_traceback=tb)
+    with pytest.raises(CheckFailed, match="rank 0 lost its connection to a rank that had left the collective") as e:
+        engine._rank_failed(RANK_SUM, lost, "")
+    assert "the same collective calls in the same order" in str(e.value)
+    killed = (
+        "rank 1 was killed by signal 6 without a Python exception (killed, out of memory, or a crash in native code)"
+    )
+    with pytest.raises(CheckFailed, match=r"rank 1 aborted in native code \(signal 6\), as gloo does when a send"):
+        engine._rank_failed(RANK_SUM, parallel.LaunchError(killed + ". The other ranks were stopped.", rank=1), "")
 
 
 @pytest.mark.slow

@@ -33,10 +33,15 @@ class _Watched:
         self._work, self._note, self.waited = work, note, False
 
     def __getattr__(self, attr):
-        if attr in ("wait", "get_future"):
-            self._note()
-            self.waited = True
+        if attr == "get_future":  # waiting on its future waits for the handle
+            return lambda: _Watched(self._work.get_future(), self._waited)
+        if attr == "wait":
+            self._waited()
         return getattr(self._work, attr)
+
+    def _waited(self):
+        self._note()
+        self.waited = True
 
 
 @contextlib.contextmanager
@@ -106,9 +111,10 @@ def _ring_run(fn, case):
     (x,) = case.args
     real, reqs = dist.batch_isend_irecv, []
 
-    def batch(ops, *a, **k):
-        reqs.extend(_Watched(w) for w in real(ops, *a, **k))
-        return reqs[len(reqs) - len(ops) :]
+    def batch(*a, **k):
+        works = real(*a, **k)
+        reqs.extend(_Watched(w) for w in works)
+        return reqs[len(reqs) - len(works) :]
 
     with _spying(fn, "batch_isend_irecv", batch), _Sent() as sent:
         out = fn(x)
@@ -386,6 +392,7 @@ def _shard(n, b, rank, world, epoch, seed, *, reshuffle=True, drop_last=False, w
 
 
 def _batches(got) -> list:
+    got = list(got)  # a generator too, read once
     if not all(hasattr(b, "__iter__") for b in got):
         raise TypeError("shard_batches returned a flat list of indices, not a list of batches")
     return [[int(i) for i in b] for b in got]
@@ -456,7 +463,8 @@ def _save_run(fn, case):
             ck = None
     ck = ck if isinstance(ck, dict) else {}
     state = ck.get("model") if isinstance(ck.get("model"), dict) else {}
-    out.update(loads=bool(ck), keys=sorted(ck), epoch=ck.get("epoch"))
+    keys = sorted({"model", "optimizer", "epoch"} & set(ck))  # what it must hold; more keys are allowed
+    out.update(loads=bool(ck), keys=keys, epoch=ck.get("epoch"))
     out["weights"] = all(k in state and torch.equal(state[k], v) for k, v in model.state_dict().items())
     out["momentum"] = bool(isinstance(ck.get("optimizer"), dict) and ck["optimizer"].get("state"))
     return out

@@ -13,6 +13,7 @@ import tempfile
 
 import torch
 
+from ..rank_failures import is_peer_error
 from ._common import CheckFailed, message
 from .engine import Case, Exercise, check, difference, fail, mistake
 
@@ -189,7 +190,7 @@ class Script:
             got.update(out=proc.stdout or "", recs=recs, failed=proc.returncode != 0, first=None)
             # the first failure is the lowest rank whose error is its own, not a lost connection to a rank that crashed
             errors = {r["rank"]: r["error"] for r in recs if r and r["error"]} if got["failed"] else {}
-            own = {k: tb for k, tb in errors.items() if not any(p in tb.splitlines()[-1] for p in _PEER_ERRORS)}
+            own = {k: tb for k, tb in errors.items() if not is_peer_error(tb.splitlines()[-1])}
             if own or errors:
                 got["first"] = min((own or errors).items())
             if got["first"] and got["first"][1].splitlines()[-1].startswith("NotImplementedError"):
@@ -199,9 +200,6 @@ class Script:
 
 
 # Errors a rank raises because ANOTHER rank died: never the first failure.
-_PEER_ERRORS = ("Connection closed by peer", "remote worker crashing", "Connection reset by peer", "Broken pipe")
-
-
 def _compare(got: dict, want: dict) -> str | None:
     """How rank 0's weights differ from the oracle's; a run that crashed fails here, with the
     traceback of the rank that failed first (no named mistake matched it)."""
@@ -265,7 +263,7 @@ _MISTAKES = [
      {"init": "pass"}, lambda o: _crashed_with("has not been initialized")(o) or (_ran(o) and not any(r["init"] for r in _ran(o))), True),
     ("the script hung under torchrun: the ranks never met (an address, port, rank or world size written in the script), or some wait in a collective the others never reach. Try: join with init_process_group given the backend alone, and make every rank call every collective",
      {"init": _HANG}, lambda o: o.got["hung"], True),
-    ("the model is never wrapped in DistributedDataParallel, so the ranks drift apart. Try: wrap the model in DistributedDataParallel once it is on its device", {"wrap": "lambda m: m", "inner": "model"}, lambda o: any(not r["ddp"] for r in _ran(o)), True),
+    ("the model is never wrapped in DistributedDataParallel, which this script is to train with. Try: wrap the model in DistributedDataParallel once it is on its device", {"wrap": "lambda m: m", "inner": "model"}, lambda o: any(not r["ddp"] for r in _ran(o)), True),
     ("every rank trained on the whole dataset every epoch, repeating the others' work. Try: give the DataLoader a DistributedSampler with the script's seed, and batch_size // world_size examples per rank",
      {"feed": "order.tolist()", "batch": "args.batch_size"}, lambda o: any(r["examples"] >= 512 * o.case.kwargs["epochs"] for r in _ran(o)), True),
     ("a rank other than 0 saved a checkpoint too, so several processes wrote the same file. Try: save on rank 0 only", {"saver": "True"}, lambda o: any(r["saves"] for r in _ran(o)[1:]), True),

@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..rank_failures import is_peer_error
 from ._common import CheckFailed, fail, message, student_frames_only
 
 REGISTRY: dict[str, Exercise] = {}
@@ -373,8 +374,11 @@ def _source(answer: Sequence) -> str:
         return ""
 
 
-def _code_names(code) -> set:
-    return set(code.co_names).union(*(_code_names(c) for c in code.co_consts if hasattr(c, "co_names")))
+def _code_names(code, kind: str = "co_names") -> set:
+    return set(getattr(code, kind)).union(*(_code_names(c, kind) for c in code.co_consts if hasattr(c, "co_names")))
+
+
+_HISTORY = re.compile(r"_+|_i+\d*|_\d+|_oh|_ih|_dh")  # IPython's own globals: outputs and inputs
 
 
 def _travels(value) -> bool:
@@ -428,9 +432,11 @@ def ship(name: str, answer: tuple) -> Shipment:
             _ = visit(base) if _notebook_defined(base) else None
         glb = fns[0].__globals__ if fns else vars(inspect.getmodule(obj) or types.ModuleType("x"))
         names = set().union(*(_code_names(f.__code__) for f in fns))
+        local = set().union(*(_code_names(f.__code__, "co_varnames") for f in fns))
         # and the names its source reads outside the code: a class's bases and body, default arguments
         with contextlib.suppress(OSError, TypeError, SyntaxError):
-            names |= {n.id for n in ast.walk(ast.parse(textwrap.dedent(getsource(obj)))) if isinstance(n, ast.Name)}
+            tree = ast.parse(textwrap.dedent(getsource(obj)))
+            names |= {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} - local
         for n, v in [(n, glb[n]) for n in sorted(names) if n in glb]:
             if isinstance(v, types.ModuleType):
                 imports[n] = v.__name__
@@ -439,11 +445,11 @@ def ship(name: str, answer: tuple) -> Shipment:
             elif inspect.ismethod(v) and _notebook_defined(v.__self__):  # an alias, f = CopyToTP.apply
                 visit(v.__self__)
                 sources.append((n, f"{n} = {v.__self__.__name__}.{v.__name__}\n"))
-            elif isinstance(v, (int, float, str, bool, tuple)) and not n.startswith("_"):
+            elif isinstance(v, (int, float, str, bool, tuple)) and not _HISTORY.fullmatch(n):
                 constants[n] = v
             elif getattr(v, "__module__", None) and hasattr(v, "__name__"):
                 imports[n] = (v.__module__, v.__name__)
-            elif not n.startswith("_") and _travels(v):  # a notebook's dict or list of plain values: a copy per rank
+            elif not _HISTORY.fullmatch(n) and _travels(v):  # a dict or list of plain values: a copy per rank
                 constants[n] = v
         try:
             sources.append((obj.__name__, textwrap.dedent(getsource(obj))))
@@ -563,7 +569,13 @@ def _rank_failed(ex: Exercise, e, source: str) -> None:
     rank = f"rank {e.rank}" if e.rank is not None else "a rank"
     if not tb:
         hint = "run your code's steps by hand on paper for each rank: a rank that waits forever, a send and a receive that do not pair up, or a write past a tensor's end stops like this"
-        fail(ex.name, str(e).splitlines()[0].split(". ")[0], hint)
+        first = str(e).splitlines()[0].split(". ")[0]
+        aborted = f"{rank} aborted in native code (signal 6), as gloo does when a send and its receive differ in size"
+        fail(ex.name, aborted if "signal 6 " in first else first, hint)
+    if is_peer_error(last):  # no rank's own error: one left, or called something else, while another waited
+        problem = f"{rank} lost its connection to a rank that had left the collective, or was making another call"
+        hint = "every rank must make the same collective calls in the same order: look for a return, or a branch, that only some ranks take"  # fmt: skip
+        fail(ex.name, problem, hint)
     hint = "read that rank's traceback, printed below, fix the line it names, then rerun both cells"
     text = message(ex.name, f"your code raised on {rank}: {last}", hint) + f"\n\nTraceback from {rank}:\n{tb}"
     raise CheckFailed(text) from None
