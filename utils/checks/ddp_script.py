@@ -199,7 +199,6 @@ class Script:
         return got | {"weights": ck.get("model", ck) if isinstance(ck, dict) else None}
 
 
-# Errors a rank raises because ANOTHER rank died: never the first failure.
 def _compare(got: dict, want: dict) -> str | None:
     """How rank 0's weights differ from the oracle's; a run that crashed fails here, with the
     traceback of the rank that failed first (no named mistake matched it)."""
