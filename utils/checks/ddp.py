@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import tempfile
 from collections.abc import Callable
 from functools import partial
@@ -46,10 +47,12 @@ class _Watched:
 
 @contextlib.contextmanager
 def _spying(fn, name: str, spy):
-    """``dist.<name>`` replaced by ``spy`` while the answer ``fn`` runs, also where its globals hold it by name."""
-    real, scope = getattr(dist, name), getattr(fn, "__globals__", {})
-    with mock.patch.object(dist, name, spy), mock.patch.dict(scope, {k: spy for k, v in scope.items() if v is real}):
-        yield
+    """``dist.<name>`` replaced by ``spy`` while the answer ``fn`` runs, in c10d too (``P2POp.op is isend`` holds),
+    and where the answer's globals hold it by name."""
+    real, scope, c10d = getattr(dist, name), getattr(fn, "__globals__", {}), dist.distributed_c10d
+    with mock.patch.object(dist, name, spy), mock.patch.object(c10d, name, spy):
+        with mock.patch.dict(scope, {k: spy for k, v in scope.items() if v is real}):
+            yield
 
 
 class _Sent(TorchDispatchMode):
@@ -106,8 +109,8 @@ def _ring_no_wait(tensor):  # written out: a crash is recognised from this sourc
 
 
 def _ring_run(fn, case):
-    """The tensor passed in, the one returned, how many requests of the batches were never waited for, and how many
-    elements this rank sent."""
+    """The tensor passed in, the one returned, how many requests (of the batches, or the answer's own isend and
+    irecv) were never waited for, and how many elements this rank sent."""
     (x,) = case.args
     real, reqs = dist.batch_isend_irecv, []
 
@@ -116,8 +119,19 @@ def _ring_run(fn, case):
         reqs.extend(_Watched(w) for w in works)
         return reqs[len(reqs) - len(works) :]
 
-    with _spying(fn, "batch_isend_irecv", batch), _Sent() as sent:
-        out = fn(x)
+    def direct(send_or_recv):  # a request the answer makes itself; batch_isend_irecv's own calls pass through
+        def spy(*a, **k):
+            work = send_or_recv(*a, **k)
+            if work is None or sys._getframe(1).f_globals is not getattr(fn, "__globals__", None):
+                return work
+            reqs.append(_Watched(work))
+            return reqs[-1]
+
+        return spy
+
+    with _spying(fn, "batch_isend_irecv", batch), _spying(fn, "isend", direct(dist.isend)):
+        with _spying(fn, "irecv", direct(dist.irecv)), _Sent() as sent:
+            out = fn(x)
     returned = out.detach().cpu() if isinstance(out, torch.Tensor) else None
     return x.detach().cpu(), returned, sum(not r.waited for r in reqs), sent.elements
 
@@ -142,7 +156,7 @@ RING_ALL_REDUCE = Exercise(
     mistakes=[
         _m("deadlock: every rank is blocked in its dist.send, waiting for a receive no rank has posted. Try: post each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), then wait on its requests",
            _ring_blocking, lambda o: bool(o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source),  # the mistake under test
-        _m("the requests that dist.batch_isend_irecv returns are never waited for, so a chunk is used before it arrives. Try: call wait() on every request of the batch before you read the received buffer",
+        _m("a request (of dist.batch_isend_irecv, or an isend or irecv) is never waited for, so a chunk may be used before it arrives or changed before it leaves. Try: call wait() on every request of each step before you read the received buffer",
            _ring_no_wait, lambda o: any(g[2] for g in o.got) if o.got else (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source, mechanism=True),
         _m("your ring sends more than 2(N-1) chunks of 1/N of the tensor per rank: it takes extra steps, or sends more than a chunk at a time. Try: N-1 reduce-scatter steps, then N-1 all-gather steps, each sending one chunk",
            partial(_ring, more=1), lambda o: bool(o.got) and any(g[3] > 2 * (len(o.got) - 1) * -(-g[0].numel() // len(o.got)) for g in o.got) and _ring_compare(o.got, o.want) is None, mechanism=True),
