@@ -22,7 +22,10 @@ from torch.utils.data import DistributedSampler
 from .engine import Case, Exercise, check, difference, fail
 from .engine import mistake as _m
 
-__all__ = [f"check_{n}" for n in ("ring_all_reduce", "average_gradients", "shard_batches", "save_on_rank0", "overlap_ddp", "overlap_trace")]  # fmt: skip
+__all__ = [
+    f"check_{n}"
+    for n in ("ring_all_reduce", "average_gradients", "shard_batches", "save_on_rank0", "overlap_ddp", "overlap_trace")
+]
 LAB = "lab3_ddp"
 _LIBRARY = ("utils.parallel", "torch.nn.parallel.DistributedDataParallel")
 
@@ -103,7 +106,9 @@ def _ring_no_wait(tensor):  # written out: a crash is recognised from this sourc
     for s in range(2 * (world - 1)):
         i, j = (rank - s) % world, (rank - s - 1) % world
         buf = torch.empty_like(chunks[j])
-        dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[i], (rank + 1) % world), dist.P2POp(dist.irecv, buf, (rank - 1) % world)])  # fmt: skip
+        dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, chunks[i], (rank + 1) % world), dist.P2POp(dist.irecv, buf, (rank - 1) % world)]
+        )
         chunks[j].add_(buf) if s < world - 1 else chunks[j].copy_(buf)
     return tensor
 
@@ -145,32 +150,116 @@ def _ring_compare(got, want):
     return None
 
 
-# fmt: off
 RING_ALL_REDUCE = Exercise(
     name="ring_all_reduce",
-    cases=lambda ctx: [Case(((torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device),), label=f"{n} elements") for n in RING_SIZES], oracle=lambda tensor: dist.all_reduce(tensor) or tensor, run=_ring_run,
-    compare=_ring_compare, ranks=3, timeout_s=90, passed="2 and 3 processes, 3 tensor sizes, equal to all_reduce",
-    hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last received, and cut the tensor with tensor_split(N) so sizes that do not divide by N work too",
-    refuse=_LIBRARY + tuple(f"torch.distributed.{c}" for c in ("all_reduce", "all_gather", "reduce_scatter", "reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "broadcast", "all_to_all", "all_to_all_single", "gather", "scatter", "ProcessGroup.allreduce", "ProcessGroup.allgather", "ProcessGroup.reduce_scatter")),
+    cases=lambda ctx: [
+        Case(((torch.arange(n, dtype=torch.float32) + 100.0 * (ctx.rank + 1)).to(ctx.device),), label=f"{n} elements")
+        for n in RING_SIZES
+    ],
+    oracle=lambda tensor: dist.all_reduce(tensor) or tensor,
+    run=_ring_run,
+    compare=_ring_compare,
+    ranks=3,
+    timeout_s=90,
+    passed="2 and 3 processes, 3 tensor sizes, equal to all_reduce",
+    hint="at every step send one chunk to the right and receive your left neighbour's, pass on the chunk you last "
+    "received, and cut the tensor with tensor_split(N) so sizes that do not divide by N work too",
+    refuse=_LIBRARY
+    + tuple(
+        f"torch.distributed.{c}"
+        for c in (
+            "all_reduce",
+            "all_gather",
+            "reduce_scatter",
+            "reduce",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "broadcast",
+            "all_to_all",
+            "all_to_all_single",
+            "gather",
+            "scatter",
+            "ProcessGroup.allreduce",
+            "ProcessGroup.allgather",
+            "ProcessGroup.reduce_scatter",
+        )
+    ),
     refuse_hint="build it from point-to-point sends and receives (dist.P2POp, dist.batch_isend_irecv)",
     mistakes=[
-        _m("deadlock: every rank is blocked in its dist.send, waiting for a receive no rank has posted. Try: post each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), then wait on its requests",
-           _ring_blocking, lambda o: bool(o.hung or o.error) and "dist.send(" in o.source.replace(" ", "") and "batch_isend_irecv" not in o.source),  # the mistake under test
-        _m("a request (of dist.batch_isend_irecv, or an isend or irecv) is never waited for, so a chunk may be used before it arrives or changed before it leaves. Try: call wait() on every request of each step before you read the received buffer",
-           _ring_no_wait, lambda o: any(g[2] for g in o.got) if o.got else (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source, mechanism=True),
-        _m("your ring sends more than 2(N-1) chunks of 1/N of the tensor per rank: it takes extra steps, or sends more than a chunk at a time. Try: N-1 reduce-scatter steps, then N-1 all-gather steps, each sending one chunk",
-           partial(_ring, more=1), lambda o: bool(o.got) and any(g[3] > 2 * (len(o.got) - 1) * -(-g[0].numel() // len(o.got)) for g in o.got) and _ring_compare(o.got, o.want) is None, mechanism=True),
-        _m("the returned tensor is right but the tensor passed in was not changed. Try: work in place, like dist.all_reduce: add into views of the tensor, then return it",
-           partial(_ring, clone=True), lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want))),
-        _m("every rank still holds its own tensor: your chunks are copies, not views changed in place. Try: cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy into them", partial(_ring, copies=True)),
-        _m("reduce-scatter is right but the all-gather does not pass on the chunk each rank finished. Try: in the all-gather first send the chunk you finished, then the chunk you just received", partial(_ring, gather_shift=1)),
-        _m("reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it. Try: in reduce-scatter add what you receive; only the all-gather copies", partial(_ring, reduce_add=False)),
-        _m("each rank has exactly one fully summed chunk: the all-gather is missing. Try: after N-1 reduce-scatter steps, run N-1 more steps that pass the finished chunks on and copy them", partial(_ring, gather=False)),
-        _m("some values were added twice: the all-gather adds what it receives. Try: in the all-gather copy the received chunk into place; only reduce-scatter adds", partial(_ring, gather_add=True)),
+        _m(
+            "deadlock: every rank is blocked in its dist.send, waiting for a receive no rank has posted. "
+            "Try: post each step's send and receive together as one batch (dist.P2POp, "
+            "dist.batch_isend_irecv), then wait on its requests",
+            _ring_blocking,
+            lambda o: (
+                bool(o.hung or o.error)
+                and "dist.send(" in o.source.replace(" ", "")  # the mistake under test
+                and "batch_isend_irecv" not in o.source
+            ),
+        ),
+        _m(
+            "a request (of dist.batch_isend_irecv, or an isend or irecv) is never waited for, so a chunk may "
+            "be used before it arrives or changed before it leaves. Try: call wait() on every request of "
+            "each step before you read the received buffer",
+            _ring_no_wait,
+            lambda o: (
+                any(g[2] for g in o.got)
+                if o.got
+                else (o.hung or o.error) and "batch_isend_irecv" in o.source and ".wait(" not in o.source
+            ),
+            mechanism=True,
+        ),
+        _m(
+            "your ring sends more than 2(N-1) chunks of 1/N of the tensor per rank: it takes extra steps, or "
+            "sends more than a chunk at a time. Try: N-1 reduce-scatter steps, then N-1 all-gather steps, "
+            "each sending one chunk",
+            partial(_ring, more=1),
+            lambda o: (
+                bool(o.got)
+                and any(g[3] > 2 * (len(o.got) - 1) * -(-g[0].numel() // len(o.got)) for g in o.got)
+                and _ring_compare(o.got, o.want) is None
+            ),
+            mechanism=True,
+        ),
+        _m(
+            "the returned tensor is right but the tensor passed in was not changed. Try: work in place, like "
+            "dist.all_reduce: add into views of the tensor, then return it",
+            partial(_ring, clone=True),
+            lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want)),
+        ),
+        _m(
+            "every rank still holds its own tensor: your chunks are copies, not views changed in place. Try: "
+            "cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy into them",
+            partial(_ring, copies=True),
+        ),
+        _m(
+            "reduce-scatter is right but the all-gather does not pass on the chunk each rank finished. Try: "
+            "in the all-gather first send the chunk you finished, then the chunk you just received",
+            partial(_ring, gather_shift=1),
+        ),
+        _m(
+            "reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it. "
+            "Try: in reduce-scatter add what you receive; only the all-gather copies",
+            partial(_ring, reduce_add=False),
+        ),
+        _m(
+            "each rank has exactly one fully summed chunk: the all-gather is missing. Try: after N-1 "
+            "reduce-scatter steps, run N-1 more steps that pass the finished chunks on and copy them",
+            partial(_ring, gather=False),
+        ),
+        _m(
+            "some values were added twice: the all-gather adds what it receives. Try: in the all-gather copy "
+            "the received chunk into place; only reduce-scatter adds",
+            partial(_ring, gather_add=True),
+        ),
     ],
 )
-check_ring_all_reduce = RING_ALL_REDUCE.checker("``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 all-gather steps of one batched send and receive each; run on 2, then 3 processes for tensors of 12, 7 and 2 elements.", (2, 3))
-# fmt: on
+check_ring_all_reduce = RING_ALL_REDUCE.checker(
+    "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 "
+    "all-gather steps of one batched send and receive each; run on 2, then 3 processes for tensors of 12, 7 "
+    "and 2 elements.",
+    (2, 3),
+)
 
 
 # ---------------------------------------------------------------------------- gradient averaging
@@ -211,21 +300,45 @@ def _average(model, *, reduce=True, divide=True, by=None, assign=False):
             p.grad /= by or dist.get_world_size()
 
 
-# fmt: off
 AVERAGE_GRADIENTS = Exercise(
-    name="average_gradients", cases=_grad_cases, oracle=_average, run=_grads_run, ranks=3, timeout_s=90,
+    name="average_gradients",
+    cases=_grad_cases,
+    oracle=_average,
+    run=_grads_run,
+    ranks=3,
+    timeout_s=90,
     hint="sum every parameter's gradient over the ranks with an all-reduce, then divide it in place by the world size",
-    refuse=_LIBRARY, refuse_hint="write the loop over the parameters yourself with dist.all_reduce",
+    refuse=_LIBRARY,
+    refuse_hint="write the loop over the parameters yourself with dist.all_reduce",
     passed="2 and 3 processes, equal to the mean over ranks",
     mistakes=[
-        _m("a gradient is None after your function. Try: dist.all_reduce works in place and returns None: never assign its result to p.grad", partial(_average, assign=True), lambda o: any(g is None for r in o.got for g in r)),
-        _m("the gradients were summed, not averaged. Try: divide each one by the world size after the all-reduce", partial(_average, divide=False)),
-        _m("each rank still has its own local gradient: nothing was exchanged. Try: all-reduce every parameter's gradient, on every rank, then divide", partial(_average, reduce=False)),
-        _m("the gradients were divided by 2, not by the number of processes. Try: divide by the world size: the check runs on 2 and on 3 processes", partial(_average, by=2)),
+        _m(
+            "a gradient is None after your function. Try: dist.all_reduce works in place and returns None: "
+            "never assign its result to p.grad",
+            partial(_average, assign=True),
+            lambda o: any(g is None for r in o.got for g in r),
+        ),
+        _m(
+            "the gradients were summed, not averaged. Try: divide each one by the world size after the all-reduce",
+            partial(_average, divide=False),
+        ),
+        _m(
+            "each rank still has its own local gradient: nothing was exchanged. Try: all-reduce every "
+            "parameter's gradient, on every rank, then divide",
+            partial(_average, reduce=False),
+        ),
+        _m(
+            "the gradients were divided by 2, not by the number of processes. Try: divide by the world size: "
+            "the check runs on 2 and on 3 processes",
+            partial(_average, by=2),
+        ),
     ],
 )
-check_average_gradients = AVERAGE_GRADIENTS.checker("``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run on 2, then 3 processes.", (2, 3))
-# fmt: on
+check_average_gradients = AVERAGE_GRADIENTS.checker(
+    "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run "
+    "on 2, then 3 processes.",
+    (2, 3),
+)
 
 # ---------------------------------------------------------------------------- overlapped DDP by hand
 OVERLAP_CAPS = (0, 72, 10**9)  # one bucket per parameter, a few (the second exactly full: 64 + 8), one bucket
@@ -240,7 +353,9 @@ def _overlap_cases(ctx):
 
 def _trace_cases(ctx):
     batches, mlp = [_batch(ctx, 0, 256, 10, 64, shard=False)] * 2, (256,) * 5 + (10,)
-    return [Case((_mlp(mlp, ctx.device), c), {"batches": batches, "trace": True}, f"bucket_numel={c}") for c in TRACE_CAPS]  # fmt: skip
+    return [
+        Case((_mlp(mlp, ctx.device), c), {"batches": batches, "trace": True}, f"bucket_numel={c}") for c in TRACE_CAPS
+    ]
 
 
 def _overlap_run(fn, case):
@@ -276,13 +391,23 @@ def _overlap_run(fn, case):
             grads0 = grads0 or [None if p.grad is None else p.grad.detach().cpu() for p in params]
             opt.step()
     bw, shown = [c for c in calls if c["bw"]], ("backward", "finish")
-    events = [e for e in prof.events() if e.name in shown or "allreduce" in e.name.lower().replace("_", "")] if trace else []  # fmt: skip
-    return dict(grads0=grads0, weights=[p.detach().cpu() for p in params], cap=cap, finish=callable(finish),
-                launches=[sum(c["step"] == s for c in calls) for s in range(len(batches))],
-                numels=sorted(c["numel"] for c in calls if c["step"] == 0),
-                events=sorted(((e.name, e.time_range.start, e.time_range.end) for e in events), key=lambda e: e[1]),
-                calls=len(calls), in_bw=len(bw), stale=any(c["stale"] for c in calls), overlapped=any(c["async"] and not c["early"] for c in bw),
-                late=cap == 0 and sum(c["step"] == 0 for c in bw) > 1 and all(c["ready"] == len(params) for c in bw))  # fmt: skip
+    events = (
+        [e for e in prof.events() if e.name in shown or "allreduce" in e.name.lower().replace("_", "")] if trace else []
+    )
+    return dict(
+        grads0=grads0,
+        weights=[p.detach().cpu() for p in params],
+        cap=cap,
+        finish=callable(finish),
+        launches=[sum(c["step"] == s for c in calls) for s in range(len(batches))],
+        numels=sorted(c["numel"] for c in calls if c["step"] == 0),
+        events=sorted(((e.name, e.time_range.start, e.time_range.end) for e in events), key=lambda e: e[1]),
+        calls=len(calls),
+        in_bw=len(bw),
+        stale=any(c["stale"] for c in calls),
+        overlapped=any(c["async"] and not c["early"] for c in bw),
+        late=cap == 0 and sum(c["step"] == 0 for c in bw) > 1 and all(c["ready"] == len(params) for c in bw),
+    )
 
 
 def _overlap_compare(got, want):
@@ -292,7 +417,10 @@ def _overlap_compare(got, want):
         if difference(g["grads0"], w["grads0"], 1e-5, 1e-6):
             return f"left gradients after finish() on rank {r} that differ from the mean over the ranks"
         if g["launches"] != w["launches"]:
-            return f"made {g['launches']} all-reduces per step where buckets of at most {w['cap']} elements make {w['launches']}"
+            return (
+                f"made {g['launches']} all-reduces per step where buckets of at most {w['cap']} elements make "
+                f"{w['launches']}"
+            )
         if g["numels"] != w["numels"]:
             return f"all-reduced buckets of {g['numels']} elements where the order of the hooks gives {w['numels']}"
         if difference(g["weights"], w["weights"], 1e-5, 1e-6):
@@ -349,37 +477,106 @@ def _overlap(model, cap, *, order=reversed, start="ready", divide=True, clear=Tr
 
 _got = lambda key, pred=bool: lambda o: bool(o.got) and any(pred(g[key]) for g in o.got)  # for some rank's result
 # rows 1 to 4 are the trace's mistakes too; a mistake seen by a predicate is a partial, which a rank can unpickle
-# fmt: off
 _OVERLAP_MISTAKES = [
-    _m("overlap_ddp did not return a function. Try: return the inner function that waits for the all-reduces and averages; the training loop calls it after backward", partial(_overlap, give=False), _got("finish", lambda f: not f), mechanism=True),
-    _m("no dist.all_reduce was called. Try: in each parameter's hook, launch dist.all_reduce on its gradient (or its bucket's), with async_op=True", partial(_overlap, start="never"), _got("calls", lambda n: n == 0), mechanism=True),
-    _m("every all-reduce started after backward returned, so none overlaps with backward. Try: launch them with async_op=True from gradient hooks, which fire during backward (Tensor.register_post_accumulate_grad_hook); finish() only waits",
-       partial(_overlap, start="finish"), lambda o: bool(o.got) and any(g["calls"] and not g["in_bw"] for g in o.got), mechanism=True),
-    _m("each all-reduce finished inside its hook (blocking, or waited for there), so nothing overlaps. Try: pass async_op=True, keep the work handles and wait() on them only in finish()",
-       partial(_overlap, wait=True), lambda o: bool(o.got) and any(g["in_bw"] and not g["overlapped"] for g in o.got), mechanism=True),
-    _m("your buckets follow the forward order of model.parameters(), but gradients become ready last layer first. Try: build the buckets walking the parameters in reverse order", partial(_overlap, order=list)),
-    _m("the all-reduces start only once every gradient is ready, so none overlaps with the rest of backward. Try: launch a bucket's all-reduce from the hook of its last parameter", partial(_overlap, start="all"), _got("late"), mechanism=True),
-    _m("the gradients were summed, not averaged. Try: in finish(), after waiting, divide by the world size", partial(_overlap, divide=False)),
-    _m("each rank still has its own local gradient after finish(): the reduced values never reach p.grad. Try: after waiting, copy the reduced flat buffer back into each p.grad of its bucket", partial(_overlap, copy=False)),
-    _m("the first step matches but later steps do not: finish() keeps the last step's handles or counts. Try: at the end of every finish(), forget the handles and reset the ready counts", partial(_overlap, clear=False)),
-    _m("finish() waits again for the all-reduces of earlier steps: it never forgets their handles, and copies their old buckets back every step. Try: at the end of every finish(), clear the list of handles",
-       partial(_overlap, clear="counts"), lambda o: bool(o.got) and any(g["stale"] and g["launches"] == w["launches"] for g, w in zip(o.got, o.want)), mechanism=True),
-    _m("you make one all-reduce per parameter whatever bucket_numel is. Try: group parameters, in the order their gradients arrive, into buckets of at most bucket_numel elements", lambda m, c=0: _overlap(m, 0)),
+    _m(
+        "overlap_ddp did not return a function. Try: return the inner function that waits for the "
+        "all-reduces and averages; the training loop calls it after backward",
+        partial(_overlap, give=False),
+        _got("finish", lambda f: not f),
+        mechanism=True,
+    ),
+    _m(
+        "no dist.all_reduce was called. Try: in each parameter's hook, launch dist.all_reduce on its "
+        "gradient (or its bucket's), with async_op=True",
+        partial(_overlap, start="never"),
+        _got("calls", lambda n: n == 0),
+        mechanism=True,
+    ),
+    _m(
+        "every all-reduce started after backward returned, so none overlaps with backward. Try: launch them "
+        "with async_op=True from gradient hooks, which fire during backward "
+        "(Tensor.register_post_accumulate_grad_hook); finish() only waits",
+        partial(_overlap, start="finish"),
+        lambda o: bool(o.got) and any(g["calls"] and not g["in_bw"] for g in o.got),
+        mechanism=True,
+    ),
+    _m(
+        "each all-reduce finished inside its hook (blocking, or waited for there), so nothing overlaps. Try: "
+        "pass async_op=True, keep the work handles and wait() on them only in finish()",
+        partial(_overlap, wait=True),
+        lambda o: bool(o.got) and any(g["in_bw"] and not g["overlapped"] for g in o.got),
+        mechanism=True,
+    ),
+    _m(
+        "your buckets follow the forward order of model.parameters(), but gradients become ready last layer "
+        "first. Try: build the buckets walking the parameters in reverse order",
+        partial(_overlap, order=list),
+    ),
+    _m(
+        "the all-reduces start only once every gradient is ready, so none overlaps with the rest of "
+        "backward. Try: launch a bucket's all-reduce from the hook of its last parameter",
+        partial(_overlap, start="all"),
+        _got("late"),
+        mechanism=True,
+    ),
+    _m(
+        "the gradients were summed, not averaged. Try: in finish(), after waiting, divide by the world size",
+        partial(_overlap, divide=False),
+    ),
+    _m(
+        "each rank still has its own local gradient after finish(): the reduced values never reach p.grad. "
+        "Try: after waiting, copy the reduced flat buffer back into each p.grad of its bucket",
+        partial(_overlap, copy=False),
+    ),
+    _m(
+        "the first step matches but later steps do not: finish() keeps the last step's handles or counts. "
+        "Try: at the end of every finish(), forget the handles and reset the ready counts",
+        partial(_overlap, clear=False),
+    ),
+    _m(
+        "finish() waits again for the all-reduces of earlier steps: it never forgets their handles, and "
+        "copies their old buckets back every step. Try: at the end of every finish(), clear the list of "
+        "handles",
+        partial(_overlap, clear="counts"),
+        lambda o: bool(o.got) and any(g["stale"] and g["launches"] == w["launches"] for g, w in zip(o.got, o.want)),
+        mechanism=True,
+    ),
+    _m(
+        "you make one all-reduce per parameter whatever bucket_numel is. Try: group parameters, in the order "
+        "their gradients arrive, into buckets of at most bucket_numel elements",
+        lambda m, c=0: _overlap(m, 0),
+    ),
 ]
-# fmt: on
 _OVERLAP = dict(oracle=_overlap, run=_overlap_run, refuse=_LIBRARY, timeout_s=90)
 OVERLAP_DDP = Exercise(
-    name="overlap_ddp", cases=_overlap_cases, compare=_overlap_compare, mistakes=_OVERLAP_MISTAKES, ranks=3, **_OVERLAP,
-    hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, then in finish() wait, divide by the world size and copy each slice back to its gradient",
+    name="overlap_ddp",
+    cases=_overlap_cases,
+    compare=_overlap_compare,
+    mistakes=_OVERLAP_MISTAKES,
+    ranks=3,
+    **_OVERLAP,
+    hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, then "
+    "in finish() wait, divide by the world size and copy each slice back to its gradient",
     refuse_hint="write the hooks, the buckets and finish() yourself with dist.all_reduce",
-    passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while all-reduces were outstanding",
-)  # fmt: skip
+    passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while "
+    "all-reduces were outstanding",
+)
 OVERLAP_TRACE = Exercise(
-    name="overlap_trace", answer=("overlap_ddp",), cases=_trace_cases, compare=_trace_compare, ranks=2, **_OVERLAP,
+    name="overlap_trace",
+    answer=("overlap_ddp",),
+    cases=_trace_cases,
+    compare=_trace_compare,
+    ranks=2,
+    **_OVERLAP,
     hint="all-reduce a bucket from the hook of its last parameter, in the order the hooks fire",
-    mistakes=_OVERLAP_MISTAKES[1:5], passed="2 processes, a traced step with backward running while all-reduces were outstanding",
-)  # fmt: skip
-check_overlap_ddp = OVERLAP_DDP.checker("``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.", (2, 3))  # fmt: skip
+    mistakes=_OVERLAP_MISTAKES[1:5],
+    passed="2 processes, a traced step with backward running while all-reduces were outstanding",
+)
+check_overlap_ddp = OVERLAP_DDP.checker(
+    "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, "
+    "and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.",
+    (2, 3),
+)
 
 
 def check_overlap_trace(overlap_ddp: Callable[..., Any], bucket_numel: int = 0) -> list:
@@ -427,25 +624,62 @@ def _shard_compare(got, want):
     return f"gave rank {r} the batches {got[0][r]} where {want[0][r]} were expected"
 
 
-# fmt: off
 SHARD_BATCHES = Exercise(
-    name="shard_batches", oracle=_shard, run=_shard_run, compare=_shard_compare,
-    cases=lambda: [Case((n, b, w, e, s), label=f"{n} examples, batches of {b}, {w} ranks, epoch {e}, seed {s}") for n, b, w, e, s in ((20, 4, 2, 0, 0), (20, 4, 2, 1, 0), (11, 3, 3, 2, 5))],
-    hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this rank and the seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
+    name="shard_batches",
+    oracle=_shard,
+    run=_shard_run,
+    compare=_shard_compare,
+    cases=lambda: [
+        Case((n, b, w, e, s), label=f"{n} examples, batches of {b}, {w} ranks, epoch {e}, seed {s}")
+        for n, b, w, e, s in ((20, 4, 2, 0, 0), (20, 4, 2, 1, 0), (11, 3, 3, 2, 5))
+    ],
+    hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this rank "
+    "and the seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
     passed="3 cases of sizes, ranks, epochs and seeds, equal to DistributedSampler",
     mistakes=[
-        _m("it returns one flat list of indices, not a list of batches. Try: return a list of lists, each one batch of at most batch_size indices", lambda *a: [i for b in _shard(*a) for i in b], lambda o: "not a list of batches" in o.error),
-        _m("two calls with the same arguments gave different batches. Try: give the sampler the seed argument instead of drawing from the global random state", partial(_shard, rng=True), lambda o: not o.got[1]),
-        _m("a batch has more than batch_size indices. Try: cut each rank's indices into batches of batch_size", partial(_shard, whole=True)),
-        _m("every rank got the same batches: the data is not dealt out by rank. Try: tell DistributedSampler the world size and this rank (num_replicas, rank)",
-           lambda n, b, r, w, e, s: _shard(n, b, 0, w, e, s), lambda o: o.got[1] and all(g == o.got[0][0] for g in o.got[0])),
-        _m("the ranks share examples in the same epoch. Try: every rank must use the SAME seed: the sampler shuffles once and deals the indices out by rank", lambda n, b, r, w, e, s: _shard(n, b, r, w, e, s + r)),
-        _m("together the ranks do not cover the dataset. Try: keep the sampler's default drop_last=False, which pads the last share", partial(_shard, drop_last=True)),
-        _m("the epochs have the same order: the data is never reshuffled. Try: call the sampler's set_epoch with the epoch number before iterating it", partial(_shard, reshuffle=False)),
+        _m(
+            "it returns one flat list of indices, not a list of batches. Try: return a list of lists, each "
+            "one batch of at most batch_size indices",
+            lambda *a: [i for b in _shard(*a) for i in b],
+            lambda o: "not a list of batches" in o.error,
+        ),
+        _m(
+            "two calls with the same arguments gave different batches. Try: give the sampler the seed "
+            "argument instead of drawing from the global random state",
+            partial(_shard, rng=True),
+            lambda o: not o.got[1],
+        ),
+        _m(
+            "a batch has more than batch_size indices. Try: cut each rank's indices into batches of batch_size",
+            partial(_shard, whole=True),
+        ),
+        _m(
+            "every rank got the same batches: the data is not dealt out by rank. Try: tell "
+            "DistributedSampler the world size and this rank (num_replicas, rank)",
+            lambda n, b, r, w, e, s: _shard(n, b, 0, w, e, s),
+            lambda o: o.got[1] and all(g == o.got[0][0] for g in o.got[0]),
+        ),
+        _m(
+            "the ranks share examples in the same epoch. Try: every rank must use the SAME seed: the sampler "
+            "shuffles once and deals the indices out by rank",
+            lambda n, b, r, w, e, s: _shard(n, b, r, w, e, s + r),
+        ),
+        _m(
+            "together the ranks do not cover the dataset. Try: keep the sampler's default drop_last=False, "
+            "which pads the last share",
+            partial(_shard, drop_last=True),
+        ),
+        _m(
+            "the epochs have the same order: the data is never reshuffled. Try: call the sampler's set_epoch "
+            "with the epoch number before iterating it",
+            partial(_shard, reshuffle=False),
+        ),
     ],
 )
-check_shard_batches = SHARD_BATCHES.checker("``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that ``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them.")
-# fmt: on
+check_shard_batches = SHARD_BATCHES.checker(
+    "``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that "
+    "``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them."
+)
 
 
 # ---------------------------------------------------------------------------- rank-0 checkpoint
@@ -495,21 +729,52 @@ def _save(path, model, optimizer, epoch, rank, /, *, every_rank=False, in_place=
     _ = os.replace(tmp, path) if tmp != path else None
 
 
-# fmt: off
 SAVE_ON_RANK0 = Exercise(
-    name="save_on_rank0", cases=_save_cases, oracle=_save, run=_save_run,
-    compare=lambda got, want: next((f"gave {k}={got[k]!r} where {w!r} was expected" for k, w in want.items() if got[k] != w), None),
-    hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then os.replace it onto path",
+    name="save_on_rank0",
+    cases=_save_cases,
+    oracle=_save,
+    run=_save_run,
+    compare=lambda got, want: next(
+        (f"gave {k}={got[k]!r} where {w!r} was expected" for k, w in want.items() if got[k] != w), None
+    ),
+    hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then "
+    "os.replace it onto path",
     passed="2 models and epochs: rank 0 alone writes, atomically, everything a restart needs",
     mistakes=[
-        _m("a rank other than 0 wrote a file too. Try: only rank 0 saves: return first when rank is not 0", partial(_save, every_rank=True), lambda o: o.got["ranks 1 and 2 wrote"] != []),
-        _m("rank 0 did not write the checkpoint. Try: torch.save(...) to a temporary file, then os.replace it to path", lambda *a: None),
-        _m("the file was written in place, not atomically: a crash mid-write would corrupt it. Try: save to a temporary file in the same folder, then os.replace it onto the target", partial(_save, in_place=True)),
-        _m("temporary files were left behind. Try: os.replace moves the temporary file onto path", partial(_save, leave_tmp=True)),
-        _m("the checkpoint cannot be loaded with weights_only=True. Try: save state dicts and numbers, not objects", lambda *a: _save(*a, model=a[1])),
-        _m("the checkpoint lacks the optimizer's state (its momentum). Try: save optimizer.state_dict() under 'optimizer'", partial(_save, optimizer=None)),
-        _m("the epoch saved is not the one given. Try: store the epoch argument as given", lambda p, m, o, e, r: _save(p, m, o, e + 1, r)),
+        _m(
+            "a rank other than 0 wrote a file too. Try: only rank 0 saves: return first when rank is not 0",
+            partial(_save, every_rank=True),
+            lambda o: o.got["ranks 1 and 2 wrote"] != [],
+        ),
+        _m(
+            "rank 0 did not write the checkpoint. Try: torch.save(...) to a temporary file, then os.replace it to path",
+            lambda *a: None,
+        ),
+        _m(
+            "the file was written in place, not atomically: a crash mid-write would corrupt it. Try: save to "
+            "a temporary file in the same folder, then os.replace it onto the target",
+            partial(_save, in_place=True),
+        ),
+        _m(
+            "temporary files were left behind. Try: os.replace moves the temporary file onto path",
+            partial(_save, leave_tmp=True),
+        ),
+        _m(
+            "the checkpoint cannot be loaded with weights_only=True. Try: save state dicts and numbers, not objects",
+            lambda *a: _save(*a, model=a[1]),
+        ),
+        _m(
+            "the checkpoint lacks the optimizer's state (its momentum). Try: save optimizer.state_dict() "
+            "under 'optimizer'",
+            partial(_save, optimizer=None),
+        ),
+        _m(
+            "the epoch saved is not the one given. Try: store the epoch argument as given",
+            lambda p, m, o, e, r: _save(p, m, o, e + 1, r),
+        ),
     ],
 )
-check_save_on_rank0 = SAVE_ON_RANK0.checker("``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch to ``path`` atomically (a temporary file, then os.replace).")
-# fmt: on
+check_save_on_rank0 = SAVE_ON_RANK0.checker(
+    "``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch "
+    "to ``path`` atomically (a temporary file, then os.replace)."
+)

@@ -260,14 +260,20 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     for dotted in ex.refuse:
         obj = pkgutil.resolve_name(dotted)
         if isinstance(obj, types.ModuleType):  # its private callables only where the answer holds them ("scope")
-            defined = [(a, v) for a, v in vars(obj).items() if callable(v) and str(getattr(v, "__module__", "")).startswith(obj.__name__)]  # fmt: skip
+            defined = [
+                (a, v)
+                for a, v in vars(obj).items()
+                if callable(v) and str(getattr(v, "__module__", "")).startswith(obj.__name__)
+            ]
             refused += [(obj, a, v, "scope" if a.startswith("_") else False) for a, v in defined]
         else:
             holder, attr = pkgutil.resolve_name(dotted.rsplit(".", 1)[0]), dotted.rsplit(".", 1)[1]
             refused.append((holder, attr, obj, dotted.startswith("utils.") and inspect.ismodule(holder) or None))
     spec = sys.modules.get(ex.module)
     if spec is not None and own and not any(lib(fn.__globals__) for fn in fns):  # the oracles: no student's answer
-        refused += [(spec, a, v, "spec") for a, v in vars(spec).items() if inspect.isfunction(v) and v.__module__ == ex.module]  # fmt: skip
+        refused += [
+            (spec, a, v, "spec") for a, v in vars(spec).items() if inspect.isfunction(v) and v.__module__ == ex.module
+        ]
         # and an oracle that is the library's own function (utils.linear_regression.gd_step)
         oracles = ex.oracle if isinstance(ex.oracle, tuple) else (ex.oracle,)
         at = lambda o: sys.modules[o.__module__] if re.match(r"utils\.(?!checks\b)", o.__module__) else None
@@ -293,12 +299,20 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
             stand_in = _Refused(f"{holder.__name__}.{attr}", raise_) if inspect.isclass(obj) else no
             out += [(s, k, stand_in) for s in scopes for k, v in s.items() if held(v)]
             continue
-        out += [(holder, attr, guard(obj, no) if guarded else no)] + [(s, k, no) for s in scopes for k, v in s.items() if v is obj]  # fmt: skip
+        out += [(holder, attr, guard(obj, no) if guarded else no)] + [
+            (s, k, no) for s in scopes for k, v in s.items() if v is obj
+        ]
         out += [(c, "cell_contents", no) for c in cells if _try(getattr, c, "cell_contents") is obj]  # empty: None
         partial_of = lambda v, obj=obj: isinstance(v, functools.partial) and v.func is obj
         out += [(s, k, functools.partial(no)) for s in scopes for k, v in s.items() if partial_of(v)]
-        out += [(c, "cell_contents", functools.partial(no)) for c in cells if partial_of(_try(getattr, c, "cell_contents"))]  # fmt: skip
-        out += [(f, "__defaults__", tuple(no if d is obj else d for d in f.__defaults__)) for f in fns if any(d is obj for d in f.__defaults__ or ())]  # fmt: skip
+        out += [
+            (c, "cell_contents", functools.partial(no)) for c in cells if partial_of(_try(getattr, c, "cell_contents"))
+        ]
+        out += [
+            (f, "__defaults__", tuple(no if d is obj else d for d in f.__defaults__))
+            for f in fns
+            if any(d is obj for d in f.__defaults__ or ())
+        ]
         out += [(f.__kwdefaults__, k, no) for f in fns for k, d in (f.__kwdefaults__ or {}).items() if d is obj]
         named = f"{getattr(holder, '__name__', '')}.{attr}" in ex.refuse
         if inspect.isclass(obj) and "__init__" in vars(obj) and named:
@@ -360,7 +374,11 @@ def getsource(obj: Any) -> str:
         for file, line in at if inspect.isclass(obj) else ():
             text = "".join(linecache.getlines(file))
             for node in ast.walk(_try(ast.parse, text) or ast.Module([], [])):
-                if isinstance(node, ast.ClassDef) and node.name == obj.__name__ and (not line or node.lineno <= line <= node.end_lineno):  # fmt: skip
+                if (
+                    isinstance(node, ast.ClassDef)
+                    and node.name == obj.__name__
+                    and (not line or node.lineno <= line <= node.end_lineno)
+                ):
                     start = node.decorator_list[0].lineno if node.decorator_list else node.lineno
                     return "".join(text.splitlines(keepends=True)[start - 1 : node.end_lineno])
         raise
@@ -459,7 +477,10 @@ def ship(name: str, answer: tuple) -> Shipment:
             fail(name, f"the source of {what} could not be read", hint)
 
     # a partial of a module's function (the checks' own variants) is pickled as it is
-    mine = [a if isinstance(a, functools.partial) and not _notebook_defined(a.func) else visit(a) or a.__name__ for a in answer]  # fmt: skip
+    mine = [
+        a if isinstance(a, functools.partial) and not _notebook_defined(a.func) else visit(a) or a.__name__
+        for a in answer
+    ]
     return Shipment(sources, imports, constants, tuple(mine))
 
 
@@ -479,7 +500,10 @@ def _validate_answer(ex: Exercise, answer: tuple) -> None:
 
 
 def _not_implemented(ex: Exercise) -> None:
-    hint = "replace the `raise NotImplementedError(...)` line in the exercise cell with your code, run that cell, then this one"
+    hint = (
+        "replace the `raise NotImplementedError(...)` line in the exercise cell with your code, run that cell, "
+        "then this one"
+    )
     fail(ex.name, "it is not implemented yet", hint)
 
 
@@ -551,7 +575,10 @@ def _hung(ex: Exercise, source: str, case: Case | None = None) -> None:
     if case is None:
         hint = "every rank must make the same calls in the same order, and every send needs a matching receive"
         fail(ex.name, f"{late}: a rank waited for a message that never came", hint)
-    hint = "look for a loop that never ends (a new iterator made on every pass, a condition never met) and run your code by hand on a tiny input"
+    hint = (
+        "look for a loop that never ends (a new iterator made on every pass, a condition never met) and run your "
+        "code by hand on a tiny input"
+    )
     fail(ex.name, late, hint)
 
 
@@ -568,13 +595,19 @@ def _rank_failed(ex: Exercise, e, source: str) -> None:
     _diagnose(ex, Outcome(None, error=last, source=source), [])
     rank = f"rank {e.rank}" if e.rank is not None else "a rank"
     if not tb:
-        hint = "run your code's steps by hand on paper for each rank: a rank that waits forever, a send and a receive that do not pair up, or a write past a tensor's end stops like this"
+        hint = (
+            "run your code's steps by hand on paper for each rank: a rank that waits forever, a send and a "
+            "receive that do not pair up, or a write past a tensor's end stops like this"
+        )
         first = str(e).splitlines()[0].split(". ")[0]
         aborted = f"{rank} aborted in native code (signal 6), as gloo does when a send and its receive differ in size"
         fail(ex.name, aborted if "signal 6 " in first else first, hint)
     if is_peer_error(last):  # no rank's own error: one left, or called something else, while another waited
         problem = f"{rank} lost its connection to a rank that had left the collective, or was making another call"
-        hint = "every rank must make the same collective calls in the same order: look for a return, or a branch, that only some ranks take"  # fmt: skip
+        hint = (
+            "every rank must make the same collective calls in the same order: look for a return, or a branch, "
+            "that only some ranks take"
+        )
         fail(ex.name, problem, hint)
     hint = "read that rank's traceback, printed below, fix the line it names, then rerun both cells"
     text = message(ex.name, f"your code raised on {rank}: {last}", hint) + f"\n\nTraceback from {rank}:\n{tb}"
@@ -598,7 +631,10 @@ def _on_ranks(ex: Exercise, answer: tuple, source: str) -> list:
     n, col = len(res[0]["student"]), lambda key, i: [r[key][i] for r in res]
     reps = [col("mistakes", j) for j in range(len(res[0]["mistakes"]))]  # per mistake, over ranks: per case, or None
     case_reps = [[None if None in rep else [r[i] for r in rep] for rep in reps] for i in range(n)]
-    return [(col("student", i), col("oracle", i), case_reps[i], res[0]["labels"][i] or f"case {i + 1} of {n}") for i in range(n)]  # fmt: skip
+    return [
+        (col("student", i), col("oracle", i), case_reps[i], res[0]["labels"][i] or f"case {i + 1} of {n}")
+        for i in range(n)
+    ]
 
 
 def _try(fn, *args):
@@ -641,7 +677,10 @@ def check(ex: Exercise, *answer) -> Any:
         except Exception as e:  # the student's code crashed: a named mistake, else where it failed
             last = traceback.format_exception_only(type(e), e)[-1].strip()
             _diagnose(ex, Outcome(case, error=last, source=source), [])
-            hint = "read the traceback of your code above (the last line in your cell is where it failed), fix it, then rerun both cells"
+            hint = (
+                "read the traceback of your code above (the last line in your cell is where it failed), fix it, "
+                "then rerun both cells"
+            )
             err = CheckFailed(message(ex.name, f"your code raised {last}", hint))
             raise err from e.with_traceback(student_frames_only(e.__traceback__))
         want = ex.run(ex.oracle, ex.cases()[i])
@@ -687,7 +726,10 @@ def _judge(ex: Exercise, o: Outcome, reps, label: str, at: tuple = ()) -> None:
     if reps is None:
         (i, answer), others = at, {}
         reps = [_try(ex.run, m.variant, ex.cases()[i]) for m in _replayed(ex)]
-        reps = [r if r is None or ex.differs(o.got, r) is not None or _everywhere(ex, answer, m, i, others) else None for m, r in zip(_replayed(ex), reps)]  # fmt: skip
+        reps = [
+            r if r is None or ex.differs(o.got, r) is not None or _everywhere(ex, answer, m, i, others) else None
+            for m, r in zip(_replayed(ex), reps)
+        ]
     _diagnose(ex, o, reps)
     fail(ex.name, f"on {label}, your code {diff}", ex.hint)
 

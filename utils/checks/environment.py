@@ -18,8 +18,11 @@ def _cases() -> list:  # square, taller than wide, and one where the arg-max ove
     return [
         Case((logits_a, torch.tensor([0, 1, 0, 1])), label="a batch of 4 examples and 4 classes"),
         Case((logits_b, labels_b), label="a batch of 10 examples and 3 classes"),
-        Case((torch.randn(6, 5, generator=g), torch.tensor([0, 1, 2, 3, 4, 0])), label="a batch of 6 examples and 5 classes"),
-    ]  # fmt: skip
+        Case(
+            (torch.randn(6, 5, generator=g), torch.tensor([0, 1, 2, 3, 4, 0])),
+            label="a batch of 6 examples and 5 classes",
+        ),
+    ]
 
 
 def _accuracy(logits, labels):
@@ -32,18 +35,31 @@ def _correct(logits, labels):
 
 # Each mistake: what is wrong, "Try:", what to do, then a variant that makes it (the tests submit it).
 _MISTAKES = [
-    ("it returns the number of correct predictions, not the fraction. Try: divide the count by the number of examples",
-     _correct),
-    ("it returns a percentage. Try: return the fraction in [0, 1], without multiplying by 100",
-     lambda logits, labels: 100 * _accuracy(logits, labels)),
-    ("it returns the error rate, the fraction of WRONG predictions. Try: count the rows whose arg-max equals the "
-     "label, not those where it differs", lambda logits, labels: 1 - _accuracy(logits, labels)),
-    ("it divides by the number of classes instead of the number of examples. Try: the number of examples is the "
-     "length of the batch dimension (dim 0)", lambda logits, labels: _correct(logits, labels) / logits.shape[1]),
-    ("the arg-max seems to be taken over the batch dimension. Try: the class scores lie along dim 1: take the "
-     "arg-max over that dimension",
-     lambda logits, labels: (logits.argmax(dim=0)[: len(labels)] == labels[: logits.shape[1]]).float().mean().item()),
-]  # fmt: skip
+    (
+        "it returns the number of correct predictions, not the fraction. Try: divide the count by the number "
+        "of examples",
+        _correct,
+    ),
+    (
+        "it returns a percentage. Try: return the fraction in [0, 1], without multiplying by 100",
+        lambda logits, labels: 100 * _accuracy(logits, labels),
+    ),
+    (
+        "it returns the error rate, the fraction of WRONG predictions. Try: count the rows whose arg-max equals the "
+        "label, not those where it differs",
+        lambda logits, labels: 1 - _accuracy(logits, labels),
+    ),
+    (
+        "it divides by the number of classes instead of the number of examples. Try: the number of examples is the "
+        "length of the batch dimension (dim 0)",
+        lambda logits, labels: _correct(logits, labels) / logits.shape[1],
+    ),
+    (
+        "the arg-max seems to be taken over the batch dimension. Try: the class scores lie along dim 1: take the "
+        "arg-max over that dimension",
+        lambda logits, labels: (logits.argmax(dim=0)[: len(labels)] == labels[: logits.shape[1]]).float().mean().item(),
+    ),
+]
 ACCURACY = Exercise(
     name="accuracy",
     cases=_cases,

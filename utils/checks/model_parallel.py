@@ -64,21 +64,65 @@ def _miscount(o, key, dim):
 
 
 TENSOR_PARALLEL = Exercise(
-    name="tensor_parallel", answer=("column_shard", "row_shard"), run=_tp_run, compare=_tp_compare,
-    cases=lambda: [Case((mlp(16, 2, in_features=8, out_features=8, activation="gelu", seed=n), torch.randn(5, 8, generator=torch.Generator().manual_seed(n)), n), label=f"{n} rank" + "s" * (n > 1)) for n in (1, 2, 4)],
-    oracle=(tp.column_shard, tp.row_shard), refuse=("utils.parallel.tensor_parallel",),
-    hint="rank r keeps the SAME slice r of the hidden units in both layers, in equal contiguous slices (nn.Linear's weight is [out_features, in_features])",
+    name="tensor_parallel",
+    answer=("column_shard", "row_shard"),
+    run=_tp_run,
+    compare=_tp_compare,
+    cases=lambda: [
+        Case(
+            (
+                mlp(16, 2, in_features=8, out_features=8, activation="gelu", seed=n),
+                torch.randn(5, 8, generator=torch.Generator().manual_seed(n)),
+                n,
+            ),
+            label=f"{n} rank" + "s" * (n > 1),
+        )
+        for n in (1, 2, 4)
+    ],
+    oracle=(tp.column_shard, tp.row_shard),
+    refuse=("utils.parallel.tensor_parallel",),
+    hint="rank r keeps the SAME slice r of the hidden units in both layers, in equal contiguous slices "
+    "(nn.Linear's weight is [out_features, in_features])",
     passed="1, 2 and 4 ranks: the partial outputs add up to the whole MLP",
     mistakes=[
-        _m("column_shard must return a (weight, bias) pair of tensors, row_shard one weight. Try: return this rank's slices of the weight and bias from column_shard, of the weight from row_shard", (lambda lin, r, n: [t.tolist() for t in _col(lin, r, n)], _row), lambda o: "unpack" in o.error or str in map(type, o.got["shapes"].values())),
-        _m("a weight is cut into the wrong number of pieces. Try: cut it into world_size equal pieces with Tensor.chunk(world_size, dim), not into pieces of world_size rows", (lambda lin, r, n: (lin.weight.detach().split(n)[r], lin.bias.detach().split(n)[r]), lambda lin, r, n: lin.weight.detach().split(n, 1)[r]),
-           lambda o: None not in (o.got["w1"], o.got["w2"]) and (_miscount(o, "w1", 0) or _miscount(o, "w2", 1))),
-        _m("column_shard's weight is not cut by output features. Try: a column-parallel layer splits the OUTPUT features (nn.Linear's weight is [out, in])", (partial(_col, dim=1, bias=False), _row), lambda o: o.got["w1"] and o.got["w1"][0] == 1 != o.want["w1"][0]),
-        _m("column_shard's bias is not cut like its weight. Try: keep the bias entries of the hidden units this rank computes", (partial(_col, bias=False), _row), lambda o: o.got["b1"] != o.want["b1"]),
-        _m("row_shard's weight is not cut by input features. Try: a row-parallel layer splits its INPUT features, the hidden units this rank computed", (_col, partial(_row, dim=0)), lambda o: o.got["w2"] and o.got["w2"][1] == 1 != o.want["w2"][1]),
+        _m(
+            "column_shard must return a (weight, bias) pair of tensors, row_shard one weight. Try: return "
+            "this rank's slices of the weight and bias from column_shard, of the weight from row_shard",
+            (lambda lin, r, n: [t.tolist() for t in _col(lin, r, n)], _row),
+            lambda o: "unpack" in o.error or str in map(type, o.got["shapes"].values()),
+        ),
+        _m(
+            "a weight is cut into the wrong number of pieces. Try: cut it into world_size equal pieces with "
+            "Tensor.chunk(world_size, dim), not into pieces of world_size rows",
+            (
+                lambda lin, r, n: (lin.weight.detach().split(n)[r], lin.bias.detach().split(n)[r]),
+                lambda lin, r, n: lin.weight.detach().split(n, 1)[r],
+            ),
+            lambda o: None not in (o.got["w1"], o.got["w2"]) and (_miscount(o, "w1", 0) or _miscount(o, "w2", 1)),
+        ),
+        _m(
+            "column_shard's weight is not cut by output features. Try: a column-parallel layer splits the "
+            "OUTPUT features (nn.Linear's weight is [out, in])",
+            (partial(_col, dim=1, bias=False), _row),
+            lambda o: o.got["w1"] and o.got["w1"][0] == 1 != o.want["w1"][0],
+        ),
+        _m(
+            "column_shard's bias is not cut like its weight. Try: keep the bias entries of the hidden units "
+            "this rank computes",
+            (partial(_col, bias=False), _row),
+            lambda o: o.got["b1"] != o.want["b1"],
+        ),
+        _m(
+            "row_shard's weight is not cut by input features. Try: a row-parallel layer splits its INPUT "
+            "features, the hidden units this rank computed",
+            (_col, partial(_row, dim=0)),
+            lambda o: o.got["w2"] and o.got["w2"][1] == 1 != o.want["w2"][1],
+        ),
     ],
-)  # fmt: skip
-check_tensor_parallel = TENSOR_PARALLEL.checker("``column_shard(linear, rank, world_size) -> (weight, bias)``, ``row_shard(linear, rank, world_size) -> weight``.")  # fmt: skip
+)
+check_tensor_parallel = TENSOR_PARALLEL.checker(
+    "``column_shard(linear, rank, world_size) -> (weight, bias)``, ``row_shard(linear, rank, world_size) -> weight``."
+)
 
 
 # ---------------------------------------------------------------------------- exercise 2: ZeRO memory
@@ -88,18 +132,34 @@ def _zero(p, n, s, b=2):
 
 
 ZERO_MEMORY = Exercise(
-    name="zero_memory", oracle=lambda p, n, s: zero_bytes(p, n, s)["total"], rtol=1e-9, atol=0,
+    name="zero_memory",
+    oracle=lambda p, n, s: zero_bytes(p, n, s)["total"],
+    rtol=1e-9,
+    atol=0,
     cases=lambda: [Case((10**6 + 3, n, s), label=f"stage {s} on {n} GPU(s)") for n in (1, 2, 8, 64) for s in range(4)],
     hint="bytes per parameter: parameters 2, gradients 2, optimizer state 12; divide by N the parts the stage shards",
-    passed="every stage on 1 to 64 GPUs", refuse=("utils.parallel.zero_bytes",),
+    passed="every stage on 1 to 64 GPUs",
+    refuse=("utils.parallel.zero_bytes",),
     refuse_hint="add up the bytes of parameters, gradients and optimizer state yourself",
     mistakes=[
-        _m("you divided by N at stage 0, but stage 0 is plain DDP. Try: at stage 0 every GPU holds all 16 bytes per parameter", lambda p, n, s: 16 * p / n),
-        _m("the bytes look like fp32 parameters and gradients. Try: in mixed precision they take 2 bytes each; the fp32 master copy is in the 12 optimizer bytes", partial(_zero, b=4)),
-        _m("you returned the bytes of another ZeRO stage. Try: stage 1 shards the optimizer state (12 bytes), stage 2 also the gradients (2), stage 3 also the parameters (2)",
-           lambda p, n, s: _zero(p, n, 2 if s == 1 else s), lambda o: any(abs(o.got - _zero(*o.case.args[:2], k)) < 1 for k in range(4) if k != o.case.args[2])),
+        _m(
+            "you divided by N at stage 0, but stage 0 is plain DDP. Try: at stage 0 every GPU holds all 16 "
+            "bytes per parameter",
+            lambda p, n, s: 16 * p / n,
+        ),
+        _m(
+            "the bytes look like fp32 parameters and gradients. Try: in mixed precision they take 2 bytes "
+            "each; the fp32 master copy is in the 12 optimizer bytes",
+            partial(_zero, b=4),
+        ),
+        _m(
+            "you returned the bytes of another ZeRO stage. Try: stage 1 shards the optimizer state (12 "
+            "bytes), stage 2 also the gradients (2), stage 3 also the parameters (2)",
+            lambda p, n, s: _zero(p, n, 2 if s == 1 else s),
+            lambda o: any(abs(o.got - _zero(*o.case.args[:2], k)) < 1 for k in range(4) if k != o.case.args[2]),
+        ),
     ],
-)  # fmt: skip
+)
 check_zero_memory = ZERO_MEMORY.checker("``zero_memory(n_params, world_size, stage)``: bytes per GPU, mixed precision.")
 
 
@@ -112,7 +172,11 @@ def _zero2_cases(ctx):
     """Two MLPs, 44 and 57 parameters: on 2 or 3 ranks, one divides by the world size and the other does not."""
     models = {44: (4, 6, 2), 57: (5, 6, 3)}
     odd = lambda n: "" if n % ctx.world_size == 0 else f", which does not divide by {ctx.world_size} ranks,"
-    return [Case((sizes, kind, ctx), label=f"the {n}-parameter MLP{odd(n)} with {kind} on {ctx.world_size} ranks") for n, sizes in models.items() for kind in ("SGD", "Adam")]  # fmt: skip
+    return [
+        Case((sizes, kind, ctx), label=f"the {n}-parameter MLP{odd(n)} with {kind} on {ctx.world_size} ranks")
+        for n, sizes in models.items()
+        for kind in ("SGD", "Adam")
+    ]
 
 
 def _zero2_run(answer, case):
@@ -141,8 +205,13 @@ def _zero2_run(answer, case):
         raise RuntimeError(f"on {case.label}: {type(e).__name__}: {e}") from e
     state = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     view = sum(p.untyped_storage().nbytes() - p.numel() * p.element_size() for p in held) > 0  # a shard that shares
-    return dict(out, numel=sum(p.numel() for p in model.parameters()), held=sum(p.numel() for p in held), view=view,
-                state=sum(v.numel() * v.element_size() for v in state))  # fmt: skip
+    return dict(
+        out,
+        numel=sum(p.numel() for p in model.parameters()),
+        held=sum(p.numel() for p in held),
+        view=view,
+        state=sum(v.numel() * v.element_size() for v in state),
+    )
 
 
 def _flat(tensors, world, pad="end"):
@@ -155,7 +224,9 @@ def _flat(tensors, world, pad="end"):
 def _copy_back(tensors, full):
     """``full``'s pieces from offset 0 into ``tensors``, in order, in place; the padding, at the end, left out."""
     with torch.no_grad():
-        for t, piece in zip(tensors, full.split([t.numel() for t in tensors] + [full.numel() - sum(t.numel() for t in tensors)])):  # fmt: skip
+        for t, piece in zip(
+            tensors, full.split([t.numel() for t in tensors] + [full.numel() - sum(t.numel() for t in tensors)])
+        ):
             t.copy_(piece.view_as(t))
 
 
@@ -164,10 +235,14 @@ def _zero2_optimizer(model, optimizer_class, pad="end", copy=True, whole=False, 
     parameters; each keyword makes a named mistake (``whole``: over the whole model)."""
     world = dist.get_world_size()
     shard = _flat(model.parameters(), world, pad).chunk(world)[dist.get_rank()]
-    return optimizer_class(model.parameters() if whole else [(shard.clone() if copy else shard).requires_grad_()], **kwargs)  # fmt: skip
+    return optimizer_class(
+        model.parameters() if whole else [(shard.clone() if copy else shard).requires_grad_()], **kwargs
+    )
 
 
-def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=True, copy=True, bcast=False, whole=False, by=None):  # fmt: skip
+def _zero2_step(
+    model, opt, power=1, pad="end", keep=False, first=False, gather=True, copy=True, bcast=False, whole=False, by=None
+):
     """The reference (the defaults): reduce-scatter the flat gradient, step the shard, all-gather, copy back.
     Each keyword makes one named mistake (``whole``: average every gradient, then step the whole model; ``by``: a
     divisor written into the code)."""
@@ -186,7 +261,11 @@ def _zero2_step(model, opt, power=1, pad="end", keep=False, first=False, gather=
     _ = None if first else opt.step()
     # without the all-gather only my shard is new
     full = torch.empty_like(grads) if gather else _flat(params, world, pad)
-    _ = dist.all_gather_into_tensor(full, shard.detach()) if gather else full.chunk(world)[dist.get_rank()].copy_(shard.detach())  # fmt: skip
+    _ = (
+        dist.all_gather_into_tensor(full, shard.detach())
+        if gather
+        else full.chunk(world)[dist.get_rank()].copy_(shard.detach())
+    )
     _ = opt.step() if first else None
     _ = _copy_back(params, full) if copy else None
 
@@ -202,33 +281,108 @@ def _zero2_compare(got, want):
 
 _REF, _step = _zero2_optimizer, lambda **wrong: partial(_zero2_step, **wrong)  # partials: the ranks unpickle them
 ZERO2 = Exercise(
-    name="zero2", answer=("zero2_optimizer", "zero2_step"), oracle=(_zero2_optimizer, _zero2_step), ranks=3,
-    cases=_zero2_cases, run=_zero2_run, timeout_s=180,
+    name="zero2",
+    answer=("zero2_optimizer", "zero2_step"),
+    oracle=(_zero2_optimizer, _zero2_step),
+    ranks=3,
+    cases=_zero2_cases,
+    run=_zero2_run,
+    timeout_s=180,
     compare=lambda got, want: _SEEN.append(got) or _zero2_compare(got, want),
-    refuse=("torch.distributed.all_reduce", "torch.distributed.optim.ZeroRedundancyOptimizer",
-            "torch.distributed.fsdp.fully_shard", "torch.distributed.fsdp.FullyShardedDataParallel",
-            "torch.nn.parallel.DistributedDataParallel", "utils.parallel", "utils.parallel.shard.shard_model"),
-    refuse_hint="write the step from dist.reduce_scatter_tensor, an optimizer over your shard, and dist.all_gather_into_tensor",
+    refuse=(
+        "torch.distributed.all_reduce",
+        "torch.distributed.optim.ZeroRedundancyOptimizer",
+        "torch.distributed.fsdp.fully_shard",
+        "torch.distributed.fsdp.FullyShardedDataParallel",
+        "torch.nn.parallel.DistributedDataParallel",
+        "utils.parallel",
+        "utils.parallel.shard.shard_model",
+    ),
+    refuse_hint="write the step from dist.reduce_scatter_tensor, an optimizer over your shard, and "
+    "dist.all_gather_into_tensor",
     hint="rank r's shard is slice r of the padded flat vector cut into N equal slices, in both the reduce-scatter "
     "and the all-gather, and its gradient is the MEAN over the ranks",
-    passed="3 and 2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the optimizer "
+    passed="3 and 2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the "
+    "optimizer "
     "state, only the shard's gradient after each step, and DDP's traffic",
     mistakes=[
-        _m("your code failed on the MLP whose parameter count does not divide by the number of ranks: a collective got a buffer that is not padded to a multiple of the world size. Try: pad the flat vectors with zeros at the end to a multiple of the world size (torch.distributed gives it), and give the all-gather an output of that padded size", (partial(_REF, pad=""), _step(pad="")), lambda o: "does not divide" in o.error and any(w in o.error for w in _SIZE_ERRORS)),
-        _m("after a step the ranks hold different parameters. Try: all-gather the updated shards and copy the full vector into the parameters, on every rank", (_REF, _step(gather=False)), lambda o: any(difference(o.got[0]["params"], r["params"]) for r in o.got[1:])),
-        _m("the model's parameters never change. Try: after the step, all-gather the shards and copy them back into the parameters in place, without autograd", (_REF, _step(copy=False))),
-        _m("the parameters are one step behind: you gathered before stepping. Try: step the optimizer on your shard first, then all-gather", (_REF, _step(first=True))),
-        _m("the parameters moved as if the gradients were N times too large, N the number of ranks: reduce-scatter sums. Try: divide your shard's gradient by the world size", (_REF, _step(power=0))),
-        _m("the parameters moved as if the gradients were N times too small, N the number of ranks: they were averaged twice. Try: reduce-scatter with a sum, then divide by the world size once", (_REF, _step(power=2))),
-        _m("the MLP whose parameter count does not divide by the number of ranks went wrong where the other was right: the padding sits at the front. Try: pad at the END, so the parameters start at offset 0", (partial(_REF, pad="front"), _step(pad="front"))),
-        _m("the gradients were divided by 2, not by the number of ranks. Try: divide by the world size: the check runs on 3 and on 2 processes", (_REF, _step(by=2))),
-        _m("a rank's shard is a view into the whole flat vector, which then stays in memory. Try: copy your slice into a tensor of its own", (partial(_REF, copy=False), _zero2_step), lambda o: any(r["view"] for r in o.got)),
-        _m("a rank's optimizer holds the whole model's state. Try: give the optimizer only your shard, a new leaf tensor of 1/N of the padded elements", (partial(_REF, whole=True), _step(whole=True)), lambda o: o.got[0]["held"] >= o.got[0]["numel"]),
-        _m("after its step a rank still holds the model's full gradients. Try: free each parameter's gradient once it is flattened for the reduce-scatter", (_REF, _step(keep=True)), lambda o: any(any(r["grads"]) for r in o.got)),
-        _m("a rank sent more or fewer bytes per step than DDP's all-reduce. Try: one reduce-scatter of the padded flat gradient and one all-gather of your shard per step, and no other collective", (_REF, _step(bcast=True)), lambda o: o.got[0]["calls"] != o.want[0]["calls"]),
-        _m("your collectives move more padding than needed. Try: pad the flat vectors with the fewest zeros that make a multiple of the world size (none when it already divides)", (partial(_REF, pad="extra"), _step(pad="extra")), lambda o: o.got[0]["sent"] != o.want[0]["sent"]),
+        _m(
+            "your code failed on the MLP whose parameter count does not divide by the number of ranks: a "
+            "collective got a buffer that is not padded to a multiple of the world size. Try: pad the flat "
+            "vectors with zeros at the end to a multiple of the world size (torch.distributed gives it), and "
+            "give the all-gather an output of that padded size",
+            (partial(_REF, pad=""), _step(pad="")),
+            lambda o: "does not divide" in o.error and any(w in o.error for w in _SIZE_ERRORS),
+        ),
+        _m(
+            "after a step the ranks hold different parameters. Try: all-gather the updated shards and copy "
+            "the full vector into the parameters, on every rank",
+            (_REF, _step(gather=False)),
+            lambda o: any(difference(o.got[0]["params"], r["params"]) for r in o.got[1:]),
+        ),
+        _m(
+            "the model's parameters never change. Try: after the step, all-gather the shards and copy them "
+            "back into the parameters in place, without autograd",
+            (_REF, _step(copy=False)),
+        ),
+        _m(
+            "the parameters are one step behind: you gathered before stepping. Try: step the optimizer on "
+            "your shard first, then all-gather",
+            (_REF, _step(first=True)),
+        ),
+        _m(
+            "the parameters moved as if the gradients were N times too large, N the number of ranks: "
+            "reduce-scatter sums. Try: divide your shard's gradient by the world size",
+            (_REF, _step(power=0)),
+        ),
+        _m(
+            "the parameters moved as if the gradients were N times too small, N the number of ranks: they "
+            "were averaged twice. Try: reduce-scatter with a sum, then divide by the world size once",
+            (_REF, _step(power=2)),
+        ),
+        _m(
+            "the MLP whose parameter count does not divide by the number of ranks went wrong where the other "
+            "was right: the padding sits at the front. Try: pad at the END, so the parameters start at "
+            "offset 0",
+            (partial(_REF, pad="front"), _step(pad="front")),
+        ),
+        _m(
+            "the gradients were divided by 2, not by the number of ranks. Try: divide by the world size: the "
+            "check runs on 3 and on 2 processes",
+            (_REF, _step(by=2)),
+        ),
+        _m(
+            "a rank's shard is a view into the whole flat vector, which then stays in memory. Try: copy your "
+            "slice into a tensor of its own",
+            (partial(_REF, copy=False), _zero2_step),
+            lambda o: any(r["view"] for r in o.got),
+        ),
+        _m(
+            "a rank's optimizer holds the whole model's state. Try: give the optimizer only your shard, a "
+            "new leaf tensor of 1/N of the padded elements",
+            (partial(_REF, whole=True), _step(whole=True)),
+            lambda o: o.got[0]["held"] >= o.got[0]["numel"],
+        ),
+        _m(
+            "after its step a rank still holds the model's full gradients. Try: free each parameter's "
+            "gradient once it is flattened for the reduce-scatter",
+            (_REF, _step(keep=True)),
+            lambda o: any(any(r["grads"]) for r in o.got),
+        ),
+        _m(
+            "a rank sent more or fewer bytes per step than DDP's all-reduce. Try: one reduce-scatter of the "
+            "padded flat gradient and one all-gather of your shard per step, and no other collective",
+            (_REF, _step(bcast=True)),
+            lambda o: o.got[0]["calls"] != o.want[0]["calls"],
+        ),
+        _m(
+            "your collectives move more padding than needed. Try: pad the flat vectors with the fewest zeros "
+            "that make a multiple of the world size (none when it already divides)",
+            (partial(_REF, pad="extra"), _step(pad="extra")),
+            lambda o: o.got[0]["sent"] != o.want[0]["sent"],
+        ),
     ],
-)  # fmt: skip
+)
 _SEEN: list = []  # what the answer measured, case by case (the compare sees it): check_zero2 hands back the last
 
 
@@ -239,15 +393,28 @@ def check_zero2(zero2_optimizer: Callable, zero2_step: Callable) -> dict:
     ZERO2.checker(world_sizes=(3, 2))(zero2_optimizer, zero2_step)
     last = _SEEN[-1]
     n, numel = len(last), last[0]["numel"]
-    return dict(world_size=n, numel=numel, padded=-(-numel // n) * n, state_bytes=[r["state"] for r in last],
-                full_state_bytes=8 * numel, sent_bytes=last[0]["sent"][-1], ddp_sent_bytes=ring_bytes("all_reduce", 4 * numel, n))  # fmt: skip
+    return dict(
+        world_size=n,
+        numel=numel,
+        padded=-(-numel // n) * n,
+        state_bytes=[r["state"] for r in last],
+        full_state_bytes=8 * numel,
+        sent_bytes=last[0]["sent"][-1],
+        ddp_sent_bytes=ring_bytes("all_reduce", 4 * numel, n),
+    )
 
 
 # ---------------------------------------------------------------------------- exercise 4: GPipe's micro-batch loop
 def _gpipe_cases():
     g = torch.Generator().manual_seed(1)
     stages = lambda m: [mlp(12, 2, in_features=6, out_features=o, activation="tanh", seed=m + o) for o in (6, 3)]
-    return [Case((*stages(m), torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g), m), label=f"{m} micro-batch(es)") for m in (1, 2, 4)]  # fmt: skip
+    return [
+        Case(
+            (*stages(m), torch.randn(8, 6, generator=g), torch.randn(8, 3, generator=g), m),
+            label=f"{m} micro-batch(es)",
+        )
+        for m in (1, 2, 4)
+    ]
 
 
 def _gpipe_run(answer, case):
@@ -258,15 +425,24 @@ def _gpipe_run(answer, case):
     before = [torch.randn(p.shape, generator=g) for p in params]
     for p, b in zip(params, before):
         p.grad = b.clone()
-    hooks = [s0.register_forward_pre_hook(lambda *a: order.append("F")), params[0].register_hook(lambda _: order.append("B")),
-             s1.register_forward_pre_hook(lambda m, a: order.append("" if a[0].is_leaf else "T"))]  # fmt: skip
+    hooks = [
+        s0.register_forward_pre_hook(lambda *a: order.append("F")),
+        params[0].register_hook(lambda _: order.append("B")),
+        s1.register_forward_pre_hook(lambda m, a: order.append("" if a[0].is_leaf else "T")),
+    ]
     try:
         loss = answer(s0, s1, x, y, m)
     finally:
         [h.remove() for h in hooks]
     added = [((b if p.grad is None else p.grad) - b).flatten() for p, b in zip(params, before)]
     n0 = len(list(s0.parameters()))
-    return {"loss": loss if loss is None else float(loss), "stage0 gradients": torch.cat(added[:n0]), "stage1 gradients": torch.cat(added[n0:]), "order": "".join(order).replace("T", ""), "through": "T" in order}  # fmt: skip
+    return {
+        "loss": loss if loss is None else float(loss),
+        "stage0 gradients": torch.cat(added[:n0]),
+        "stage1 gradients": torch.cat(added[n0:]),
+        "order": "".join(order).replace("T", ""),
+        "through": "T" in order,
+    }
 
 
 def _full_batch(s0, s1, x, y, m):
@@ -301,20 +477,73 @@ def _gpipe(s0, s1, x, y, m, cut="leaf", div=True, fb=False, zero=False, back=Tru
 
 _NO_BOUNDARY_GRAD = ("implicitly created only for scalar outputs", "does not require grad", "a second time")
 GPIPE = Exercise(
-    name="gpipe_microbatches", cases=_gpipe_cases, oracle=_full_batch, run=_gpipe_run,
-    compare=lambda got, want: difference(*({k: o[k] for k in ("loss", "stage0 gradients", "stage1 gradients")} for o in (got, want))),
+    name="gpipe_microbatches",
+    cases=_gpipe_cases,
+    oracle=_full_batch,
+    run=_gpipe_run,
+    compare=lambda got, want: difference(
+        *({k: o[k] for k in ("loss", "stage0 gradients", "stage1 gradients")} for o in (got, want))
+    ),
     hint="backpropagate stage 0's output with the gradient of the leaf that stage 1 received, once per micro-batch",
     passed="1, 2 and 4 micro-batches: the GPipe order, and the gradients of one full-batch step",
     mistakes=[
-        _m("stage0's backward got no gradient from the boundary: it is not a leaf that requires grad, or stage0's backward ran before the loss's. Try: make the boundary a leaf that requires grad (cut off stage0's graph), run the loss's backward, then stage0's with the boundary's .grad", partial(_gpipe, cut="none"), lambda o: any(k in o.error for k in _NO_BOUNDARY_GRAD)),
-        _m("stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into m equal micro-batches and run each through stage0 once", lambda *a: _gpipe(*a[:4], 1), lambda o: o.got["order"].count("F") != o.case.args[4], mechanism=True),
-        _m("the forwards and backwards are interleaved, but GPipe runs all m forwards, then all m backwards. Try: a loop of all forwards, keeping each boundary and loss, then a loop of all backwards", partial(_gpipe, fb=True), lambda o: "B" in o.got["order"][: o.got["order"].rfind("F")], mechanism=True),
-        _m("the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch loss is their mean", partial(_gpipe, div=False)),
-        _m("stage0's gradients are twice too large: the loss's backward already reached stage0. Try: cut the graph at the boundary with a new leaf holding stage0's values", partial(_gpipe, cut="retain")),
-        _m("stage1 ran on stage0's output itself, so one backward crossed both stages: across two devices it cannot. Try: hand stage1 a new leaf holding stage0's values, and backpropagate stage0 with that leaf's .grad", partial(_gpipe, cut="retain", back=False), lambda o: o.got["through"] and GPIPE.differs(o.got, o.want) is None, mechanism=True),
-        _m("stage0's parameters got no gradient. Try: after each loss's backward, backpropagate stage0's output with the gradient that arrived at the boundary", partial(_gpipe, back=False), lambda o: not o.got["stage0 gradients"].any()),
-        _m("stage1's gradients differ from the full batch's: earlier gradients are gone. Try: do not zero the gradients inside: the caller zeroes them, and each backward adds to them", partial(_gpipe, zero=True)),
-        _m("the returned loss differs from the full batch's. Try: return the sum of the m micro-batch losses, each already divided by m, as a float", lambda *a: _gpipe(*a) / a[4], lambda o: o.got["loss"] is None or difference(o.got["loss"], o.want["loss"])),
+        _m(
+            "stage0's backward got no gradient from the boundary: it is not a leaf that requires grad, or "
+            "stage0's backward ran before the loss's. Try: make the boundary a leaf that requires grad (cut "
+            "off stage0's graph), run the loss's backward, then stage0's with the boundary's .grad",
+            partial(_gpipe, cut="none"),
+            lambda o: any(k in o.error for k in _NO_BOUNDARY_GRAD),
+        ),
+        _m(
+            "stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into "
+            "m equal micro-batches and run each through stage0 once",
+            lambda *a: _gpipe(*a[:4], 1),
+            lambda o: o.got["order"].count("F") != o.case.args[4],
+            mechanism=True,
+        ),
+        _m(
+            "the forwards and backwards are interleaved, but GPipe runs all m forwards, then all m "
+            "backwards. Try: a loop of all forwards, keeping each boundary and loss, then a loop of all "
+            "backwards",
+            partial(_gpipe, fb=True),
+            lambda o: "B" in o.got["order"][: o.got["order"].rfind("F")],
+            mechanism=True,
+        ),
+        _m(
+            "the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch "
+            "loss is their mean",
+            partial(_gpipe, div=False),
+        ),
+        _m(
+            "stage0's gradients are twice too large: the loss's backward already reached stage0. Try: cut "
+            "the graph at the boundary with a new leaf holding stage0's values",
+            partial(_gpipe, cut="retain"),
+        ),
+        _m(
+            "stage1 ran on stage0's output itself, so one backward crossed both stages: across two devices "
+            "it cannot. Try: hand stage1 a new leaf holding stage0's values, and backpropagate stage0 with "
+            "that leaf's .grad",
+            partial(_gpipe, cut="retain", back=False),
+            lambda o: o.got["through"] and GPIPE.differs(o.got, o.want) is None,
+            mechanism=True,
+        ),
+        _m(
+            "stage0's parameters got no gradient. Try: after each loss's backward, backpropagate stage0's "
+            "output with the gradient that arrived at the boundary",
+            partial(_gpipe, back=False),
+            lambda o: not o.got["stage0 gradients"].any(),
+        ),
+        _m(
+            "stage1's gradients differ from the full batch's: earlier gradients are gone. Try: do not zero "
+            "the gradients inside: the caller zeroes them, and each backward adds to them",
+            partial(_gpipe, zero=True),
+        ),
+        _m(
+            "the returned loss differs from the full batch's. Try: return the sum of the m micro-batch "
+            "losses, each already divided by m, as a float",
+            lambda *a: _gpipe(*a) / a[4],
+            lambda o: o.got["loss"] is None or difference(o.got["loss"], o.want["loss"]),
+        ),
     ],
-)  # fmt: skip
+)
 check_gpipe_microbatches = GPIPE.checker("``gpipe_microbatches(stage0, stage1, x, y, m)``: one GPipe step, its loss.")

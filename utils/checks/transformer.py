@@ -17,9 +17,17 @@ from .engine import mistake as _m
 
 __all__ = ["check_tp_operators", "check_shard_block", "check_tp_block", "check_sp_block"]
 LAB = "lab7_tensor_parallel_transformer"
-REFUSE = ("utils.parallel.tensor_parallel", "torch.distributed.tensor.parallel.parallelize_module",
-          "torch.distributed.tensor.distribute_tensor", "torch.distributed.nn", "torch.distributed.nn.functional", "torch.distributed._functional_collectives")  # fmt: skip
-REFUSE_HINT = "write the collectives yourself with torch.distributed (all_reduce, all_gather_into_tensor, reduce_scatter_tensor)"  # fmt: skip
+REFUSE = (
+    "utils.parallel.tensor_parallel",
+    "torch.distributed.tensor.parallel.parallelize_module",
+    "torch.distributed.tensor.distribute_tensor",
+    "torch.distributed.nn",
+    "torch.distributed.nn.functional",
+    "torch.distributed._functional_collectives",
+)
+REFUSE_HINT = (
+    "write the collectives yourself with torch.distributed (all_reduce, all_gather_into_tensor, reduce_scatter_tensor)"
+)
 
 
 def _op(fwd, bwd):
@@ -68,19 +76,42 @@ def _ops_run(answer, case):
 
 
 TP_OPERATORS = Exercise(
-    name="tp_operators", answer=("CopyToTP", "ReduceFromTP"), oracle=(COPY, REDUCE), ranks=2, run=_ops_run,
+    name="tp_operators",
+    answer=("CopyToTP", "ReduceFromTP"),
+    oracle=(COPY, REDUCE),
+    ranks=2,
+    run=_ops_run,
     cases=lambda ctx: [Case((r, d, r + d, ctx), label=f"{r} rows of width {d}") for r, d in ((3, 4), (5, 6))],
-    refuse=REFUSE, refuse_hint=REFUSE_HINT,
+    refuse=REFUSE,
+    refuse_hint=REFUSE_HINT,
     hint="f is the identity forward and sums the gradient over the ranks backward; g is the mirror image",
     passed="2 processes: the partial products summed forward, the input's gradient summed backward",
     mistakes=[
-        _m("the output is this rank's partial product: g's forward does not all-reduce. Try: g's forward must sum its input over the ranks", (COPY, NONE)),
-        _m("the output is N times too large: f's forward all-reduces the whole input every rank already holds. Try: f's forward is the identity; only its backward all-reduces", (_op("all_reduce", "all_reduce"), REDUCE)),
-        _m("the input's gradient is this rank's part only: f's backward does not all-reduce. Try: f's backward must sum the gradient over the ranks", (NONE, REDUCE)),
-        _m("the input's gradient is N times too large: g's backward all-reduces a gradient every rank already holds whole. Try: g's backward is the identity", (COPY, _op("all_reduce", "all_reduce"))),
+        _m(
+            "the output is this rank's partial product: g's forward does not all-reduce. Try: g's forward "
+            "must sum its input over the ranks",
+            (COPY, NONE),
+        ),
+        _m(
+            "the output is N times too large: f's forward all-reduces the whole input every rank already "
+            "holds. Try: f's forward is the identity; only its backward all-reduces",
+            (_op("all_reduce", "all_reduce"), REDUCE),
+        ),
+        _m(
+            "the input's gradient is this rank's part only: f's backward does not all-reduce. Try: f's "
+            "backward must sum the gradient over the ranks",
+            (NONE, REDUCE),
+        ),
+        _m(
+            "the input's gradient is N times too large: g's backward all-reduces a gradient every rank "
+            "already holds whole. Try: g's backward is the identity",
+            (COPY, _op("all_reduce", "all_reduce")),
+        ),
     ],
-)  # fmt: skip
-check_tp_operators = TP_OPERATORS.checker("``CopyToTP`` (f) and ``ReduceFromTP`` (g), autograd Functions, on 2 processes.")  # fmt: skip
+)
+check_tp_operators = TP_OPERATORS.checker(
+    "``CopyToTP`` (f) and ``ReduceFromTP`` (g), autograd Functions, on 2 processes."
+)
 
 
 # ---------------------------------------------------------------------------- exercise 2: the block's shards
@@ -91,9 +122,14 @@ def _shard(block, r, n, qkv="heads", dims=(0, 1)):
     w, b = block.attn.qkv.weight.detach(), block.attn.qkv.bias.detach()
     if qkv == "heads":  # [3d, d] -> [3, d, d]: the q, k and v parts of this rank's heads
         w, b = cut(w.unflatten(0, (3, -1)), 1).flatten(0, 1), cut(b.unflatten(0, (3, -1)), 1).flatten()
-    return {"qkv_weight": w if qkv == "heads" else cut(w, col), "qkv_bias": b if qkv == "heads" else cut(b),
-            "attn_proj_weight": cut(block.attn.proj.weight, row), "fc_weight": cut(block.mlp.fc.weight, col),
-            "fc_bias": cut(block.mlp.fc.bias), "mlp_proj_weight": cut(block.mlp.proj.weight, row)}  # fmt: skip
+    return {
+        "qkv_weight": w if qkv == "heads" else cut(w, col),
+        "qkv_bias": b if qkv == "heads" else cut(b),
+        "attn_proj_weight": cut(block.attn.proj.weight, row),
+        "fc_weight": cut(block.mlp.fc.weight, col),
+        "fc_bias": cut(block.mlp.fc.bias),
+        "mlp_proj_weight": cut(block.mlp.proj.weight, row),
+    }
 
 
 def _block(d, heads, seed):
@@ -118,7 +154,10 @@ def _shard_run(shard_block, case):
     block, h = _block(d, heads, seed), torch.randn(2, 5, d, generator=torch.Generator().manual_seed(seed))
     shards = [shard_block(block, r, n) for r in range(n)]
     out = {"shapes": [{k: tuple(getattr(v, "shape", ())) for k, v in s.items()} for s in shards]}
-    for name, part, layer in (("attn", lambda s: _attention(s, h, heads // n), block.attn.proj), ("mlp", lambda s: _mlp(s, h), block.mlp.proj)):  # fmt: skip
+    for name, part, layer in (
+        ("attn", lambda s: _attention(s, h, heads // n), block.attn.proj),
+        ("mlp", lambda s: _mlp(s, h), block.mlp.proj),
+    ):
         try:
             out[name] = (sum(part(s) for s in shards) + layer.bias).detach()
         except (RuntimeError, KeyError, TypeError):
@@ -139,18 +178,39 @@ def _shapes_differ(got, want):
 
 
 SHARD_BLOCK = Exercise(
-    name="shard_block", oracle=_shard, run=_shard_run, refuse=REFUSE,
-    cases=lambda: [Case((d, h, n, d), label=f"width {d}, {h} heads on {n} ranks") for d, h, n in ((8, 2, 2), (12, 6, 3), (16, 4, 4))],
-    compare=lambda got, want: _shapes_differ(got["shapes"], want["shapes"])
-    or difference(*({"attention": o["attn"], "MLP": o["mlp"]} for o in (got, want)), atol=1e-5),
-    hint="rank r keeps the q, k and v rows of heads r*H/N to (r+1)*H/N, fc's hidden units r*4d/N to (r+1)*4d/N, and the same slices of the projections' inputs",
+    name="shard_block",
+    oracle=_shard,
+    run=_shard_run,
+    refuse=REFUSE,
+    cases=lambda: [
+        Case((d, h, n, d), label=f"width {d}, {h} heads on {n} ranks")
+        for d, h, n in ((8, 2, 2), (12, 6, 3), (16, 4, 4))
+    ],
+    compare=lambda got, want: (
+        _shapes_differ(got["shapes"], want["shapes"])
+        or difference(*({"attention": o["attn"], "MLP": o["mlp"]} for o in (got, want)), atol=1e-5)
+    ),
+    hint="rank r keeps the q, k and v rows of heads r*H/N to (r+1)*H/N, fc's hidden units r*4d/N to (r+1)*4d/N, "
+    "and the same slices of the projections' inputs",
     passed="2, 3 and 4 ranks: the partial outputs add up to the block's attention and MLP",
     mistakes=[
-        _m("a shard has the wrong shape: a weight was cut along the wrong dimension. Try: nn.Linear's weight is [out, in]: qkv and fc keep a slice of the OUTPUT features (dim 0), the projections of the INPUT features (dim 1)", partial(_shard, dims=(1, 0))),
-        _m("the shapes are right but the attention differs: a plain slice of the fused qkv weight mixes the heads' queries, keys and values. Try: view it as 3 parts [q; k; v] of d rows and take this rank's heads' rows of each", partial(_shard, qkv="chunk")),
+        _m(
+            "a shard has the wrong shape: a weight was cut along the wrong dimension. Try: nn.Linear's "
+            "weight is [out, in]: qkv and fc keep a slice of the OUTPUT features (dim 0), the projections of "
+            "the INPUT features (dim 1)",
+            partial(_shard, dims=(1, 0)),
+        ),
+        _m(
+            "the shapes are right but the attention differs: a plain slice of the fused qkv weight mixes the "
+            "heads' queries, keys and values. Try: view it as 3 parts [q; k; v] of d rows and take this "
+            "rank's heads' rows of each",
+            partial(_shard, qkv="chunk"),
+        ),
     ],
-)  # fmt: skip
-check_shard_block = SHARD_BLOCK.checker("``shard_block(block, rank, world_size)``: one rank's shards of a Block's Linears.")  # fmt: skip
+)
+check_shard_block = SHARD_BLOCK.checker(
+    "``shard_block(block, rank, world_size)``: one rank's shards of a Block's Linears."
+)
 
 
 # ---------------------------------------------------------------------------- exercises 3 and 4: the block on ranks
@@ -166,8 +226,10 @@ class _TPBlock(nn.Module):
         self.mlp_proj_bias = nn.Parameter(block.mlp.proj.bias.detach().clone())
 
     def branches(self):
-        return ((self.norm1, lambda h: _attention(self.shards, h, self.heads), self.attn_proj_bias),
-                (self.norm2, lambda h: _mlp(self.shards, h), self.mlp_proj_bias))  # fmt: skip
+        return (
+            (self.norm1, lambda h: _attention(self.shards, h, self.heads), self.attn_proj_bias),
+            (self.norm2, lambda h: _mlp(self.shards, h), self.mlp_proj_bias),
+        )
 
     def forward(self, x):
         f, g = NONE if "no f" in self.how else COPY, NONE if "no g" in self.how else REDUCE
@@ -200,7 +262,10 @@ def _block_run(answer, case, sp=False):
     x, probe = (torch.randn(2, t, d, generator=gen).to(ctx.device) for _ in range(2))
     mine = (lambda v: v.chunk(n, 1)[rank]) if sp else (lambda v: v)
     part, rows, xs = answer(block, rank, n).to(ctx.device), [], mine(x).clone().requires_grad_()
-    seen = [norm.register_forward_pre_hook(lambda m, a: rows.append(a[0].numel() // a[0].shape[-1])) for norm in (part.norm1, part.norm2)]  # fmt: skip
+    seen = [
+        norm.register_forward_pre_hook(lambda m, a: rows.append(a[0].numel() // a[0].shape[-1]))
+        for norm in (part.norm1, part.norm2)
+    ]
     with CommCounter(n) as comm:
         y = part(xs)
         (y * mine(probe)).sum().backward()
@@ -216,7 +281,9 @@ def _block_run(answer, case, sp=False):
     return res | {"param grads": out, "norm_rows": rows, "all_reduce": comm.calls.get("all_reduce"), "sent": comm.sent}
 
 
-_block_cases = lambda ctx: [Case((d, h, t, d + t, ctx), label=f"width {d}, {h} heads, {t} tokens") for d, h, t in ((8, 2, 6), (12, 4, 4))]  # fmt: skip
+_block_cases = lambda ctx: [
+    Case((d, h, t, d + t, ctx), label=f"width {d}, {h} heads, {t} tokens") for d, h, t in ((8, 2, 6), (12, 4, 4))
+]
 _numbers = lambda rs: [{k: r[k] for k in ("output", "input grad", "param grads")} for r in rs]  # not the mechanisms
 _BLOCK = dict(
     ranks=2,
@@ -227,27 +294,70 @@ _BLOCK = dict(
     refuse_hint=REFUSE_HINT,
 )
 TP_BLOCK = Exercise(
-    name="tp_block", answer=("TPBlock",), oracle=_TPBlock, run=_block_run, **_BLOCK,
-    hint="per branch: LayerNorm, f, the column-parallel layer, the rank's heads (or GELU), the row-parallel layer, g, then the bias once and the residual",
+    name="tp_block",
+    answer=("TPBlock",),
+    oracle=_TPBlock,
+    run=_block_run,
+    **_BLOCK,
+    hint="per branch: LayerNorm, f, the column-parallel layer, the rank's heads (or GELU), the row-parallel "
+    "layer, g, then the bias once and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block",
     mistakes=[
-        _m("the output is off by (N - 1) times the projections' biases: a row-parallel bias was added on every rank before the all-reduce. Try: add it once, after g", partial(_TPBlock, how="bias")),
-        _m("the output is a partial sum: g is missing after a row-parallel layer. Try: pass each projection's output through g before the bias and the residual", partial(_TPBlock, how="no g")),
-        _m("the output is right but the gradients are one rank's part: f is missing before a column-parallel layer. Try: pass each LayerNorm's output through f before qkv and fc", partial(_TPBlock, how="no f")),
+        _m(
+            "the output is off by (N - 1) times the projections' biases: a row-parallel bias was added on "
+            "every rank before the all-reduce. Try: add it once, after g",
+            partial(_TPBlock, how="bias"),
+        ),
+        _m(
+            "the output is a partial sum: g is missing after a row-parallel layer. Try: pass each "
+            "projection's output through g before the bias and the residual",
+            partial(_TPBlock, how="no g"),
+        ),
+        _m(
+            "the output is right but the gradients are one rank's part: f is missing before a "
+            "column-parallel layer. Try: pass each LayerNorm's output through f before qkv and fc",
+            partial(_TPBlock, how="no f"),
+        ),
     ],
-)  # fmt: skip
-check_tp_block = TP_BLOCK.checker("``TPBlock(block, rank, world_size)``: a Block's tensor-parallel forward on 2 processes.")  # fmt: skip
+)
+check_tp_block = TP_BLOCK.checker(
+    "``TPBlock(block, rank, world_size)``: a Block's tensor-parallel forward on 2 processes."
+)
 SP_BLOCK = Exercise(
-    name="sp_block", answer=("SPBlock",), oracle=_SPBlock, run=partial(_block_run, sp=True), **_BLOCK,
-    hint="per branch: LayerNorm on your sequence shard, all-gather the sequence, the column- and row-parallel layers, reduce-scatter back to your shard, then the bias and the residual",
+    name="sp_block",
+    answer=("SPBlock",),
+    oracle=_SPBlock,
+    run=partial(_block_run, sp=True),
+    **_BLOCK,
+    hint="per branch: LayerNorm on your sequence shard, all-gather the sequence, the column- and row-parallel "
+    "layers, reduce-scatter back to your shard, then the bias and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block, with no all-reduce",
     mistakes=[
-        _m("your block called an all-reduce, where sequence parallelism reduce-scatters along the sequence: in g's forward and in the all-gather's backward. Try: reduce-scatter there (dist.reduce_scatter_tensor), so each rank keeps the sum of its own shard only",
-           partial(_SPBlock, how="all_reduce"), lambda o: any(r["all_reduce"] for r in o.got), mechanism=True),
-        _m("a LayerNorm ran on the whole sequence: every rank normalised (and kept) all the rows. Try: run each LayerNorm on your own sequence shard, then all-gather its output",
-           partial(_SPBlock, how="full norm"), lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]), mechanism=True),
-        _m("your block sends more data than an all-gather and a reduce-scatter per branch and pass would: for instance, the partial sums were all-gathered and added up. Try: after a row-parallel layer, reduce-scatter the partial sums along the sequence (dist.reduce_scatter_tensor)",
-           partial(_SPBlock, how="gather sum"), lambda o: any(r["sent"] > 1.01 * w["sent"] for r, w in zip(o.got, o.want)), mechanism=True),
+        _m(
+            "your block called an all-reduce, where sequence parallelism reduce-scatters along the sequence: "
+            "in g's forward and in the all-gather's backward. Try: reduce-scatter there "
+            "(dist.reduce_scatter_tensor), so each rank keeps the sum of its own shard only",
+            partial(_SPBlock, how="all_reduce"),
+            lambda o: any(r["all_reduce"] for r in o.got),
+            mechanism=True,
+        ),
+        _m(
+            "a LayerNorm ran on the whole sequence: every rank normalised (and kept) all the rows. Try: run "
+            "each LayerNorm on your own sequence shard, then all-gather its output",
+            partial(_SPBlock, how="full norm"),
+            lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]),
+            mechanism=True,
+        ),
+        _m(
+            "your block sends more data than an all-gather and a reduce-scatter per branch and pass would: "
+            "for instance, the partial sums were all-gathered and added up. Try: after a row-parallel layer, "
+            "reduce-scatter the partial sums along the sequence (dist.reduce_scatter_tensor)",
+            partial(_SPBlock, how="gather sum"),
+            lambda o: any(r["sent"] > 1.01 * w["sent"] for r, w in zip(o.got, o.want)),
+            mechanism=True,
+        ),
     ],
-)  # fmt: skip
-check_sp_block = SP_BLOCK.checker("``SPBlock(block, rank, world_size)``: a Block with sequence parallelism on 2 processes.")  # fmt: skip
+)
+check_sp_block = SP_BLOCK.checker(
+    "``SPBlock(block, rank, world_size)``: a Block with sequence parallelism on 2 processes."
+)
