@@ -187,9 +187,9 @@ RING_ALL_REDUCE = Exercise(
     refuse_hint="build it from point-to-point sends and receives (dist.P2POp, dist.batch_isend_irecv)",
     mistakes=[
         _m(
-            "deadlock: every rank is blocked in its dist.send, waiting for a receive no rank has posted. "
-            "Try: post each step's send and receive together as one batch (dist.P2POp, "
-            "dist.batch_isend_irecv), then wait on its requests",
+            "deadlock: every rank is blocked in its dist.send, waiting for a receive no rank has posted. Try: post "
+            "each step's send and receive together as one batch (dist.P2POp, dist.batch_isend_irecv), then wait on "
+            "its requests",
             _ring_blocking,
             lambda o: (
                 bool(o.hung or o.error)
@@ -198,9 +198,9 @@ RING_ALL_REDUCE = Exercise(
             ),
         ),
         _m(
-            "a request (of dist.batch_isend_irecv, or an isend or irecv) is never waited for, so a chunk may "
-            "be used before it arrives or changed before it leaves. Try: call wait() on every request of "
-            "each step before you read the received buffer",
+            "a request (of dist.batch_isend_irecv, or an isend or irecv) is never waited for, so a chunk may be used "
+            "before it arrives or changed before it leaves. Try: call wait() on every request of each step before you "
+            "read the received buffer",
             _ring_no_wait,
             lambda o: (
                 any(g[2] for g in o.got)
@@ -210,9 +210,9 @@ RING_ALL_REDUCE = Exercise(
             mechanism=True,
         ),
         _m(
-            "your ring sends more than 2(N-1) chunks of 1/N of the tensor per rank: it takes extra steps, or "
-            "sends more than a chunk at a time. Try: N-1 reduce-scatter steps, then N-1 all-gather steps, "
-            "each sending one chunk",
+            "your ring sends more than 2(N-1) chunks of 1/N of the tensor per rank: it takes extra steps, or sends "
+            "more than a chunk at a time. Try: N-1 reduce-scatter steps, then N-1 all-gather steps, each sending one "
+            "chunk",
             partial(_ring, more=1),
             lambda o: (
                 bool(o.got)
@@ -228,36 +228,35 @@ RING_ALL_REDUCE = Exercise(
             lambda o: all(g[1] is not None and difference(g[1], w[0]) is None for g, w in zip(o.got, o.want)),
         ),
         _m(
-            "every rank still holds its own tensor: your chunks are copies, not views changed in place. Try: "
-            "cut with tensor.view(-1).tensor_split(N), which gives views, and add or copy into them",
+            "every rank still holds its own tensor: your chunks are copies, not views changed in place. Try: cut with "
+            "tensor.view(-1).tensor_split(N), which gives views, and add or copy into them",
             partial(_ring, copies=True),
         ),
         _m(
-            "reduce-scatter is right but the all-gather does not pass on the chunk each rank finished. Try: "
-            "in the all-gather first send the chunk you finished, then the chunk you just received",
+            "reduce-scatter is right but the all-gather does not pass on the chunk each rank finished. Try: in the "
+            "all-gather first send the chunk you finished, then the chunk you just received",
             partial(_ring, gather_shift=1),
         ),
         _m(
-            "reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it. "
-            "Try: in reduce-scatter add what you receive; only the all-gather copies",
+            "reduce-scatter is wrong: what a rank receives replaces its chunk instead of being added to it. Try: in "
+            "reduce-scatter add what you receive; only the all-gather copies",
             partial(_ring, reduce_add=False),
         ),
         _m(
-            "each rank has exactly one fully summed chunk: the all-gather is missing. Try: after N-1 "
-            "reduce-scatter steps, run N-1 more steps that pass the finished chunks on and copy them",
+            "each rank has exactly one fully summed chunk: the all-gather is missing. Try: after N-1 reduce-scatter "
+            "steps, run N-1 more steps that pass the finished chunks on and copy them",
             partial(_ring, gather=False),
         ),
         _m(
-            "some values were added twice: the all-gather adds what it receives. Try: in the all-gather copy "
-            "the received chunk into place; only reduce-scatter adds",
+            "some values were added twice: the all-gather adds what it receives. Try: in the all-gather copy the "
+            "received chunk into place; only reduce-scatter adds",
             partial(_ring, gather_add=True),
         ),
     ],
 )
 check_ring_all_reduce = RING_ALL_REDUCE.checker(
-    "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 "
-    "all-gather steps of one batched send and receive each; run on 2, then 3 processes for tensors of 12, 7 "
-    "and 2 elements.",
+    "``ring_all_reduce(tensor)``: sum ``tensor`` over all ranks in place, with N-1 reduce-scatter and N-1 all-gather "
+    "steps of one batched send and receive each; run on 2, then 3 processes for tensors of 12, 7 and 2 elements.",
     (2, 3),
 )
 
@@ -313,8 +312,8 @@ AVERAGE_GRADIENTS = Exercise(
     passed="2 and 3 processes, equal to the mean over ranks",
     mistakes=[
         _m(
-            "a gradient is None after your function. Try: dist.all_reduce works in place and returns None: "
-            "never assign its result to p.grad",
+            "a gradient is None after your function. Try: dist.all_reduce works in place and returns None: never "
+            "assign its result to p.grad",
             partial(_average, assign=True),
             lambda o: any(g is None for r in o.got for g in r),
         ),
@@ -323,20 +322,20 @@ AVERAGE_GRADIENTS = Exercise(
             partial(_average, divide=False),
         ),
         _m(
-            "each rank still has its own local gradient: nothing was exchanged. Try: all-reduce every "
-            "parameter's gradient, on every rank, then divide",
+            "each rank still has its own local gradient: nothing was exchanged. Try: all-reduce every parameter's "
+            "gradient, on every rank, then divide",
             partial(_average, reduce=False),
         ),
         _m(
-            "the gradients were divided by 2, not by the number of processes. Try: divide by the world size: "
-            "the check runs on 2 and on 3 processes",
+            "the gradients were divided by 2, not by the number of processes. Try: divide by the world size: the check "
+            "runs on 2 and on 3 processes",
             partial(_average, by=2),
         ),
     ],
 )
 check_average_gradients = AVERAGE_GRADIENTS.checker(
-    "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run "
-    "on 2, then 3 processes.",
+    "``average_gradients(model)``: after backward(), replace every gradient by its mean over the ranks; run on 2, then "
+    "3 processes.",
     (2, 3),
 )
 
@@ -479,42 +478,42 @@ _got = lambda key, pred=bool: lambda o: bool(o.got) and any(pred(g[key]) for g i
 # rows 1 to 4 are the trace's mistakes too; a mistake seen by a predicate is a partial, which a rank can unpickle
 _OVERLAP_MISTAKES = [
     _m(
-        "overlap_ddp did not return a function. Try: return the inner function that waits for the "
-        "all-reduces and averages; the training loop calls it after backward",
+        "overlap_ddp did not return a function. Try: return the inner function that waits for the all-reduces and "
+        "averages; the training loop calls it after backward",
         partial(_overlap, give=False),
         _got("finish", lambda f: not f),
         mechanism=True,
     ),
     _m(
-        "no dist.all_reduce was called. Try: in each parameter's hook, launch dist.all_reduce on its "
-        "gradient (or its bucket's), with async_op=True",
+        "no dist.all_reduce was called. Try: in each parameter's hook, launch dist.all_reduce on its gradient (or its "
+        "bucket's), with async_op=True",
         partial(_overlap, start="never"),
         _got("calls", lambda n: n == 0),
         mechanism=True,
     ),
     _m(
-        "every all-reduce started after backward returned, so none overlaps with backward. Try: launch them "
-        "with async_op=True from gradient hooks, which fire during backward "
-        "(Tensor.register_post_accumulate_grad_hook); finish() only waits",
+        "every all-reduce started after backward returned, so none overlaps with backward. Try: launch them with "
+        "async_op=True from gradient hooks, which fire during backward (Tensor.register_post_accumulate_grad_hook); "
+        "finish() only waits",
         partial(_overlap, start="finish"),
         lambda o: bool(o.got) and any(g["calls"] and not g["in_bw"] for g in o.got),
         mechanism=True,
     ),
     _m(
-        "each all-reduce finished inside its hook (blocking, or waited for there), so nothing overlaps. Try: "
-        "pass async_op=True, keep the work handles and wait() on them only in finish()",
+        "each all-reduce finished inside its hook (blocking, or waited for there), so nothing overlaps. Try: pass "
+        "async_op=True, keep the work handles and wait() on them only in finish()",
         partial(_overlap, wait=True),
         lambda o: bool(o.got) and any(g["in_bw"] and not g["overlapped"] for g in o.got),
         mechanism=True,
     ),
     _m(
-        "your buckets follow the forward order of model.parameters(), but gradients become ready last layer "
-        "first. Try: build the buckets walking the parameters in reverse order",
+        "your buckets follow the forward order of model.parameters(), but gradients become ready last layer first. "
+        "Try: build the buckets walking the parameters in reverse order",
         partial(_overlap, order=list),
     ),
     _m(
-        "the all-reduces start only once every gradient is ready, so none overlaps with the rest of "
-        "backward. Try: launch a bucket's all-reduce from the hook of its last parameter",
+        "the all-reduces start only once every gradient is ready, so none overlaps with the rest of backward. Try: "
+        "launch a bucket's all-reduce from the hook of its last parameter",
         partial(_overlap, start="all"),
         _got("late"),
         mechanism=True,
@@ -524,26 +523,25 @@ _OVERLAP_MISTAKES = [
         partial(_overlap, divide=False),
     ),
     _m(
-        "each rank still has its own local gradient after finish(): the reduced values never reach p.grad. "
-        "Try: after waiting, copy the reduced flat buffer back into each p.grad of its bucket",
+        "each rank still has its own local gradient after finish(): the reduced values never reach p.grad. Try: after "
+        "waiting, copy the reduced flat buffer back into each p.grad of its bucket",
         partial(_overlap, copy=False),
     ),
     _m(
-        "the first step matches but later steps do not: finish() keeps the last step's handles or counts. "
-        "Try: at the end of every finish(), forget the handles and reset the ready counts",
+        "the first step matches but later steps do not: finish() keeps the last step's handles or counts. Try: at the "
+        "end of every finish(), forget the handles and reset the ready counts",
         partial(_overlap, clear=False),
     ),
     _m(
-        "finish() waits again for the all-reduces of earlier steps: it never forgets their handles, and "
-        "copies their old buckets back every step. Try: at the end of every finish(), clear the list of "
-        "handles",
+        "finish() waits again for the all-reduces of earlier steps: it never forgets their handles, and copies their "
+        "old buckets back every step. Try: at the end of every finish(), clear the list of handles",
         partial(_overlap, clear="counts"),
         lambda o: bool(o.got) and any(g["stale"] and g["launches"] == w["launches"] for g, w in zip(o.got, o.want)),
         mechanism=True,
     ),
     _m(
-        "you make one all-reduce per parameter whatever bucket_numel is. Try: group parameters, in the order "
-        "their gradients arrive, into buckets of at most bucket_numel elements",
+        "you make one all-reduce per parameter whatever bucket_numel is. Try: group parameters, in the order their "
+        "gradients arrive, into buckets of at most bucket_numel elements",
         lambda m, c=0: _overlap(m, 0),
     ),
 ]
@@ -555,11 +553,11 @@ OVERLAP_DDP = Exercise(
     mistakes=_OVERLAP_MISTAKES,
     ranks=3,
     **_OVERLAP,
-    hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, then "
-    "in finish() wait, divide by the world size and copy each slice back to its gradient",
+    hint="each gradient must be the mean over ranks: all-reduce a bucket as soon as its gradients are ready, then in "
+    "finish() wait, divide by the world size and copy each slice back to its gradient",
     refuse_hint="write the hooks, the buckets and finish() yourself with dist.all_reduce",
-    passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while "
-    "all-reduces were outstanding",
+    passed="2 and 3 processes, 3 bucket sizes, equal to the mean over ranks, with backward running while all-reduces "
+    "were outstanding",
 )
 OVERLAP_TRACE = Exercise(
     name="overlap_trace",
@@ -573,8 +571,8 @@ OVERLAP_TRACE = Exercise(
     passed="2 processes, a traced step with backward running while all-reduces were outstanding",
 )
 check_overlap_ddp = OVERLAP_DDP.checker(
-    "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, "
-    "and ``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.",
+    "``overlap_ddp(model, bucket_numel)``: hooks that launch an async all-reduce per bucket during backward, and "
+    "``finish()`` that waits and averages; 3 SGD steps on 2, then 3 processes, for 3 bucket sizes.",
     (2, 3),
 )
 
@@ -633,19 +631,19 @@ SHARD_BATCHES = Exercise(
         Case((n, b, w, e, s), label=f"{n} examples, batches of {b}, {w} ranks, epoch {e}, seed {s}")
         for n, b, w, e, s in ((20, 4, 2, 0, 0), (20, 4, 2, 1, 0), (11, 3, 3, 2, 5))
     ],
-    hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this rank "
-    "and the seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
+    hint="make one shuffle that every rank computes alike (a DistributedSampler told the world size, this rank and the "
+    "seed), tell it the epoch, then cut this rank's indices into batches of batch_size",
     passed="3 cases of sizes, ranks, epochs and seeds, equal to DistributedSampler",
     mistakes=[
         _m(
-            "it returns one flat list of indices, not a list of batches. Try: return a list of lists, each "
-            "one batch of at most batch_size indices",
+            "it returns one flat list of indices, not a list of batches. Try: return a list of lists, each one batch "
+            "of at most batch_size indices",
             lambda *a: [i for b in _shard(*a) for i in b],
             lambda o: "not a list of batches" in o.error,
         ),
         _m(
-            "two calls with the same arguments gave different batches. Try: give the sampler the seed "
-            "argument instead of drawing from the global random state",
+            "two calls with the same arguments gave different batches. Try: give the sampler the seed argument instead "
+            "of drawing from the global random state",
             partial(_shard, rng=True),
             lambda o: not o.got[1],
         ),
@@ -654,31 +652,31 @@ SHARD_BATCHES = Exercise(
             partial(_shard, whole=True),
         ),
         _m(
-            "every rank got the same batches: the data is not dealt out by rank. Try: tell "
-            "DistributedSampler the world size and this rank (num_replicas, rank)",
+            "every rank got the same batches: the data is not dealt out by rank. Try: tell DistributedSampler the "
+            "world size and this rank (num_replicas, rank)",
             lambda n, b, r, w, e, s: _shard(n, b, 0, w, e, s),
             lambda o: o.got[1] and all(g == o.got[0][0] for g in o.got[0]),
         ),
         _m(
-            "the ranks share examples in the same epoch. Try: every rank must use the SAME seed: the sampler "
-            "shuffles once and deals the indices out by rank",
+            "the ranks share examples in the same epoch. Try: every rank must use the SAME seed: the sampler shuffles "
+            "once and deals the indices out by rank",
             lambda n, b, r, w, e, s: _shard(n, b, r, w, e, s + r),
         ),
         _m(
-            "together the ranks do not cover the dataset. Try: keep the sampler's default drop_last=False, "
-            "which pads the last share",
+            "together the ranks do not cover the dataset. Try: keep the sampler's default drop_last=False, which pads "
+            "the last share",
             partial(_shard, drop_last=True),
         ),
         _m(
-            "the epochs have the same order: the data is never reshuffled. Try: call the sampler's set_epoch "
-            "with the epoch number before iterating it",
+            "the epochs have the same order: the data is never reshuffled. Try: call the sampler's set_epoch with the "
+            "epoch number before iterating it",
             partial(_shard, reshuffle=False),
         ),
     ],
 )
 check_shard_batches = SHARD_BATCHES.checker(
-    "``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that "
-    "``rank`` trains on in ``epoch``, as DistributedSampler with set_epoch gives them."
+    "``shard_batches(n, batch_size, rank, world_size, epoch, seed)``: the batches (lists of indices) that ``rank`` "
+    "trains on in ``epoch``, as DistributedSampler with set_epoch gives them."
 )
 
 
@@ -737,8 +735,8 @@ SAVE_ON_RANK0 = Exercise(
     compare=lambda got, want: next(
         (f"gave {k}={got[k]!r} where {w!r} was expected" for k, w in want.items() if got[k] != w), None
     ),
-    hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then "
-    "os.replace it onto path",
+    hint="on rank 0 only, torch.save the dict of both state dicts and the epoch to a temporary file, then os.replace "
+    "it onto path",
     passed="2 models and epochs: rank 0 alone writes, atomically, everything a restart needs",
     mistakes=[
         _m(
@@ -751,8 +749,8 @@ SAVE_ON_RANK0 = Exercise(
             lambda *a: None,
         ),
         _m(
-            "the file was written in place, not atomically: a crash mid-write would corrupt it. Try: save to "
-            "a temporary file in the same folder, then os.replace it onto the target",
+            "the file was written in place, not atomically: a crash mid-write would corrupt it. Try: save to a "
+            "temporary file in the same folder, then os.replace it onto the target",
             partial(_save, in_place=True),
         ),
         _m(
@@ -764,8 +762,8 @@ SAVE_ON_RANK0 = Exercise(
             lambda *a: _save(*a, model=a[1]),
         ),
         _m(
-            "the checkpoint lacks the optimizer's state (its momentum). Try: save optimizer.state_dict() "
-            "under 'optimizer'",
+            "the checkpoint lacks the optimizer's state (its momentum). Try: save optimizer.state_dict() under "
+            "'optimizer'",
             partial(_save, optimizer=None),
         ),
         _m(
@@ -775,6 +773,6 @@ SAVE_ON_RANK0 = Exercise(
     ],
 )
 check_save_on_rank0 = SAVE_ON_RANK0.checker(
-    "``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch "
-    "to ``path`` atomically (a temporary file, then os.replace)."
+    "``save_on_rank0(path, model, optimizer, epoch, rank)``: on rank 0 only, save model, optimizer and epoch to "
+    "``path`` atomically (a temporary file, then os.replace)."
 )

@@ -206,8 +206,8 @@ def _compare(got: dict, want: dict) -> str | None:
         r, tb = got["first"] or ("", got["out"][-3000:])
         who, shown = (f"rank {r} failed first", f"Traceback from rank {r}") if r != "" else ("a rank failed", "Output")
         hint = (
-            "read the traceback below (its last line in your script is where it failed), then run the script "
-            f"yourself: {got['run']}"
+            "read the traceback below (its last line in your script is where it failed), then run the script yourself: "
+            f"{got['run']}"
         )
         text = message(SCRIPT.name, f"{who}, with {tb.strip().splitlines()[-1]}", hint)
         raise CheckFailed(f"{text}\n\n{shown}:\n{tb}")
@@ -235,8 +235,8 @@ def _variant(**edit) -> Script:
     for old, new in (
         (
             "import argparse\n",
-            "import argparse\nimport torch.distributed as dist\nfrom torch.nn.parallel import "
-            "DistributedDataParallel as DDP\nfrom torch.utils.data import DistributedSampler\n",
+            "import argparse\nimport torch.distributed as dist\nfrom torch.nn.parallel import DistributedDataParallel "
+            "as DDP\nfrom torch.utils.data import DistributedSampler\n",
         ),
         (
             "    data = make_data()\n",
@@ -269,95 +269,93 @@ _HANG = (
 # that is looked for on every case (a run can be right for a wrong reason).
 _MISTAKES = [
     (
-        "your script imports the course's utils package, which a job on a cluster does not have. Try: write "
-        "it with torch.distributed and torch.nn.parallel only",
+        "your script imports the course's utils package, which a job on a cluster does not have. Try: write it with "
+        "torch.distributed and torch.nn.parallel only",
         {"init": "import utils.ddp_train"},
         _crashed_with("No module named 'utils'"),
         True,
     ),
     (
-        "DistributedDataParallel got device_ids for a model on the CPU. Try: pass device_ids only when the "
-        "model is on a GPU",
+        "DistributedDataParallel got device_ids for a model on the CPU. Try: pass device_ids only when the model is on "
+        "a GPU",
         {"wrap": "lambda m: DDP(m, device_ids=[rank])"},
         _crashed_with("device_ids"),
         True,
     ),
     (
-        "the script does not join the process group (init_process_group) before it uses torch.distributed or "
-        "trains. Try: call init_process_group with the backend alone at the start of main: torchrun's "
-        "environment gives the rest",
+        "the script does not join the process group (init_process_group) before it uses torch.distributed or trains. "
+        "Try: call init_process_group with the backend alone at the start of main: torchrun's environment gives the "
+        "rest",
         {"init": "pass"},
         lambda o: _crashed_with("has not been initialized")(o) or (_ran(o) and not any(r["init"] for r in _ran(o))),
         True,
     ),
     (
-        "the script hung under torchrun: the ranks never met (an address, port, rank or world size written "
-        "in the script), or some wait in a collective the others never reach. Try: join with "
-        "init_process_group given the backend alone, and make every rank call every collective",
+        "the script hung under torchrun: the ranks never met (an address, port, rank or world size written in the "
+        "script), or some wait in a collective the others never reach. Try: join with init_process_group given the "
+        "backend alone, and make every rank call every collective",
         {"init": _HANG},
         lambda o: o.got["hung"],
         True,
     ),
     (
-        "the model is never wrapped in DistributedDataParallel, which this script is to train with. Try: "
-        "wrap the model in DistributedDataParallel once it is on its device",
+        "the model is never wrapped in DistributedDataParallel, which this script is to train with. Try: wrap the "
+        "model in DistributedDataParallel once it is on its device",
         {"wrap": "lambda m: m", "inner": "model"},
         lambda o: any(not r["ddp"] for r in _ran(o)),
         True,
     ),
     (
-        "every rank trained on the whole dataset every epoch, repeating the others' work. Try: give the "
-        "DataLoader a DistributedSampler with the script's seed, and batch_size // world_size examples per "
-        "rank",
+        "every rank trained on the whole dataset every epoch, repeating the others' work. Try: give the DataLoader a "
+        "DistributedSampler with the script's seed, and batch_size // world_size examples per rank",
         {"feed": "order.tolist()", "batch": "args.batch_size"},
         lambda o: any(r["examples"] >= 512 * o.case.kwargs["epochs"] for r in _ran(o)),
         True,
     ),
     (
-        "a rank other than 0 saved a checkpoint too, so several processes wrote the same file. Try: save on "
-        "rank 0 only",
+        "a rank other than 0 saved a checkpoint too, so several processes wrote the same file. Try: save on rank 0 only",
         {"saver": "True"},
         lambda o: any(r["saves"] for r in _ran(o)[1:]),
         True,
     ),
     (
-        "rank 0 wrote no checkpoint at the path that --ckpt gives. Try: save the checkpoint to args.ckpt on "
-        "rank 0, as the serial script does",
+        "rank 0 wrote no checkpoint at the path that --ckpt gives. Try: save the checkpoint to args.ckpt on rank 0, as "
+        "the serial script does",
         {"saver": "False"},
         lambda o: _ran(o) and o.got["weights"] is None,
         True,
     ),
     (
-        "the saved weights' names start with 'module.', so you saved the DDP wrapper. Try: save the state "
-        "dict of the model inside DDP (its module attribute)",
+        "the saved weights' names start with 'module.', so you saved the DDP wrapper. Try: save the state dict of the "
+        "model inside DDP (its module attribute)",
         {"inner": "model"},
         lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"]),
         True,
     ),
     (
-        "the script never leaves the process group. Try: call destroy_process_group at the end of main, on "
-        "every rank, after a barrier",
+        "the script never leaves the process group. Try: call destroy_process_group at the end of main, on every rank, "
+        "after a barrier",
         {"leave": "dist.barrier()"},
         lambda o: any(r["init"] and not r["left"] for r in _ran(o)),
         True,
     ),
     (
-        "every epoch used the same order of examples: the sampler was never told the epoch. Try: call the "
-        "sampler's set_epoch with the epoch number at the start of every epoch",
+        "every epoch used the same order of examples: the sampler was never told the epoch. Try: call the sampler's "
+        "set_epoch with the epoch number at the start of every epoch",
         {"epoch": "pass"},
         _matches(reshuffle=False),
         False,
     ),
     (
-        "the shuffle ignores --seed: it is that of seed 0, DistributedSampler's default. Try: pass the "
-        "script's seed to the DistributedSampler",
+        "the shuffle ignores --seed: it is that of seed 0, DistributedSampler's default. Try: pass the script's seed "
+        "to the DistributedSampler",
         {"sampler": "DistributedSampler(data, world, rank)"},
         _matches(seed=0),
         False,
     ),
     (
-        "each rank took --batch-size examples per step, so the global batch grew with the processes. Try: "
-        "--batch-size is the global batch: give each rank batch_size // world_size",
+        "each rank took --batch-size examples per step, so the global batch grew with the processes. Try: --batch-size "
+        "is the global batch: give each rank batch_size // world_size",
         {"batch": "args.batch_size"},
         _matches(divide=False),
         False,
@@ -370,8 +368,7 @@ SCRIPT = Exercise(
     compare=_compare,
     timeout_s=SCRIPT_TIMEOUT + 120,
     hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a "
-    "DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per "
-    "rank",
+    "DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
     passed="rank 0's weights match one process on the same global batches, on 2 and on 3 CPU processes",
     mistakes=[mistake(t, _variant(**edit), when, mechanism=m) for t, edit, when, m in _MISTAKES],
 )

@@ -501,8 +501,8 @@ def _validate_answer(ex: Exercise, answer: tuple) -> None:
 
 def _not_implemented(ex: Exercise) -> None:
     hint = (
-        "replace the `raise NotImplementedError(...)` line in the exercise cell with your code, run that cell, "
-        "then this one"
+        "replace the `raise NotImplementedError(...)` line in the exercise cell with your code, run that cell, then "
+        "this one"
     )
     fail(ex.name, "it is not implemented yet", hint)
 
@@ -576,8 +576,8 @@ def _hung(ex: Exercise, source: str, case: Case | None = None) -> None:
         hint = "every rank must make the same calls in the same order, and every send needs a matching receive"
         fail(ex.name, f"{late}: a rank waited for a message that never came", hint)
     hint = (
-        "look for a loop that never ends (a new iterator made on every pass, a condition never met) and run your "
-        "code by hand on a tiny input"
+        "look for a loop that never ends (a new iterator made on every pass, a condition never met) and run your code "
+        "by hand on a tiny input"
     )
     fail(ex.name, late, hint)
 
@@ -596,8 +596,8 @@ def _rank_failed(ex: Exercise, e, source: str) -> None:
     rank = f"rank {e.rank}" if e.rank is not None else "a rank"
     if not tb:
         hint = (
-            "run your code's steps by hand on paper for each rank: a rank that waits forever, a send and a "
-            "receive that do not pair up, or a write past a tensor's end stops like this"
+            "run your code's steps by hand on paper for each rank: a rank that waits forever, a send and a receive "
+            "that do not pair up, or a write past a tensor's end stops like this"
         )
         first = str(e).splitlines()[0].split(". ")[0]
         aborted = f"{rank} aborted in native code (signal 6), as gloo does when a send and its receive differ in size"
@@ -605,8 +605,8 @@ def _rank_failed(ex: Exercise, e, source: str) -> None:
     if is_peer_error(last):  # no rank's own error: one left, or called something else, while another waited
         problem = f"{rank} lost its connection to a rank that had left the collective, or was making another call"
         hint = (
-            "every rank must make the same collective calls in the same order: look for a return, or a branch, "
-            "that only some ranks take"
+            "every rank must make the same collective calls in the same order: look for a return, or a branch, that "
+            "only some ranks take"
         )
         fail(ex.name, problem, hint)
     hint = "read that rank's traceback, printed below, fix the line it names, then rerun both cells"
@@ -678,8 +678,8 @@ def check(ex: Exercise, *answer) -> Any:
             last = traceback.format_exception_only(type(e), e)[-1].strip()
             _diagnose(ex, Outcome(case, error=last, source=source), [])
             hint = (
-                "read the traceback of your code above (the last line in your cell is where it failed), fix it, "
-                "then rerun both cells"
+                "read the traceback of your code above (the last line in your cell is where it failed), fix it, then "
+                "rerun both cells"
             )
             err = CheckFailed(message(ex.name, f"your code raised {last}", hint))
             raise err from e.with_traceback(student_frames_only(e.__traceback__))

@@ -36,8 +36,8 @@ def _correct(logits, labels):
 # Each mistake: what is wrong, "Try:", what to do, then a variant that makes it (the tests submit it).
 _MISTAKES = [
     (
-        "it returns the number of correct predictions, not the fraction. Try: divide the count by the number "
-        "of examples",
+        "it returns the number of correct predictions, not the fraction. Try: divide the count by the number of "
+        "examples",
         _correct,
     ),
     (

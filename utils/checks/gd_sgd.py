@@ -60,8 +60,8 @@ def _keeping(run=lambda f, case: f(*case.args)):
 
 def _changed(variant):  # the mistake of an answer that changes its arguments in place (``variant`` does)
     return _m(
-        "your function changed the arguments it was given, in place. Try: compute new values, with no -=, "
-        "sub_, add_ or slice assignment on an argument",
+        "your function changed the arguments it was given, in place. Try: compute new values, with no -=, sub_, add_ "
+        "or slice assignment on an argument",
         variant,
         when=lambda o: "changed the arguments" in o.error,
     )
@@ -120,8 +120,8 @@ GD_STEP = Exercise(
             _gd(lambda w, b, dw, db, x: (w + dw, b + db)),
         ),
         _m(
-            "the gradient is half what it should be. Try: the derivative of r squared is 2 r times dr: keep "
-            "the factor 2",
+            "the gradient is half what it should be. Try: the derivative of r squared is 2 r times dr: keep the factor "
+            "2",
             _gd(lambda w, b, dw, db, x: (w - dw / 2, b - db / 2)),
         ),
         _m(
@@ -133,8 +133,8 @@ GD_STEP = Exercise(
             _gd(lambda w, b, dw, db, x: (w - dw, b)),
         ),
         _m(
-            "b moves correctly but w does not. Try: w's gradient is twice the mean of the residual times x: "
-            "update w too",
+            "b moves correctly but w does not. Try: w's gradient is twice the mean of the residual times x: update w "
+            "too",
             _gd(lambda w, b, dw, db, x: (w, b - db)),
         ),
         _m(
@@ -250,8 +250,8 @@ SGD = Exercise(
 # ------------------------------------------------------------------ exercise 3: the gradient noise scale from pairs
 def _no_ratio(variant):  # the mistake of dividing by a |G|^2 estimate that is not positive (``variant`` does)
     return _m(
-        "the mean |G|^2 estimate is not positive here: the noise hides the gradient, and the ratio means nothing. "
-        "Try: return infinity (math.inf) when the |G|^2 estimate is zero or negative",
+        "the mean |G|^2 estimate is not positive here: the noise hides the gradient, and the ratio means nothing. Try: "
+        "return infinity (math.inf) when the |G|^2 estimate is zero or negative",
         variant,
         when=lambda o: o.want == math.inf and float(o.got) <= 0,
     )
@@ -315,8 +315,8 @@ NOISE_SCALE = Exercise(
         ),
         _m(
             "the noise scale is negative. Try: check the signs in both estimates: tr(Sigma)'s numerator and "
-            "denominator "
-            "both put the small batch first, and |G|^2 weights each norm by its own batch size, the big batch's first",
+            "denominator both put the small batch first, and |G|^2 weights each norm by its own batch size, the big "
+            "batch's first",
             _pairs(lambda s, g, bs, bb, G2, tr: -tr.mean() / G2.mean()),
             when=lambda o: o.got < 0 < o.want < math.inf,
         ),
@@ -479,8 +479,8 @@ PER_EXAMPLE_GRADS_LOOP = Exercise(
 )
 _LOOPED = _m(
     "your function runs the model in a Python loop, outside torch.func.vmap. Try: write the loss of ONE example as a "
-    "function of the parameters (torch.func.functional_call), take its torch.func.grad and map it over the "
-    "batch with torch.func.vmap",
+    "function of the parameters (torch.func.functional_call), take its torch.func.grad and map it over the batch with "
+    "torch.func.vmap",
     lambda *a: _per_example(*a),
     mechanism=True,
     when=lambda o: getattr(o.got, "unmapped_calls", 0) >= 2 and _close(o.got, o.want),
@@ -516,9 +516,8 @@ NOISE_SCALE_FROM_PER_EXAMPLE = Exercise(
     mistakes=[
         _no_ratio(partial(_b_simple, inf=False)),
         _m(
-            "|G|^2 is the squared norm of the mean, which still holds the mean's own noise. Try: subtract "
-            "tr(Sigma) / B "
-            "from it",
+            "|G|^2 is the squared norm of the mean, which still holds the mean's own noise. Try: subtract tr(Sigma) / "
+            "B from it",
             partial(_b_simple, correct=False),
         ),
         _m(
@@ -653,8 +652,8 @@ DATASET_NOISE_SCALE = Exercise(
         ),
         _m(
             "your function kept every chunk's gradients until the end, so its memory still grows with the number of "
-            "examples. Try: fold each chunk into the two running sums as soon as you have it, and keep nothing else of "
-            "it",
+            "examples. Try: fold each chunk into the two running sums as soon as you have it, and keep nothing else "
+            "of it",
             partial(_chunked, hold=True),
             when=lambda o: "were kept at once" in o.error,
         ),

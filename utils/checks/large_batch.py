@@ -71,18 +71,18 @@ WARMUP_LR = Exercise(
         {
             "list": (
                 lambda t, b, p, w: [_warmup(s, b, p, w) for s in range(t + 1)],
-                "it returns something other than one number for a step. Try: return a float, the learning "
-                "rate of that one step",
+                "it returns something other than one number for a step. Try: return a float, the learning rate of that "
+                "one step",
             ),
             "from_zero": (
                 lambda t, b, p, w: p * min(t, w) / w,
-                "the ramp starts at 0, but Goyal et al.'s warmup starts at the base rate. Try: ramp from "
-                "base_lr to peak_lr, not from 0",
+                "the ramp starts at 0, but Goyal et al.'s warmup starts at the base rate. Try: ramp from base_lr to "
+                "peak_lr, not from 0",
             ),
             "off_by_one": (
                 lambda t, b, p, w: b + (p - b) * min(t + 1, w) / w,
-                "step 0 is one increment along the ramp already (off by one). Try: step 0 must run at "
-                "base_lr exactly: use the fraction of the warmup done before this step",
+                "step 0 is one increment along the ramp already (off by one). Try: step 0 must run at base_lr exactly: "
+                "use the fraction of the warmup done before this step",
             ),
             "no_peak": (
                 lambda t, b, p, w: b + (p - b) * t / w,
@@ -131,14 +131,14 @@ TRUST_RATIO = Exercise(
         {
             "host": (
                 lambda w, g, wd, tc, eps: torch.tensor(_ratio(w, g, wd, tc, eps).item()),
-                "it reads a tensor back to Python (.item(), float(), .tolist() or an `if` on a tensor) or "
-                "indexes with a boolean mask, which on a GPU waits for the device. Try: keep the norms and "
-                "the fallback as tensors and choose between the ratio and 1 with torch.where",
+                "it reads a tensor back to Python (.item(), float(), .tolist() or an `if` on a tensor) or indexes with "
+                "a boolean mask, which on a GPU waits for the device. Try: keep the norms and the fallback as tensors "
+                "and choose between the ratio and 1 with torch.where",
             ),
             "one_element": (
                 lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, eps).reshape(1),
-                "it returns a 1-element tensor, not a 0-d one. Try: keep the result 0-d, as the norms are, "
-                "also where the fallback gives 1",
+                "it returns a 1-element tensor, not a 0-d one. Try: keep the result 0-d, as the norms are, also where "
+                "the fallback gives 1",
             ),
             "number": (
                 lambda w, g, wd, tc, eps: tc,
@@ -147,23 +147,23 @@ TRUST_RATIO = Exercise(
             ),
             "no_wd": (
                 lambda w, g, wd, tc, eps: _ratio(w, g, 0.0, tc, eps),
-                "weight decay is missing from the denominator. Try: the denominator is the norm of g plus "
-                "weight_decay times the norm of w plus eps",
+                "weight decay is missing from the denominator. Try: the denominator is the norm of g plus weight_decay "
+                "times the norm of w plus eps",
             ),
             "swapped": (
                 lambda w, g, wd, tc, eps: _ratio(g, w, wd, tc, eps),
-                "the norms are swapped: the ratio is the weights' norm over the gradient's, not the other "
-                "way round. Try: put the norm of w in the numerator",
+                "the norms are swapped: the ratio is the weights' norm over the gradient's, not the other way round. "
+                "Try: put the norm of w in the numerator",
             ),
             "no_eps": (
                 lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, 0.0),
-                "eps is not added to the denominator. Try: add eps to the norm of g plus weight_decay times "
-                "the norm of w, inside the division",
+                "eps is not added to the denominator. Try: add eps to the norm of g plus weight_decay times the norm "
+                "of w, inside the division",
             ),
             "eps_outside": (
                 lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, eps, eps_outside=True),
-                "eps was added to the ratio, outside the division. Try: eps belongs in the denominator, "
-                "beside the two norms, where it keeps the division away from 0",
+                "eps was added to the ratio, outside the division. Try: eps belongs in the denominator, beside the two "
+                "norms, where it keeps the division away from 0",
             ),
             "no_tc": (
                 lambda w, g, wd, tc, eps: _ratio(w, g, wd, 1.0, eps),
@@ -171,8 +171,8 @@ TRUST_RATIO = Exercise(
             ),
             "no_fallback": (
                 lambda w, g, wd, tc, eps: tc * w.norm() / (g.norm() + wd * w.norm() + eps),
-                "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give "
-                "1, chosen with torch.where so that it stays on the device",
+                "with zero weights or a zero gradient the ratio is not 1. Try: where either norm is 0 give 1, chosen "
+                "with torch.where so that it stays on the device",
             ),
         },
         host=_raised("item()", "data pointer", "control flow", "boolean mask"),
@@ -250,20 +250,19 @@ LARS_STEP = Exercise(
             "build new tensors with out-of-place arithmetic, no -=, mul_ or add_ on the arguments",
             "not_pair": "it does not return a pair (new_w, new_buf). Try: return the new weights and the new momentum "
             "buffer, in that order",
-            "lr_inside": "lr went into the momentum buffer, as in Algorithm 1 of the LARS paper, whereas this lab follows "
-            "the PyTorch and apex convention: the buffer holds the scaled updates and lr multiplies it in "
-            "the weight step. Try: keep lr out of the buffer; the two forms agree while lr is constant, but "
-            "once a schedule changes lr they differ, and this check follows utils.optim.LARS, which uses the "
-            "lab's form",
+            "lr_inside": "lr went into the momentum buffer, as in Algorithm 1 of the LARS paper, whereas this lab "
+            "follows the PyTorch and apex convention: the buffer holds the scaled updates and lr multiplies it in the "
+            "weight step. Try: keep lr out of the buffer; the two forms agree while lr is constant, but once a "
+            "schedule changes lr they differ, and this check follows utils.optim.LARS, which uses the lab's form",
             "wd_after": "weight decay was added after the trust-ratio scaling, so it escapes the ratio. Try: add "
             "weight_decay times w to the gradient first, then scale the sum by the trust ratio",
             "no_wd": "weight decay is missing from the update. Try: add weight_decay times w to the gradient before "
             "scaling it by the trust ratio",
-            "no_trust": "the update was not scaled by the trust ratio. Try: multiply the weight-decayed gradient by your "
-            "trust_ratio",
+            "no_trust": "the update was not scaled by the trust ratio. Try: multiply the weight-decayed gradient by "
+            "your trust_ratio",
             "no_lr": "the global lr is missing from the weight step. Try: the weights move by lr times the new buffer",
-            "return_d": "the returned buffer is this step's scaled update, not the momentum buffer. Try: return momentum "
-            "times the old buffer plus this step's scaled update",
+            "return_d": "the returned buffer is this step's scaled update, not the momentum buffer. Try: return "
+            "momentum times the old buffer plus this step's scaled update",
         },
         _step_variant,
         in_place=lambda o: o.got["inputs kept"] is False,
@@ -300,19 +299,19 @@ LR_FOR_BATCH = Exercise(
         {
             "no_value_error": (
                 lambda b, bb, n, rule: b * (n / bb if rule == "linear" else math.sqrt(n / bb)),
-                "an unknown rule does not raise ValueError, so a misspelt rule would train at a wrong rate "
-                "or stop with an unclear error. Try: for any rule but linear and sqrt, raise ValueError with "
-                "a message that names the rule",
+                "an unknown rule does not raise ValueError, so a misspelt rule would train at a wrong rate or stop "
+                "with an unclear error. Try: for any rule but linear and sqrt, raise ValueError with a message that "
+                "names the rule",
             ),
             "upside_down": (
                 lambda b, bb, n, rule: b * (bb / n if rule == "linear" else math.sqrt(bb / n)),
-                "the ratio is upside down: a bigger batch should get a bigger rate. Try: divide the new "
-                "batch by the base one",
+                "the ratio is upside down: a bigger batch should get a bigger rate. Try: divide the new batch by the "
+                "base one",
             ),
             "int_division": (
                 lambda b, bb, n, rule: b * (n // bb if rule == "linear" else math.sqrt(n // bb)),
-                "the batch ratio is rounded down to a whole number (with // or int()). Try: keep its "
-                "fraction: divide with / and do not round",
+                "the batch ratio is rounded down to a whole number (with // or int()). Try: keep its fraction: divide "
+                "with / and do not round",
             ),
         },
         no_value_error=lambda o: o.want == "ValueError" and o.got != "ValueError",
@@ -428,8 +427,8 @@ LARS_OPTIMIZER = Exercise(
         ),
         Case(
             (3, (6, 5, 3), dict(zip(_HP, (0.2, 0.9, 0.0, 0.02, 1e-9))), (0.2, 0.1, 0.1), False, True),
-            label="3 steps of a 6-5-3 network in two groups with settings of their own: a 1-D weight adapted, "
-            "a matrix excluded, the excluded group with weight decay and half the lr",
+            label="3 steps of a 6-5-3 network in two groups with settings of their own: a 1-D weight adapted, a matrix "
+            "excluded, the excluded group with weight decay and half the lr",
         ),
     ],
     refuse=("utils.optim.LARS.step",),
@@ -440,38 +439,37 @@ LARS_OPTIMIZER = Exercise(
     mistakes=_named(
         {
             "not_class": _NOT_CLASS,
-            "not_optimizer": "your class is not a torch.optim.Optimizer. Try: subclass torch.optim.Optimizer and pass your "
-            "groups and defaults to its constructor",
+            "not_optimizer": "your class is not a torch.optim.Optimizer. Try: subclass torch.optim.Optimizer and pass "
+            "your groups and defaults to its constructor",
             "grad_on": "your step ran with autograd on: an in-place update of a parameter fails, or a momentum buffer "
-            "joins the autograd graph. Try: run the update with autograd off (torch.no_grad, as a context or "
-            "a decorator of step)",
+            "joins the autograd graph. Try: run the update with autograd off (torch.no_grad, as a context or a "
+            "decorator of step)",
             "no_default_exclude": 'a group that does not say "exclude" made your step crash. Try: put exclude=False in the '
             "defaults you hand to the Optimizer constructor, which fills it into every group that leaves it "
             "out",
-            "none_grads": "a parameter without a gradient (its .grad is None) made your step crash. Try: skip parameters "
-            "whose .grad is None, as torch.optim.SGD does",
+            "none_grads": "a parameter without a gradient (its .grad is None) made your step crash. Try: skip "
+            "parameters whose .grad is None, as torch.optim.SGD does",
             "rebind": "after a step no parameter has changed. Try: update each parameter in place under "
             "torch.no_grad(); assigning p a new value only rebinds a local name",
-            "ignore_exclude": "you applied the trust ratio to the excluded group too. Try: parameters of a group with exclude "
-            "set get plain SGD with momentum, the trust ratio fixed at 1",
-            "skip_excluded": "the parameters of the excluded group (biases, norm weights) are not updated. Try: an excluded "
-            "group still gets SGD with momentum, the trust ratio fixed at 1",
-            "alias": "the first momentum buffer is the gradient tensor itself, so zero_grad() (which may zero .grad "
-            "in place) wipes the buffer. Try: store a copy of the first update (torch.clone(d).detach()), as "
+            "ignore_exclude": "you applied the trust ratio to the excluded group too. Try: parameters of a group with "
+            "exclude set get plain SGD with momentum, the trust ratio fixed at 1",
+            "skip_excluded": "the parameters of the excluded group (biases, norm weights) are not updated. Try: an "
+            "excluded group still gets SGD with momentum, the trust ratio fixed at 1",
+            "alias": "the first momentum buffer is the gradient tensor itself, so zero_grad() (which may zero .grad in "
+            "place) wipes the buffer. Try: store a copy of the first update (torch.clone(d).detach()), as "
             "torch.optim.SGD does",
-            "forget_buffer": "the momentum buffer is not kept from one step to the next. Try: store each parameter's buffer "
-            "in its per-parameter state (self.state) and update it there every step",
-            "wd_after": "weight decay was added after the trust ratio. Try: add weight_decay times the parameter to the "
-            "gradient first, then scale the sum by the trust ratio",
-            "lr_from_init": "your step ignores a changed learning rate, which a schedule sets in group['lr'] each step. Try: "
-            "read lr from the parameter group inside step, not from a value saved in __init__",
-            "host": "your step reads tensors back to Python (.item(), float(), or an `if` on a tensor), which on a "
-            "GPU waits for the device once per parameter. Try: compute the trust ratio with tensor "
-            "operations only, as your trust_ratio does, and keep it a tensor",
-            "outside_state": "a parameter has no momentum buffer in its per-parameter state: it is kept somewhere else, or "
-            "that parameter gets no momentum. Try: every parameter with a gradient, in an excluded group "
-            "too, keeps its buffer in self.state under the parameter itself, which PyTorch saves with the "
-            "optimizer",
+            "forget_buffer": "the momentum buffer is not kept from one step to the next. Try: store each parameter's "
+            "buffer in its per-parameter state (self.state) and update it there every step",
+            "wd_after": "weight decay was added after the trust ratio. Try: add weight_decay times the parameter to "
+            "the gradient first, then scale the sum by the trust ratio",
+            "lr_from_init": "your step ignores a changed learning rate, which a schedule sets in group['lr'] each "
+            "step. Try: read lr from the parameter group inside step, not from a value saved in __init__",
+            "host": "your step reads tensors back to Python (.item(), float(), or an `if` on a tensor), which on a GPU "
+            "waits for the device once per parameter. Try: compute the trust ratio with tensor operations only, as "
+            "your trust_ratio does, and keep it a tensor",
+            "outside_state": "a parameter has no momentum buffer in its per-parameter state: it is kept somewhere "
+            "else, or that parameter gets no momentum. Try: every parameter with a gradient, in an excluded group "
+            "too, keeps its buffer in self.state under the parameter itself, which PyTorch saves with the optimizer",
         },
         _class_variant(_LarsVariant, "MyLARS"),
         not_class=_raised("not a class"),
@@ -615,16 +613,16 @@ GHOST_BATCH_NORM = Exercise(
     ),
     refuse_hint="subclass nn.Module and compute each virtual batch's mean and variance yourself with Tensor.mean and "
     "Tensor.var",
-    hint="per virtual batch and channel: subtract the mean, divide by the square root of the biased "
-    "variance plus eps, then scale by weight and add bias; in eval mode use the running statistics",
+    hint="per virtual batch and channel: subtract the mean, divide by the square root of the biased variance plus eps, "
+    "then scale by weight and add bias; in eval mode use the running statistics",
     passed="outputs, gradients and running statistics in training, uneven and single virtual batches, and eval mode",
     mistakes=_named(
         {
             "not_class": _NOT_CLASS,
             "not_module": "your class is not an nn.Module. Try: subclass nn.Module and call super().__init__() first",
             "shaped": "weight, bias, running_mean and running_var must be of shape (C,), one value per channel, as in "
-            "nn.BatchNorm2d, whose state_dict they must match. Try: create them with C values and reshape "
-            "them to (1, C, 1, 1) only where forward uses them",
+            "nn.BatchNorm2d, whose state_dict they must match. Try: create them with C values and reshape them to (1, "
+            "C, 1, 1) only where forward uses them",
             "rename": "the parameters or buffers are not named as in nn.BatchNorm2d. Try: use weight and bias "
             "(nn.Parameter), running_mean and running_var (register_buffer), one value per channel",
             "plain_running": "running_mean and running_var are plain tensors, not buffers, so state_dict() and "
@@ -633,30 +631,29 @@ GHOST_BATCH_NORM = Exercise(
             "weight 1, bias 0, running_mean 0 and running_var 1",
             "own_eps": "the eps the layer was built with is not used. Try: keep the eps argument and add it to the "
             "variance inside the square root",
-            "own_momentum": "the running statistics ignore the momentum the layer was built with. Try: keep the momentum "
-            "argument: new = (1 - momentum) * old + momentum * the virtual batch's statistic",
+            "own_momentum": "the running statistics ignore the momentum the layer was built with. Try: keep the "
+            "momentum argument: new = (1 - momentum) * old + momentum * the virtual batch's statistic",
             "whole_batch": "your statistics are over the whole batch, not per virtual batch. Try: split the batch into "
-            "virtual batches of virtual_batch_size (Tensor.split) and normalise each with its own mean and "
-            "variance",
-            "unbiased_norm": "you normalise with the unbiased variance (divided by n - 1). Try: normalise with the biased "
-            "variance (correction=0); the unbiased one is for running_var",
-            "per_pixel": "your mean and variance are not one per channel (per pixel, per sample, or mixing the channels). "
-            "Try: reduce over dims (0, 2, 3): N, H and W, one statistic per channel",
+            "virtual batches of virtual_batch_size (Tensor.split) and normalise each with its own mean and variance",
+            "unbiased_norm": "you normalise with the unbiased variance (divided by n - 1). Try: normalise with the "
+            "biased variance (correction=0); the unbiased one is for running_var",
+            "per_pixel": "your mean and variance are not one per channel (per pixel, per sample, or mixing the "
+            "channels). Try: reduce over dims (0, 2, 3): N, H and W, one statistic per channel",
             "no_affine": "the affine weight and bias are not applied. Try: multiply by weight and add bias, per channel",
             "detach_stats": "the outputs are right but the input gradient is not. Try: let autograd see the mean and "
             "variance: no torch.no_grad() or .detach() around them",
             "detach_weight": "the gradient of weight is wrong. Try: use self.weight, the nn.Parameter itself, in the output",
-            "no_running": "running_mean and running_var were not updated once per virtual batch (not at all, or with the "
-            "whole batch). Try: update them in training, once per virtual batch, with that virtual batch's "
-            "mean and variance",
-            "running_biased": "running_var was updated with the biased variance. Try: use the unbiased variance (divided by n "
-            "- 1) for running_var, as nn.BatchNorm2d does",
-            "graph_running": "the running statistics are part of the autograd graph. Try: update them under torch.no_grad() "
-            "or from detached values",
+            "no_running": "running_mean and running_var were not updated once per virtual batch (not at all, or with "
+            "the whole batch). Try: update them in training, once per virtual batch, with that virtual batch's mean "
+            "and variance",
+            "running_biased": "running_var was updated with the biased variance. Try: use the unbiased variance "
+            "(divided by n - 1) for running_var, as nn.BatchNorm2d does",
+            "graph_running": "the running statistics are part of the autograd graph. Try: update them under "
+            "torch.no_grad() or from detached values",
             "reshape": "a batch that virtual_batch_size does not divide fails, but the last virtual batch may be "
             "smaller. Try: split with Tensor.split, which allows a smaller last piece, not with a reshape",
-            "eval_batch_stats": "in eval mode your outputs differ from nn.BatchNorm2d. Try: in eval mode normalise with "
-            "running_mean and running_var, not the batch's statistics",
+            "eval_batch_stats": "in eval mode your outputs differ from nn.BatchNorm2d. Try: in eval mode normalise "
+            "with running_mean and running_var, not the batch's statistics",
             "eval_updates": "eval mode changed the running statistics. Try: update them only when self.training is True",
         },
         _ghost_variant,

@@ -81,13 +81,13 @@ TENSOR_PARALLEL = Exercise(
     ],
     oracle=(tp.column_shard, tp.row_shard),
     refuse=("utils.parallel.tensor_parallel",),
-    hint="rank r keeps the SAME slice r of the hidden units in both layers, in equal contiguous slices "
-    "(nn.Linear's weight is [out_features, in_features])",
+    hint="rank r keeps the SAME slice r of the hidden units in both layers, in equal contiguous slices (nn.Linear's "
+    "weight is [out_features, in_features])",
     passed="1, 2 and 4 ranks: the partial outputs add up to the whole MLP",
     mistakes=[
         _m(
-            "column_shard must return a (weight, bias) pair of tensors, row_shard one weight. Try: return "
-            "this rank's slices of the weight and bias from column_shard, of the weight from row_shard",
+            "column_shard must return a (weight, bias) pair of tensors, row_shard one weight. Try: return this rank's "
+            "slices of the weight and bias from column_shard, of the weight from row_shard",
             (lambda lin, r, n: [t.tolist() for t in _col(lin, r, n)], _row),
             lambda o: "unpack" in o.error or str in map(type, o.got["shapes"].values()),
         ),
@@ -101,20 +101,20 @@ TENSOR_PARALLEL = Exercise(
             lambda o: None not in (o.got["w1"], o.got["w2"]) and (_miscount(o, "w1", 0) or _miscount(o, "w2", 1)),
         ),
         _m(
-            "column_shard's weight is not cut by output features. Try: a column-parallel layer splits the "
-            "OUTPUT features (nn.Linear's weight is [out, in])",
+            "column_shard's weight is not cut by output features. Try: a column-parallel layer splits the OUTPUT "
+            "features (nn.Linear's weight is [out, in])",
             (partial(_col, dim=1, bias=False), _row),
             lambda o: o.got["w1"] and o.got["w1"][0] == 1 != o.want["w1"][0],
         ),
         _m(
-            "column_shard's bias is not cut like its weight. Try: keep the bias entries of the hidden units "
-            "this rank computes",
+            "column_shard's bias is not cut like its weight. Try: keep the bias entries of the hidden units this rank "
+            "computes",
             (partial(_col, bias=False), _row),
             lambda o: o.got["b1"] != o.want["b1"],
         ),
         _m(
-            "row_shard's weight is not cut by input features. Try: a row-parallel layer splits its INPUT "
-            "features, the hidden units this rank computed",
+            "row_shard's weight is not cut by input features. Try: a row-parallel layer splits its INPUT features, the "
+            "hidden units this rank computed",
             (_col, partial(_row, dim=0)),
             lambda o: o.got["w2"] and o.got["w2"][1] == 1 != o.want["w2"][1],
         ),
@@ -143,18 +143,18 @@ ZERO_MEMORY = Exercise(
     refuse_hint="add up the bytes of parameters, gradients and optimizer state yourself",
     mistakes=[
         _m(
-            "you divided by N at stage 0, but stage 0 is plain DDP. Try: at stage 0 every GPU holds all 16 "
-            "bytes per parameter",
+            "you divided by N at stage 0, but stage 0 is plain DDP. Try: at stage 0 every GPU holds all 16 bytes per "
+            "parameter",
             lambda p, n, s: 16 * p / n,
         ),
         _m(
-            "the bytes look like fp32 parameters and gradients. Try: in mixed precision they take 2 bytes "
-            "each; the fp32 master copy is in the 12 optimizer bytes",
+            "the bytes look like fp32 parameters and gradients. Try: in mixed precision they take 2 bytes each; the "
+            "fp32 master copy is in the 12 optimizer bytes",
             partial(_zero, b=4),
         ),
         _m(
-            "you returned the bytes of another ZeRO stage. Try: stage 1 shards the optimizer state (12 "
-            "bytes), stage 2 also the gradients (2), stage 3 also the parameters (2)",
+            "you returned the bytes of another ZeRO stage. Try: stage 1 shards the optimizer state (12 bytes), stage 2 "
+            "also the gradients (2), stage 3 also the parameters (2)",
             lambda p, n, s: _zero(p, n, 2 if s == 1 else s),
             lambda o: any(abs(o.got - _zero(*o.case.args[:2], k)) < 1 for k in range(4) if k != o.case.args[2]),
         ),
@@ -300,84 +300,82 @@ ZERO2 = Exercise(
     ),
     refuse_hint="write the step from dist.reduce_scatter_tensor, an optimizer over your shard, and "
     "dist.all_gather_into_tensor",
-    hint="rank r's shard is slice r of the padded flat vector cut into N equal slices, in both the reduce-scatter "
-    "and the all-gather, and its gradient is the MEAN over the ranks",
+    hint="rank r's shard is slice r of the padded flat vector cut into N equal slices, in both the reduce-scatter and "
+    "the all-gather, and its gradient is the MEAN over the ranks",
     passed="3 and 2 processes, two MLPs, SGD with momentum and Adam: every step equals one process's, 1/N of the "
-    "optimizer "
-    "state, only the shard's gradient after each step, and DDP's traffic",
+    "optimizer state, only the shard's gradient after each step, and DDP's traffic",
     mistakes=[
         _m(
-            "your code failed on the MLP whose parameter count does not divide by the number of ranks: a "
-            "collective got a buffer that is not padded to a multiple of the world size. Try: pad the flat "
-            "vectors with zeros at the end to a multiple of the world size (torch.distributed gives it), and "
-            "give the all-gather an output of that padded size",
+            "your code failed on the MLP whose parameter count does not divide by the number of ranks: a collective "
+            "got a buffer that is not padded to a multiple of the world size. Try: pad the flat vectors with zeros at "
+            "the end to a multiple of the world size (torch.distributed gives it), and give the all-gather an output "
+            "of that padded size",
             (partial(_REF, pad=""), _step(pad="")),
             lambda o: "does not divide" in o.error and any(w in o.error for w in _SIZE_ERRORS),
         ),
         _m(
-            "after a step the ranks hold different parameters. Try: all-gather the updated shards and copy "
-            "the full vector into the parameters, on every rank",
+            "after a step the ranks hold different parameters. Try: all-gather the updated shards and copy the full "
+            "vector into the parameters, on every rank",
             (_REF, _step(gather=False)),
             lambda o: any(difference(o.got[0]["params"], r["params"]) for r in o.got[1:]),
         ),
         _m(
-            "the model's parameters never change. Try: after the step, all-gather the shards and copy them "
-            "back into the parameters in place, without autograd",
+            "the model's parameters never change. Try: after the step, all-gather the shards and copy them back into "
+            "the parameters in place, without autograd",
             (_REF, _step(copy=False)),
         ),
         _m(
-            "the parameters are one step behind: you gathered before stepping. Try: step the optimizer on "
-            "your shard first, then all-gather",
+            "the parameters are one step behind: you gathered before stepping. Try: step the optimizer on your shard "
+            "first, then all-gather",
             (_REF, _step(first=True)),
         ),
         _m(
-            "the parameters moved as if the gradients were N times too large, N the number of ranks: "
-            "reduce-scatter sums. Try: divide your shard's gradient by the world size",
+            "the parameters moved as if the gradients were N times too large, N the number of ranks: reduce-scatter "
+            "sums. Try: divide your shard's gradient by the world size",
             (_REF, _step(power=0)),
         ),
         _m(
-            "the parameters moved as if the gradients were N times too small, N the number of ranks: they "
-            "were averaged twice. Try: reduce-scatter with a sum, then divide by the world size once",
+            "the parameters moved as if the gradients were N times too small, N the number of ranks: they were "
+            "averaged twice. Try: reduce-scatter with a sum, then divide by the world size once",
             (_REF, _step(power=2)),
         ),
         _m(
-            "the MLP whose parameter count does not divide by the number of ranks went wrong where the other "
-            "was right: the padding sits at the front. Try: pad at the END, so the parameters start at "
-            "offset 0",
+            "the MLP whose parameter count does not divide by the number of ranks went wrong where the other was "
+            "right: the padding sits at the front. Try: pad at the END, so the parameters start at offset 0",
             (partial(_REF, pad="front"), _step(pad="front")),
         ),
         _m(
-            "the gradients were divided by 2, not by the number of ranks. Try: divide by the world size: the "
-            "check runs on 3 and on 2 processes",
+            "the gradients were divided by 2, not by the number of ranks. Try: divide by the world size: the check "
+            "runs on 3 and on 2 processes",
             (_REF, _step(by=2)),
         ),
         _m(
-            "a rank's shard is a view into the whole flat vector, which then stays in memory. Try: copy your "
-            "slice into a tensor of its own",
+            "a rank's shard is a view into the whole flat vector, which then stays in memory. Try: copy your slice "
+            "into a tensor of its own",
             (partial(_REF, copy=False), _zero2_step),
             lambda o: any(r["view"] for r in o.got),
         ),
         _m(
-            "a rank's optimizer holds the whole model's state. Try: give the optimizer only your shard, a "
-            "new leaf tensor of 1/N of the padded elements",
+            "a rank's optimizer holds the whole model's state. Try: give the optimizer only your shard, a new leaf "
+            "tensor of 1/N of the padded elements",
             (partial(_REF, whole=True), _step(whole=True)),
             lambda o: o.got[0]["held"] >= o.got[0]["numel"],
         ),
         _m(
-            "after its step a rank still holds the model's full gradients. Try: free each parameter's "
-            "gradient once it is flattened for the reduce-scatter",
+            "after its step a rank still holds the model's full gradients. Try: free each parameter's gradient once it "
+            "is flattened for the reduce-scatter",
             (_REF, _step(keep=True)),
             lambda o: any(any(r["grads"]) for r in o.got),
         ),
         _m(
-            "a rank sent more or fewer bytes per step than DDP's all-reduce. Try: one reduce-scatter of the "
-            "padded flat gradient and one all-gather of your shard per step, and no other collective",
+            "a rank sent more or fewer bytes per step than DDP's all-reduce. Try: one reduce-scatter of the padded "
+            "flat gradient and one all-gather of your shard per step, and no other collective",
             (_REF, _step(bcast=True)),
             lambda o: o.got[0]["calls"] != o.want[0]["calls"],
         ),
         _m(
-            "your collectives move more padding than needed. Try: pad the flat vectors with the fewest zeros "
-            "that make a multiple of the world size (none when it already divides)",
+            "your collectives move more padding than needed. Try: pad the flat vectors with the fewest zeros that make "
+            "a multiple of the world size (none when it already divides)",
             (partial(_REF, pad="extra"), _step(pad="extra")),
             lambda o: o.got[0]["sent"] != o.want[0]["sent"],
         ),
@@ -488,59 +486,57 @@ GPIPE = Exercise(
     passed="1, 2 and 4 micro-batches: the GPipe order, and the gradients of one full-batch step",
     mistakes=[
         _m(
-            "stage0's backward got no gradient from the boundary: it is not a leaf that requires grad, or "
-            "stage0's backward ran before the loss's. Try: make the boundary a leaf that requires grad (cut "
-            "off stage0's graph), run the loss's backward, then stage0's with the boundary's .grad",
+            "stage0's backward got no gradient from the boundary: it is not a leaf that requires grad, or stage0's "
+            "backward ran before the loss's. Try: make the boundary a leaf that requires grad (cut off stage0's "
+            "graph), run the loss's backward, then stage0's with the boundary's .grad",
             partial(_gpipe, cut="none"),
             lambda o: any(k in o.error for k in _NO_BOUNDARY_GRAD),
         ),
         _m(
-            "stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into "
-            "m equal micro-batches and run each through stage0 once",
+            "stage0 ran a different number of forwards than there are micro-batches. Try: cut the batch into m equal "
+            "micro-batches and run each through stage0 once",
             lambda *a: _gpipe(*a[:4], 1),
             lambda o: o.got["order"].count("F") != o.case.args[4],
             mechanism=True,
         ),
         _m(
-            "the forwards and backwards are interleaved, but GPipe runs all m forwards, then all m "
-            "backwards. Try: a loop of all forwards, keeping each boundary and loss, then a loop of all "
-            "backwards",
+            "the forwards and backwards are interleaved, but GPipe runs all m forwards, then all m backwards. Try: a "
+            "loop of all forwards, keeping each boundary and loss, then a loop of all backwards",
             partial(_gpipe, fb=True),
             lambda o: "B" in o.got["order"][: o.got["order"].rfind("F")],
             mechanism=True,
         ),
         _m(
-            "the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch "
-            "loss is their mean",
+            "the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch loss is "
+            "their mean",
             partial(_gpipe, div=False),
         ),
         _m(
-            "stage0's gradients are twice too large: the loss's backward already reached stage0. Try: cut "
-            "the graph at the boundary with a new leaf holding stage0's values",
+            "stage0's gradients are twice too large: the loss's backward already reached stage0. Try: cut the graph at "
+            "the boundary with a new leaf holding stage0's values",
             partial(_gpipe, cut="retain"),
         ),
         _m(
-            "stage1 ran on stage0's output itself, so one backward crossed both stages: across two devices "
-            "it cannot. Try: hand stage1 a new leaf holding stage0's values, and backpropagate stage0 with "
-            "that leaf's .grad",
+            "stage1 ran on stage0's output itself, so one backward crossed both stages: across two devices it cannot. "
+            "Try: hand stage1 a new leaf holding stage0's values, and backpropagate stage0 with that leaf's .grad",
             partial(_gpipe, cut="retain", back=False),
             lambda o: o.got["through"] and GPIPE.differs(o.got, o.want) is None,
             mechanism=True,
         ),
         _m(
-            "stage0's parameters got no gradient. Try: after each loss's backward, backpropagate stage0's "
-            "output with the gradient that arrived at the boundary",
+            "stage0's parameters got no gradient. Try: after each loss's backward, backpropagate stage0's output with "
+            "the gradient that arrived at the boundary",
             partial(_gpipe, back=False),
             lambda o: not o.got["stage0 gradients"].any(),
         ),
         _m(
-            "stage1's gradients differ from the full batch's: earlier gradients are gone. Try: do not zero "
-            "the gradients inside: the caller zeroes them, and each backward adds to them",
+            "stage1's gradients differ from the full batch's: earlier gradients are gone. Try: do not zero the "
+            "gradients inside: the caller zeroes them, and each backward adds to them",
             partial(_gpipe, zero=True),
         ),
         _m(
-            "the returned loss differs from the full batch's. Try: return the sum of the m micro-batch "
-            "losses, each already divided by m, as a float",
+            "the returned loss differs from the full batch's. Try: return the sum of the m micro-batch losses, each "
+            "already divided by m, as a float",
             lambda *a: _gpipe(*a) / a[4],
             lambda o: o.got["loss"] is None or difference(o.got["loss"], o.want["loss"]),
         ),

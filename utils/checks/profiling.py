@@ -65,8 +65,8 @@ def _reading(fn, case):
 
 
 _CHANGED = _m(
-    "your function changed the events it was given, which later cells read again. Try: read each event "
-    "without writing to it, and keep what you compute in new variables",
+    "your function changed the events it was given, which later cells read again. Try: read each event without writing "
+    "to it, and keep what you compute in new variables",
     lambda ev: [e.update(dur=0) for e in ev][:0] or 0.0,
     when=lambda o: "changed the events" in o.error,
 )
@@ -143,9 +143,8 @@ SELF_TIMES = Exercise(
             partial(_self_times, lane=lambda e: 0),
         ),
         _m(
-            "of two events starting together, the shorter, listed first, was taken as the caller. Try: order "
-            "ties longest "
-            "first",
+            "of two events starting together, the shorter, listed first, was taken as the caller. Try: order ties "
+            "longest first",
             partial(_self_times, ties=False),
         ),
         _CHANGED,
@@ -191,8 +190,8 @@ DATA_WAIT_FRACTION = Exercise(
     refuse=("utils.profiling.phase_times", "utils.profiling.phase_times_per_step"),
     refuse_hint="loop over the events and add up their durations",
     passed="hand-made steps, and a real trace whose loader costs a known time per image",
-    hint="sum the dur of the phase:data events that start inside a "
-    "ProfilerStep# event and divide by the steps' total dur",
+    hint="sum the dur of the phase:data events that start inside a ProfilerStep# event and divide by the steps' total "
+    "dur",
     mistakes=[
         _m("it returns a percentage. Try: return a fraction between 0 and 1", lambda ev: 100 * _wait(ev)),
         _m(
@@ -321,15 +320,15 @@ FIXED_LOADER = Exercise(
             mechanism=True,
         ),
         _m(
-            "your loader is an iterator (a generator, or iter(...)), which runs dry after one pass, so the "
-            "second epoch had no "
-            "batches. Try: return an object that starts again each time it is iterated, such as a class with __iter__",
+            "your loader is an iterator (a generator, or iter(...)), which runs dry after one pass, so the second "
+            "epoch had no batches. Try: return an object that starts again each time it is iterated, such as a class "
+            "with __iter__",
             lambda ds, b, dev, seed: iter(_loader(ds, b, dev, seed)),
             when=lambda o: "order" in o.got and not o.got["order"][1],
         ),
         _m(
-            "epoch 1 repeats epoch 0 or differs from the original's. Try: use a loader with set_epoch, as "
-            "utils.data's are",
+            "epoch 1 repeats epoch 0 or differs from the original's. Try: use a loader with set_epoch, as utils.data's "
+            "are",
             partial(_loader, listed=True),
             when=lambda o: _same_epoch(o, 0) and not _same_epoch(o, 1),
         ),
@@ -412,22 +411,20 @@ LOSS_LOG = Exercise(
     passed="the same losses as .item() every step, with no host read inside the steps",
     mistakes=[
         _m(
-            "your LossLog reads the loss on the host at every step. Try: in on_step_end only keep the tensor "
-            "state.loss",
+            "your LossLog reads the loss on the host at every step. Try: in on_step_end only keep the tensor state.loss",
             partial(_Log, "float"),
             when=lambda o: o.got["host reads per step"] > 0,
             mechanism=True,
         ),
         _m(
-            "at an epoch's end your LossLog reads the losses one at a time. Try: stack them into one tensor, "
-            "then read it",
+            "at an epoch's end your LossLog reads the losses one at a time. Try: stack them into one tensor, then read "
+            "it",
             partial(_Log, "each"),
             when=lambda o: not o.got["at most one host read per epoch end"],
             mechanism=True,
         ),
         _m(
-            "after fit, losses holds something other than floats. Try: turn the tensors into floats at each "
-            "epoch's end",
+            "after fit, losses holds something other than floats. Try: turn the tensors into floats at each epoch's end",
             partial(_Log, "tensors"),
             when=lambda o: not o.got["floats"],
         ),
@@ -437,9 +434,8 @@ LOSS_LOG = Exercise(
             when=lambda o: len(o.got["losses"]) < sum(o.case.args),
         ),
         _m(
-            "losses holds some steps' values more than once. Try: empty the pending list at every epoch's "
-            "end, and make "
-            "both lists in __init__, on self",
+            "losses holds some steps' values more than once. Try: empty the pending list at every epoch's end, and "
+            "make both lists in __init__, on self",
             partial(_Log, "kept"),
             when=lambda o: len(o.got["losses"]) > sum(o.case.args),
         ),
@@ -530,9 +526,8 @@ STANDARDIZE = Exercise(
             when=_std_like("biased"),
         ),
         _m(
-            "your forward changed its input in place, so the caller's batch changed too. Try: compute a new "
-            "tensor, with "
-            "no sub_, div_, -= or /= on x",
+            "your forward changed its input in place, so the caller's batch changed too. Try: compute a new tensor, "
+            "with no sub_, div_, -= or /= on x",
             partial(_Std, kind="in_place"),
             when=lambda o: not o.got["input kept"],
         ),
@@ -543,8 +538,7 @@ STANDARDIZE = Exercise(
             when=lambda o: o.got["statistics are parameters"],
         ),
         _m(
-            "the statistics are not buffers, so model.to(device) would leave them behind. Try: register them "
-            "as buffers",
+            "the statistics are not buffers, so model.to(device) would leave them behind. Try: register them as buffers",
             partial(_Std, kind="attributes"),
             when=lambda o: not o.got["statistics in buffers"],
         ),

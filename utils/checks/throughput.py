@@ -58,8 +58,8 @@ STATE_BYTES = Exercise(
     cases=lambda: [
         Case((o, m), {"dtype": d, "frozen": f}, f"a model trained with {w}") for o, m, d, f, w in _STATE_CASES
     ],
-    hint="params: the sum of p.numel() * p.element_size(); grads: the same over trainable parameters; optimizer "
-    "state: twice that for Adam, once for SGD with momentum, zero without",
+    hint="params: the sum of p.numel() * p.element_size(); grads: the same over trainable parameters; optimizer state: "
+    "twice that for Adam, once for SGD with momentum, zero without",
     passed="byte for byte what a real optimizer holds, for 5 models and optimizers",
     refuse=tuple(
         f"utils.memory.{f}"
@@ -214,9 +214,8 @@ def _run_timer(answer, case: Case):
 
 
 _OTHER_CLOCK = (
-    "your timer reads a clock that the check's simulated GPU does not drive (CPU time such as "
-    "time.process_time, or datetime). Try: time with the wall clock time.perf_counter, read at the start "
-    "and end of each timed piece"
+    "your timer reads a clock that the check's simulated GPU does not drive (CPU time such as time.process_time, or "
+    "datetime). Try: time with the wall clock time.perf_counter, read at the start and end of each timed piece"
 )
 
 
@@ -320,8 +319,8 @@ WAIT_FRACTION = Exercise(
         Case(([0.03] * 5, 0.01), label="5 batches that load slower than they step"),
         Case(([0.05] + [0.01] * 6, 0.04), label="7 batches that step slower than they load"),
     ],
-    hint="time only each request for the next batch (an explicit iterator over the loader), add those times up, "
-    "and divide by the time of the whole pass",
+    hint="time only each request for the next batch (an explicit iterator over the loader), add those times up, and "
+    "divide by the time of the whole pass",
     mistakes=[
         _m(
             "the pass never ends, as when a new iterator is made for every batch. Try: make one iterator over the "
@@ -351,8 +350,8 @@ WAIT_FRACTION = Exercise(
             partial(_fraction, out=lambda w, t: w / (t - w)),
         ),
         _m(
-            "it returns the share spent in step(). Try: time only the wait for the next batch: next(iterator), not "
-            "the step",
+            "it returns the share spent in step(). Try: time only the wait for the next batch: next(iterator), not the "
+            "step",
             partial(_fraction, out=lambda w, t: 1 - w / t),
         ),
     ],

@@ -88,23 +88,23 @@ TP_OPERATORS = Exercise(
     passed="2 processes: the partial products summed forward, the input's gradient summed backward",
     mistakes=[
         _m(
-            "the output is this rank's partial product: g's forward does not all-reduce. Try: g's forward "
-            "must sum its input over the ranks",
+            "the output is this rank's partial product: g's forward does not all-reduce. Try: g's forward must sum its "
+            "input over the ranks",
             (COPY, NONE),
         ),
         _m(
-            "the output is N times too large: f's forward all-reduces the whole input every rank already "
-            "holds. Try: f's forward is the identity; only its backward all-reduces",
+            "the output is N times too large: f's forward all-reduces the whole input every rank already holds. Try: "
+            "f's forward is the identity; only its backward all-reduces",
             (_op("all_reduce", "all_reduce"), REDUCE),
         ),
         _m(
-            "the input's gradient is this rank's part only: f's backward does not all-reduce. Try: f's "
-            "backward must sum the gradient over the ranks",
+            "the input's gradient is this rank's part only: f's backward does not all-reduce. Try: f's backward must "
+            "sum the gradient over the ranks",
             (NONE, REDUCE),
         ),
         _m(
-            "the input's gradient is N times too large: g's backward all-reduces a gradient every rank "
-            "already holds whole. Try: g's backward is the identity",
+            "the input's gradient is N times too large: g's backward all-reduces a gradient every rank already holds "
+            "whole. Try: g's backward is the identity",
             (COPY, _op("all_reduce", "all_reduce")),
         ),
     ],
@@ -190,20 +190,20 @@ SHARD_BLOCK = Exercise(
         _shapes_differ(got["shapes"], want["shapes"])
         or difference(*({"attention": o["attn"], "MLP": o["mlp"]} for o in (got, want)), atol=1e-5)
     ),
-    hint="rank r keeps the q, k and v rows of heads r*H/N to (r+1)*H/N, fc's hidden units r*4d/N to (r+1)*4d/N, "
-    "and the same slices of the projections' inputs",
+    hint="rank r keeps the q, k and v rows of heads r*H/N to (r+1)*H/N, fc's hidden units r*4d/N to (r+1)*4d/N, and "
+    "the same slices of the projections' inputs",
     passed="2, 3 and 4 ranks: the partial outputs add up to the block's attention and MLP",
     mistakes=[
         _m(
-            "a shard has the wrong shape: a weight was cut along the wrong dimension. Try: nn.Linear's "
-            "weight is [out, in]: qkv and fc keep a slice of the OUTPUT features (dim 0), the projections of "
-            "the INPUT features (dim 1)",
+            "a shard has the wrong shape: a weight was cut along the wrong dimension. Try: nn.Linear's weight is [out, "
+            "in]: qkv and fc keep a slice of the OUTPUT features (dim 0), the projections of the INPUT features (dim "
+            "1)",
             partial(_shard, dims=(1, 0)),
         ),
         _m(
-            "the shapes are right but the attention differs: a plain slice of the fused qkv weight mixes the "
-            "heads' queries, keys and values. Try: view it as 3 parts [q; k; v] of d rows and take this "
-            "rank's heads' rows of each",
+            "the shapes are right but the attention differs: a plain slice of the fused qkv weight mixes the heads' "
+            "queries, keys and values. Try: view it as 3 parts [q; k; v] of d rows and take this rank's heads' rows "
+            "of each",
             partial(_shard, qkv="chunk"),
         ),
     ],
@@ -299,23 +299,23 @@ TP_BLOCK = Exercise(
     oracle=_TPBlock,
     run=_block_run,
     **_BLOCK,
-    hint="per branch: LayerNorm, f, the column-parallel layer, the rank's heads (or GELU), the row-parallel "
-    "layer, g, then the bias once and the residual",
+    hint="per branch: LayerNorm, f, the column-parallel layer, the rank's heads (or GELU), the row-parallel layer, g, "
+    "then the bias once and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block",
     mistakes=[
         _m(
-            "the output is off by (N - 1) times the projections' biases: a row-parallel bias was added on "
-            "every rank before the all-reduce. Try: add it once, after g",
+            "the output is off by (N - 1) times the projections' biases: a row-parallel bias was added on every rank "
+            "before the all-reduce. Try: add it once, after g",
             partial(_TPBlock, how="bias"),
         ),
         _m(
-            "the output is a partial sum: g is missing after a row-parallel layer. Try: pass each "
-            "projection's output through g before the bias and the residual",
+            "the output is a partial sum: g is missing after a row-parallel layer. Try: pass each projection's output "
+            "through g before the bias and the residual",
             partial(_TPBlock, how="no g"),
         ),
         _m(
-            "the output is right but the gradients are one rank's part: f is missing before a "
-            "column-parallel layer. Try: pass each LayerNorm's output through f before qkv and fc",
+            "the output is right but the gradients are one rank's part: f is missing before a column-parallel layer. "
+            "Try: pass each LayerNorm's output through f before qkv and fc",
             partial(_TPBlock, how="no f"),
         ),
     ],
@@ -329,28 +329,28 @@ SP_BLOCK = Exercise(
     oracle=_SPBlock,
     run=partial(_block_run, sp=True),
     **_BLOCK,
-    hint="per branch: LayerNorm on your sequence shard, all-gather the sequence, the column- and row-parallel "
-    "layers, reduce-scatter back to your shard, then the bias and the residual",
+    hint="per branch: LayerNorm on your sequence shard, all-gather the sequence, the column- and row-parallel layers, "
+    "reduce-scatter back to your shard, then the bias and the residual",
     passed="2 processes, two widths: the output and every gradient equal one process's Block, with no all-reduce",
     mistakes=[
         _m(
-            "your block called an all-reduce, where sequence parallelism reduce-scatters along the sequence: "
-            "in g's forward and in the all-gather's backward. Try: reduce-scatter there "
-            "(dist.reduce_scatter_tensor), so each rank keeps the sum of its own shard only",
+            "your block called an all-reduce, where sequence parallelism reduce-scatters along the sequence: in g's "
+            "forward and in the all-gather's backward. Try: reduce-scatter there (dist.reduce_scatter_tensor), so "
+            "each rank keeps the sum of its own shard only",
             partial(_SPBlock, how="all_reduce"),
             lambda o: any(r["all_reduce"] for r in o.got),
             mechanism=True,
         ),
         _m(
-            "a LayerNorm ran on the whole sequence: every rank normalised (and kept) all the rows. Try: run "
-            "each LayerNorm on your own sequence shard, then all-gather its output",
+            "a LayerNorm ran on the whole sequence: every rank normalised (and kept) all the rows. Try: run each "
+            "LayerNorm on your own sequence shard, then all-gather its output",
             partial(_SPBlock, how="full norm"),
             lambda o: any(n != o.want[0]["norm_rows"][0] for r in o.got for n in r["norm_rows"]),
             mechanism=True,
         ),
         _m(
-            "your block sends more data than an all-gather and a reduce-scatter per branch and pass would: "
-            "for instance, the partial sums were all-gathered and added up. Try: after a row-parallel layer, "
+            "your block sends more data than an all-gather and a reduce-scatter per branch and pass would: for "
+            "instance, the partial sums were all-gathered and added up. Try: after a row-parallel layer, "
             "reduce-scatter the partial sums along the sequence (dist.reduce_scatter_tensor)",
             partial(_SPBlock, how="gather sum"),
             lambda o: any(r["sent"] > 1.01 * w["sent"] for r, w in zip(o.got, o.want)),
