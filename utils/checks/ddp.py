@@ -145,7 +145,7 @@ def _ring_compare(got, want):
     for r, (g, w) in enumerate(zip(got, want)):
         if d := difference(g[0], w[0]):
             return f"{d.replace('returned', 'left', 1)} in the tensor on rank {r}"
-        if g[1] is None:
+        if g[1] is None and w[1] is not None:
             return f"returned None on rank {r}, not the tensor it summed"
     return None
 
@@ -167,22 +167,9 @@ RING_ALL_REDUCE = Exercise(
     refuse=_LIBRARY
     + tuple(
         f"torch.distributed.{c}"
-        for c in (
-            "all_reduce",
-            "all_gather",
-            "reduce_scatter",
-            "reduce",
-            "all_gather_into_tensor",
-            "reduce_scatter_tensor",
-            "broadcast",
-            "all_to_all",
-            "all_to_all_single",
-            "gather",
-            "scatter",
-            "ProcessGroup.allreduce",
-            "ProcessGroup.allgather",
-            "ProcessGroup.reduce_scatter",
-        )
+        for c in "all_reduce all_gather reduce_scatter reduce all_gather_into_tensor reduce_scatter_tensor broadcast "
+        "all_to_all all_to_all_single gather scatter all_gather_object broadcast_object_list gather_object "
+        "scatter_object_list ProcessGroup.allreduce ProcessGroup.allgather ProcessGroup.reduce_scatter".split()
     ),
     refuse_hint="build it from point-to-point sends and receives (dist.P2POp, dist.batch_isend_irecv)",
     mistakes=[
@@ -251,6 +238,11 @@ RING_ALL_REDUCE = Exercise(
             "some values were added twice: the all-gather adds what it receives. Try: in the all-gather copy the "
             "received chunk into place; only reduce-scatter adds",
             partial(_ring, gather_add=True),
+        ),
+        _m(
+            "the tensor is summed in place, but your function returned None. Try: once the tensor holds the sum, "
+            "return it, as the exercise asks",
+            lambda tensor: (_ring(tensor), None)[1],
         ),
     ],
 )
