@@ -12,6 +12,7 @@ import importlib
 import linecache
 import re
 import sys
+import types
 
 import exercise_harness as harness
 import pytest
@@ -269,6 +270,24 @@ def test_an_oracle_that_is_a_library_function_is_refused_to_the_answer_and_put_b
             engine.check(ex, answer)
     engine.check(ex, lambda x, y, w, b, r: tuple(v - r * d for v, d in zip((w, b), lr.mse_grad(x, y, w, b))))
     assert lr.gd_step is step and lr.gd(*points[0][:4], 0.1, 2).shape == (3, 2)  # the library works as before
+
+
+def test_a_refused_module_reached_through_its_package_and_a_specs_function_held_by_name_are_refused():
+    from utils.checks import model_parallel
+
+    ex = engine.Exercise("engine_test_dotted", _mean_cases, MEAN.oracle, "add and divide", refuse=("utils.parallel.tensor_parallel",))  # fmt: skip
+    ns, lib = {"__name__": "__main__"}, {"__name__": "utils.a_library_module"}
+    dotted = "import utils.parallel\ndef {}(x):\n    return utils.parallel.tensor_parallel._CopyToTP.apply(x).mean().item()\n"
+    exec(dotted.format("answer"), ns)
+    exec(dotted.format("library_mean"), lib)
+    with pytest.raises(CheckFailed, match="uses utils.parallel.tensor_parallel._CopyToTP, which this exercise"):
+        engine.check(ex, ns["answer"])
+    engine.check(ex, lambda x: lib["library_mean"](x))  # the library's own code reaches it through the package
+    assert type(vars(ns["utils"].parallel)["tensor_parallel"]) is types.ModuleType, "put back after the check"
+    exec("from utils.checks.model_parallel import _col, _row\ncol, row = (lambda *a: _col(*a)), (lambda *a: _row(*a))\n", ns)  # fmt: skip
+    with pytest.raises(CheckFailed, match="uses utils.checks.model_parallel._col, which this exercise asks you"):
+        engine.check(model_parallel.TENSOR_PARALLEL, ns["col"], ns["row"])
+    assert ns["_col"] is vars(model_parallel)["_col"], "put back after the check"
 
 
 def test_a_hang_is_reported_within_the_timeout():

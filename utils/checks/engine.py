@@ -213,13 +213,16 @@ def difference(got: Any, want: Any, rtol: float = 1e-4, atol: float = 1e-6) -> s
 
 
 class _Refused(types.ModuleType):
-    """What the answer holds in place of a refused module or class: using it, or any attribute of it, refuses."""
+    """What the answer holds in place of a refused module or class: using it, or any attribute of it, refuses.
+    In a package, in place of its refused submodule (``real``), only the code of namespaces in ``own`` is refused."""
 
-    def __init__(self, name: str, raise_: Callable[[str], None]):
+    def __init__(self, name: str, raise_: Callable[[str], None], real=None, own=frozenset()):
         super().__init__(name)
-        self.raise_ = raise_
+        self.raise_, self.real, self.own = raise_, real, own
 
     def __getattr__(self, attr):
+        if self.real is not None and id(sys._getframe(1).f_globals) not in self.own:
+            return getattr(self.real, attr)
         self.raise_(f"{self.__name__}.{attr}")
 
     def __call__(self, *args, **kwargs):
@@ -290,8 +293,10 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     out = []
     for holder, attr, obj, guarded in refused:
         no = functools.partial(raise_, f"{getattr(holder, '__name__', holder)}.{attr}")
-        if guarded == "spec":  # reached through its module only: a test's variant may hold it in its own scope
-            out.append((holder, attr, guard(obj, no)))
+        if guarded == "spec":  # through its module, or where the answer holds it
+            out += [(holder, attr, guard(obj, no))] + [
+                (s, k, guard(obj, no)) for s in scopes for k, v in s.items() if v is obj
+            ]
             continue
         if guarded == "scope":  # a private callable: the answer's own subclasses of it are refused with it
             held = lambda v, obj=obj: v is obj or (mine(v) and inspect.isclass(obj) and issubclass(v, obj))
@@ -318,6 +323,9 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         if inspect.isclass(obj) and "__init__" in vars(obj) and named:
             out.append((obj, "__init__", lambda self, *a, _no=no, **k: _no()))
     mods = [(s, k, v) for s in scopes for k, v in s.items() if any(v is m for m in modules)]
+    parents = [(sys.modules[m.__name__.rpartition(".")[0]], m) for m in modules if "." in m.__name__]
+    parents = [(p, m) for p, m in parents if vars(p).get(m.__name__.rpartition(".")[2]) is m]
+    out += [(p, m.__name__.rpartition(".")[2], _Refused(m.__name__, raise_, m, own)) for p, m in parents]
     return out + [(s, k, _Refused(v.__name__, raise_)) for s, k, v in mods]
 
 

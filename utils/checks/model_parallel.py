@@ -473,15 +473,14 @@ def _gpipe(s0, s1, x, y, m, cut="leaf", div=True, fb=False, zero=False, back=Tru
     return sum(losses)
 
 
+_GRADS = ("stage0 gradients", "stage1 gradients")
 _NO_BOUNDARY_GRAD = ("implicitly created only for scalar outputs", "does not require grad", "a second time")
 GPIPE = Exercise(
     name="gpipe_microbatches",
     cases=_gpipe_cases,
     oracle=_full_batch,
     run=_gpipe_run,
-    compare=lambda got, want: difference(
-        *({k: o[k] for k in ("loss", "stage0 gradients", "stage1 gradients")} for o in (got, want))
-    ),
+    compare=lambda got, want: difference(*({k: o[k] for k in ("loss", *_GRADS)} for o in (got, want))),
     hint="backpropagate stage 0's output with the gradient of the leaf that stage 1 received, once per micro-batch",
     passed="1, 2 and 4 micro-batches: the GPipe order, and the gradients of one full-batch step",
     mistakes=[
@@ -510,6 +509,7 @@ GPIPE = Exercise(
             "the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch loss is "
             "their mean",
             partial(_gpipe, div=False),
+            lambda o: all(difference(o.got[k] / o.case.args[4], o.want[k]) is None for k in _GRADS),
         ),
         _m(
             "stage0's gradients are twice too large: the loss's backward already reached stage0. Try: cut the graph at "
