@@ -40,10 +40,20 @@ class BatchNormSubclass(nn.BatchNorm2d):
         super().__init__(c, **kw)
 
 
-class GhostCallsBatchNorm(large_batch._GhostVariant):
+class GhostCallsBatchNorm(nn.Module):
+    def __init__(self, c, virtual_batch_size=32, momentum=0.1, eps=1e-5):
+        super().__init__()
+        self.vb, self.weight, self.bias = virtual_batch_size, nn.Parameter(torch.ones(c)), nn.Parameter(torch.zeros(c))
+        self.register_buffer("running_mean", torch.zeros(c))
+        self.register_buffer("running_var", torch.ones(c))
+
     def forward(self, x):
         parts = x.split(self.vb)
         return torch.cat([nn.functional.batch_norm(v, None, None, self.weight, self.bias, True) for v in parts])
+
+
+class SpecSubclass(large_batch._GhostVariant):  # the check's own hand-written class
+    pass
 
 
 @pytest.mark.parametrize(
@@ -54,8 +64,9 @@ class GhostCallsBatchNorm(large_batch._GhostVariant):
         (large_batch.GHOST_BATCH_NORM, GhostSubclass, "GhostBatchNorm2d.forward"),
         (large_batch.GHOST_BATCH_NORM, BatchNormSubclass, "batch_norm"),
         (large_batch.GHOST_BATCH_NORM, GhostCallsBatchNorm, "batch_norm"),
+        (large_batch.GHOST_BATCH_NORM, SpecSubclass, "_GhostVariant"),
     ],
-    ids=["lars-subclass", "lars-wrapper", "ghost-subclass", "batchnorm-subclass", "calls-batch-norm"],
+    ids=["lars-subclass", "lars-wrapper", "ghost-subclass", "batchnorm-subclass", "calls-batch-norm", "spec-subclass"],
 )
 def test_the_library_is_refused_however_it_is_reached(ex, cls, used):
     with pytest.raises(CheckFailed, match=f"your code uses .*{used}, which this exercise asks you to write yourself"):

@@ -273,7 +273,7 @@ def test_an_oracle_that_is_a_library_function_is_refused_to_the_answer_and_put_b
 
 
 def test_a_refused_module_reached_through_its_package_and_a_specs_function_held_by_name_are_refused():
-    from utils.checks import model_parallel
+    from utils.checks import model_parallel, transformer
 
     ex = engine.Exercise("engine_test_dotted", _mean_cases, MEAN.oracle, "add and divide", refuse=("utils.parallel.tensor_parallel",))  # fmt: skip
     ns, lib = {"__name__": "__main__"}, {"__name__": "utils.a_library_module"}
@@ -288,6 +288,11 @@ def test_a_refused_module_reached_through_its_package_and_a_specs_function_held_
     with pytest.raises(CheckFailed, match="uses utils.checks.model_parallel._col, which this exercise asks you"):
         engine.check(model_parallel.TENSOR_PARALLEL, ns["col"], ns["row"])
     assert ns["_col"] is vars(model_parallel)["_col"], "put back after the check"
+    exec(
+        "from utils.checks.transformer import COPY, REDUCE\nclass F(COPY):\n    pass\nclass G(REDUCE):\n    pass\n", ns
+    )
+    with pytest.raises(CheckFailed, match="uses utils.checks.transformer.COPY, which"):  # before any rank starts
+        engine.check(transformer.TP_OPERATORS, ns["F"], ns["G"])
 
 
 def test_a_hang_is_reported_within_the_timeout():

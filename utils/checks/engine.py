@@ -252,7 +252,8 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
         raise CheckFailed(message(ex.name, problem, ex.refuse_hint))
 
     fns = [f for a in answer for f in _functions(a)]
-    scopes = list({id(fn.__globals__): fn.__globals__ for fn in fns}.values()) + list(scopes)
+    homes = [vars(sys.modules[a.__module__]) for a in answer if inspect.isclass(a) and a.__module__ in sys.modules]
+    scopes = list({id(s): s for s in [fn.__globals__ for fn in fns] + homes}.values()) + list(scopes)
     lib = lambda scope: str(scope.get("__name__", "")).split(".")[0] in ("utils", "torch")
     own = {id(s) for s in scopes if not lib(s)}  # the answer's namespaces
     scopes = [s for s in scopes if id(s) in own]
@@ -274,9 +275,8 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
             refused.append((holder, attr, obj, dotted.startswith("utils.") and inspect.ismodule(holder) or None))
     spec = sys.modules.get(ex.module)
     if spec is not None and own and not any(lib(fn.__globals__) for fn in fns):  # the oracles: no student's answer
-        refused += [
-            (spec, a, v, "spec") for a, v in vars(spec).items() if inspect.isfunction(v) and v.__module__ == ex.module
-        ]
+        ours = [(a, v) for a, v in vars(spec).items() if getattr(v, "__module__", None) == ex.module]
+        refused += [(spec, a, v, "spec" if inspect.isfunction(v) else "scope") for a, v in ours if callable(v)]
         # and an oracle that is the library's own function (utils.linear_regression.gd_step)
         oracles = ex.oracle if isinstance(ex.oracle, tuple) else (ex.oracle,)
         at = lambda o: sys.modules[o.__module__] if re.match(r"utils\.(?!checks\b)", o.__module__) else None
@@ -670,6 +670,11 @@ def check(ex: Exercise, *answer) -> Any:
     _validate_answer(ex, answer)
     source = _source(answer)
     if ex.ranks:
+        try:  # what the answer is or holds of a refused name is refused here too, before its source travels
+            with refusing(ex, answer):
+                pass
+        except CheckFailed as e:
+            raise e.with_traceback(None) from None
         judge_on_ranks(ex, _on_ranks(ex, answer, source), source)
     cases = [] if ex.ranks else ex.cases()
     for i, case in enumerate(cases):
