@@ -276,6 +276,7 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
     spec = sys.modules.get(ex.module)
     if spec is not None and own and not any(lib(fn.__globals__) for fn in fns):  # the oracles: no student's answer
         ours = [(a, v) for a, v in vars(spec).items() if getattr(v, "__module__", None) == ex.module]
+        ours.sort(key=lambda av: av[0] == getattr(av[1], "__name__", None))  # an alias's patch first: the name wins
         refused += [(spec, a, v, "spec" if inspect.isfunction(v) else "scope") for a, v in ours if callable(v)]
         # and an oracle that is the library's own function (utils.linear_regression.gd_step)
         oracles = ex.oracle if isinstance(ex.oracle, tuple) else (ex.oracle,)

@@ -139,7 +139,7 @@ ZERO_MEMORY = Exercise(
     cases=lambda: [Case((10**6 + 3, n, s), label=f"stage {s} on {n} GPU(s)") for n in (1, 2, 8, 64) for s in range(4)],
     hint="bytes per parameter: parameters 2, gradients 2, optimizer state 12; divide by N the parts the stage shards",
     passed="every stage on 1 to 64 GPUs",
-    refuse=("utils.parallel.zero_bytes",),
+    refuse=("utils.parallel.zero_bytes", "utils.diagrams.zero_segments"),
     refuse_hint="add up the bytes of parameters, gradients and optimizer state yourself",
     mistakes=[
         _m(
@@ -449,7 +449,7 @@ def _full_batch(s0, s1, x, y, m):
     return loss.item()
 
 
-def _gpipe(s0, s1, x, y, m, cut="leaf", div=True, fb=False, zero=False, back=True):
+def _gpipe(s0, s1, x, y, m, cut="leaf", div=True, fb=False, zero=False, back=True, total=False):
     """GPipe's micro-batch loop (the defaults); each keyword makes one named mistake."""
     if zero:
         s0.zero_grad(), s1.zero_grad()
@@ -465,7 +465,8 @@ def _gpipe(s0, s1, x, y, m, cut="leaf", div=True, fb=False, zero=False, back=Tru
         out0 = s0(xi)
         boundary = {"leaf": out0.detach().requires_grad_(), "none": out0.detach(), "retain": out0}[cut]
         out0.retain_grad() if cut == "retain" else None
-        todo.append((out0, boundary, ((s1(boundary) - yi) ** 2).mean() / (m if div else 1)))
+        squares = (s1(boundary) - yi) ** 2
+        todo.append((out0, boundary, (squares.sum() if total else squares.mean()) / (m if div else 1)))
         if fb:
             backward(*todo.pop())
     for item in todo:
@@ -506,6 +507,11 @@ GPIPE = Exercise(
             mechanism=True,
         ),
         _m(
+            "each micro-batch's loss is a sum over its elements, not their mean. Try: take each micro-batch's mean "
+            "squared error, as the full batch's loss does, then divide it by m",
+            partial(_gpipe, total=True),
+        ),
+        _m(
             "the gradients are m times too large. Try: divide each micro-batch's loss by m: the full-batch loss is "
             "their mean",
             partial(_gpipe, div=False),
@@ -538,7 +544,10 @@ GPIPE = Exercise(
             "the returned loss differs from the full batch's. Try: return the sum of the m micro-batch losses, each "
             "already divided by m, as a float",
             lambda *a: _gpipe(*a) / a[4],
-            lambda o: o.got["loss"] is None or difference(o.got["loss"], o.want["loss"]),
+            lambda o: (
+                all(difference(o.got[k], o.want[k]) is None for k in _GRADS)
+                and (o.got["loss"] is None or difference(o.got["loss"], o.want["loss"]))
+            ),
         ),
     ],
 )
