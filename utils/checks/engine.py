@@ -275,9 +275,10 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
             refused.append((holder, attr, obj, dotted.startswith("utils.") and inspect.ismodule(holder) or None))
     spec = sys.modules.get(ex.module)
     if spec is not None and own and not any(lib(fn.__globals__) for fn in fns):  # the oracles: no student's answer
-        ours = [(a, v) for a, v in vars(spec).items() if getattr(v, "__module__", None) == ex.module]
-        ours.sort(key=lambda av: av[0] == getattr(av[1], "__name__", None))  # an alias's patch first: the name wins
-        refused += [(spec, a, v, "spec" if inspect.isfunction(v) else "scope") for a, v in ours if callable(v)]
+        ours = [(a, v) for a, v in vars(spec).items() if (inspect.isfunction(v) or inspect.isclass(v))]
+        ours = [(a, v) for a, v in ours if v.__module__ == ex.module]
+        ours.sort(key=lambda av: av[0] == av[1].__name__)  # an alias's patch first, so that the name wins
+        refused += [(spec, a, v, "spec" if inspect.isfunction(v) else "scope") for a, v in ours]
         # and an oracle that is the library's own function (utils.linear_regression.gd_step)
         oracles = ex.oracle if isinstance(ex.oracle, tuple) else (ex.oracle,)
         at = lambda o: sys.modules[o.__module__] if re.match(r"utils\.(?!checks\b)", o.__module__) else None
@@ -485,9 +486,10 @@ def ship(name: str, answer: tuple) -> Shipment:
             hint = "define it with `def` (or `class`) in a notebook cell, run that cell, then this one"
             fail(name, f"the source of {what} could not be read", hint)
 
-    # a partial of a module's function (the checks' own variants) is pickled as it is
+    # the checks' own variants (a spec module's function, a partial of a module's function) are pickled as they are
+    own = lambda a: inspect.isfunction(a) and str(a.__module__).startswith("utils.checks.")
     mine = [
-        a if isinstance(a, functools.partial) and not _notebook_defined(a.func) else visit(a) or a.__name__
+        a if own(a) or isinstance(a, functools.partial) and not _notebook_defined(a.func) else visit(a) or a.__name__
         for a in answer
     ]
     return Shipment(sources, imports, constants, tuple(mine))
