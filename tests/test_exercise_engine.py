@@ -9,6 +9,7 @@ the fake NCCL device rule (tests/fake_gpu.py), as on a GPU server.
 
 import functools
 import importlib
+import inspect
 import linecache
 import re
 import sys
@@ -293,6 +294,16 @@ def test_a_refused_module_reached_through_its_package_and_a_specs_function_held_
     )
     with pytest.raises(CheckFailed, match="uses utils.checks.transformer.COPY, which"):  # before any rank starts
         engine.check(transformer.TP_OPERATORS, ns["F"], ns["G"])
+
+
+def test_a_refused_cpp_method_is_put_back_as_the_descriptor_it_was():
+    """ProcessGroup.allreduce (pybind) put back as what getattr returns would no longer bind its group."""
+    from utils.checks import ddp
+
+    before = inspect.getattr_static(dist.ProcessGroup, "allreduce")
+    with engine.refusing(ddp.RING_ALL_REDUCE, (lambda tensor: tensor,)):
+        assert inspect.getattr_static(dist.ProcessGroup, "allreduce") is not before
+    assert inspect.getattr_static(dist.ProcessGroup, "allreduce") is before
 
 
 def test_a_hang_is_reported_within_the_timeout():

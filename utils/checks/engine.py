@@ -332,11 +332,12 @@ def _patches(ex: Exercise, answer: Sequence, scopes: Sequence[dict]) -> list:
 
 
 def _swap(holder, attr, value):
-    """Set ``holder``'s ``attr`` (a dict's key, or an attribute) to ``value``; return what it was."""
+    """Set ``holder``'s ``attr`` (a dict's key, or an attribute) to ``value``; return what it was (a class's own
+    descriptor, so that a C++ method put back still binds its instance)."""
     if isinstance(holder, dict):
         old, holder[attr] = holder[attr], value
         return old
-    old = getattr(holder, attr)
+    old = inspect.getattr_static(holder, attr) if inspect.isclass(holder) else getattr(holder, attr)
     setattr(holder, attr, value)
     return old
 
@@ -674,8 +675,7 @@ def check(ex: Exercise, *answer) -> Any:
     source = _source(answer)
     if ex.ranks:
         try:  # what the answer is or holds of a refused name is refused here too, before its source travels
-            with refusing(ex, answer):
-                pass
+            _patches(ex, answer, ())
         except CheckFailed as e:
             raise e.with_traceback(None) from None
         judge_on_ranks(ex, _on_ranks(ex, answer, source), source)
