@@ -296,6 +296,15 @@ def test_a_refused_module_reached_through_its_package_and_a_specs_function_held_
         engine.check(transformer.TP_OPERATORS, ns["F"], ns["G"])
 
 
+def test_the_exercises_own_oracle_reached_through_the_registry_is_refused_and_put_back():
+    from utils.checks import gd_sgd
+
+    oracle = gd_sgd.GD_STEP.oracle
+    with pytest.raises(CheckFailed, match="uses the check's own oracle for gd_step, which this exercise asks you"):
+        engine.check(gd_sgd.GD_STEP, lambda *a: engine.REGISTRY["gd_step"].oracle(*a))
+    assert gd_sgd.GD_STEP.oracle is oracle
+
+
 def test_a_refused_cpp_method_is_put_back_as_the_descriptor_it_was():
     """ProcessGroup.allreduce (pybind) put back as what getattr returns would no longer bind its group."""
     from utils.checks import ddp

@@ -59,6 +59,7 @@ FAST_TIER_PROCESSES = {
     "test_checks_gd_sgd.py::test_the_library_per_example_grads_is_refused_and_the_loop_refusal_names_a_loop": IN_PROCESS,
     "test_exercise_engine.py::test_an_oracle_that_is_a_library_function_is_refused_to_the_answer_and_put_back_after": IN_PROCESS,
     "test_exercise_engine.py::test_a_refused_module_reached_through_its_package_and_a_specs_function_held_by_name_are_refused": IN_PROCESS,
+    "test_exercise_engine.py::test_the_exercises_own_oracle_reached_through_the_registry_is_refused_and_put_back": IN_PROCESS,
     "test_checks_large_batch.py::test_a_placeholder_in_step_alone_says_not_implemented": IN_PROCESS,
     "test_checks_large_batch.py::test_independent_hand_written_classes_pass": IN_PROCESS,
     "test_checks_large_batch.py::test_passing_the_library_class_itself_is_refused": IN_PROCESS,
