@@ -223,10 +223,9 @@ def _flat(tensors, world, pad="end"):
 
 def _copy_back(tensors, full):
     """``full``'s pieces from offset 0 into ``tensors``, in order, in place; the padding, at the end, left out."""
+    sizes = [t.numel() for t in tensors]
     with torch.no_grad():
-        for t, piece in zip(
-            tensors, full.split([t.numel() for t in tensors] + [full.numel() - sum(t.numel() for t in tensors)])
-        ):
+        for t, piece in zip(tensors, full[: sum(sizes)].split(sizes)):
             t.copy_(piece.view_as(t))
 
 
@@ -259,13 +258,11 @@ def _zero2_step(
         dist.all_gather_into_tensor(grads, shard.grad)
         return _copy_back([p.grad for p in params], grads) or opt.step()
     _ = None if first else opt.step()
-    # without the all-gather only my shard is new
     full = torch.empty_like(grads) if gather else _flat(params, world, pad)
-    _ = (
+    if gather:
         dist.all_gather_into_tensor(full, shard.detach())
-        if gather
-        else full.chunk(world)[dist.get_rank()].copy_(shard.detach())
-    )
+    else:  # without the all-gather only my shard is new
+        full.chunk(world)[dist.get_rank()].copy_(shard.detach())
     _ = opt.step() if first else None
     _ = _copy_back(params, full) if copy else None
 
