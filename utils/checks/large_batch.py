@@ -31,7 +31,6 @@ def _raised(*words):  # the answer raised an error whose last line holds one of 
 
 
 def _made(cls, base, *args, **kwargs):
-    """``cls(*args, **kwargs)``, which must be an instance of ``base`` made by a class."""
     obj = cls(*args, **kwargs)
     if not isinstance(cls, type) or not isinstance(obj, base):
         raise TypeError("it is not a class" if not isinstance(cls, type) else f"it is not a {base.__name__} class")
@@ -110,10 +109,6 @@ def _ratio_case(shape, scale, *hp, seed):  # three (w, g) pairs: the 2nd with ze
     return Case((w, g * 0.1, *hp), label=label)
 
 
-def _eps_after_where(w, g, weight_decay, trust_coefficient, eps):  # eps outside the division and the fallback
-    return _ratio(w, g, weight_decay, trust_coefficient, 0.0) + eps
-
-
 TRUST_RATIO = Exercise(
     name="trust_ratio",
     oracle=_ratio,
@@ -180,7 +175,8 @@ TRUST_RATIO = Exercise(
         number=_raised("only return Tensors"),
         eps_outside=lambda o: any(
             difference(o.got, TRUST_RATIO.run(v, o.case)) is None
-            for v in (partial(_ratio, eps_outside=True), _eps_after_where)
+            # eps outside the division only, or outside the fallback too
+            for v in (partial(_ratio, eps_outside=True), lambda w, g, wd, tc, eps: _ratio(w, g, wd, tc, 0.0) + eps)
         ),
     ),
 )
@@ -381,9 +377,8 @@ def _run_optimizer(cls, case):
                 params=[a.bias, bn.bias, b.weight, b.bias], exclude=True, weight_decay=0.02, momentum=0.5, lr_scale=0.5
             ),
         ]
-    opt, out = _made(cls, torch.optim.Optimizer, groups, **hp), {"params": [], "state": True, "plain": True}
-    reads = HostReads()
-    out["names"] = [n for n, _ in model.named_parameters()]
+    opt, reads = _made(cls, torch.optim.Optimizer, groups, **hp), HostReads()
+    out = {"params": [], "state": True, "plain": True, "names": [n for n, _ in model.named_parameters()]}
     for (x, y), lr in zip(data, lrs):
         for g in opt.param_groups:
             g["lr"] = lr * g.get("lr_scale", 1.0)
@@ -491,11 +486,8 @@ class _GhostVariant(nn.Module):
     def __init__(self, num_features, virtual_batch_size=32, momentum=0.1, eps=1e-5):
         super().__init__()
         k = self.kinds
-        self.vb, self.m, self.eps = (
-            virtual_batch_size,
-            0.1 if "own_momentum" in k else momentum,
-            1e-5 if "own_eps" in k else eps,
-        )
+        self.vb, self.m = virtual_batch_size, 0.1 if "own_momentum" in k else momentum
+        self.eps = 1e-5 if "own_eps" in k else eps
         self.weight = nn.Parameter(torch.zeros(num_features) if "zero_weight" in k else torch.ones(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
         for name, value in (("running_mean", torch.zeros(num_features)), ("running_var", torch.ones(num_features))):
