@@ -37,18 +37,14 @@ def _made(cls, base, *args, **kwargs):
     return obj
 
 
-def _class_variant(cls, name):
-    """The variants of a class answer: "not_class" is a function, "not_..." a class of the wrong kind, any other
-    ``kind`` a subclass of the hand-written ``cls`` making that slip."""
-
-    def make(kind):
-        if kind == "not_class":
-            return lambda *args, **kwargs: cls(*args, **kwargs)
-        if kind.startswith("not_"):
-            return type(name, (), {"__init__": lambda self, *args, **kwargs: None})
-        return type(name, (cls,), {"kinds": frozenset([kind])})
-
-    return make
+def _class_variant(cls, name, kind):
+    """The variant ``kind`` of a class answer: "not_class" is a function, "not_..." a class of the wrong kind, any
+    other ``kind`` a subclass of the hand-written ``cls`` making that slip."""
+    if kind == "not_class":
+        return lambda *args, **kwargs: cls(*args, **kwargs)
+    if kind.startswith("not_"):
+        return type(name, (), {"__init__": lambda self, *args, **kwargs: None})
+    return type(name, (cls,), {"kinds": frozenset([kind])})
 
 
 def _warmup(step, base_lr, peak_lr, warmup_steps):
@@ -466,7 +462,7 @@ LARS_OPTIMIZER = Exercise(
             "else, or that parameter gets no momentum. Try: every parameter with a gradient, in an excluded group "
             "too, keeps its buffer in self.state under the parameter itself, which PyTorch saves with the optimizer",
         },
-        _class_variant(_LarsVariant, "MyLARS"),
+        partial(_class_variant, _LarsVariant, "MyLARS"),
         not_class=_raised("not a class"),
         not_optimizer=_raised("not a Optimizer class"),
         grad_on=lambda o: "leaf Variable" in o.error or o.got["plain"] is False,
@@ -559,19 +555,15 @@ def _run_ghost(cls, case):
     return out
 
 
-_ghost_variant = _class_variant(_GhostVariant, "MyGhostBatchNorm2d")
+_ghost_variant = partial(_class_variant, _GhostVariant, "MyGhostBatchNorm2d")
 
 
-def _stage(kinds, *keys):
+def _stage(kinds, keys, o):
     """Seen when the answer's outputs under ``keys`` differ from the oracle's and equal those of a variant of
     ``kinds``: the first part that goes wrong names the mistake, whatever the later parts do."""
-
-    def seen(o):
-        diff = lambda a, b: any(difference(a[k], b[k], 1e-6, 1e-8) for k in keys)
-        variants = (_run_ghost(_ghost_variant(kind), o.case) for kind in kinds.split())
-        return diff(o.got, o.want) and any(not diff(o.got, theirs) for theirs in variants)
-
-    return seen
+    diff = lambda a, b: any(difference(a[k], b[k], 1e-6, 1e-8) for k in keys)
+    variants = (_run_ghost(_ghost_variant(kind), o.case) for kind in kinds.split())
+    return diff(o.got, o.want) and any(not diff(o.got, theirs) for theirs in variants)
 
 
 _RUNNING = ("running_mean", "running_var")
@@ -649,7 +641,7 @@ GHOST_BATCH_NORM = Exercise(
             "eval_updates": "eval mode changed the running statistics. Try: update them only when self.training is True",
         },
         _ghost_variant,
-        **{k.split()[0]: _stage(k, *keys) for k, keys in _GHOST_STAGES.items()},
+        **{k.split()[0]: partial(_stage, k, keys) for k, keys in _GHOST_STAGES.items()},
         not_class=_raised("not a class"),
         not_module=_raised("not a Module class"),
         rename=_raised("lacks weight"),
