@@ -19,10 +19,6 @@ from ._common import HostReads
 from .engine import Case, Exercise, difference
 from .engine import mistake as _m
 
-__all__ = [
-    f"check_{n}"
-    for n in ("self_times", "data_wait_fraction", "syncs_per_step", "fixed_loader", "loss_log", "standardize")
-]
 LAB = "lab6_profiling"
 UA, SYNC, STEP = "user_annotation", "aten::_local_scalar_dense", "ProfilerStep#"
 
@@ -40,15 +36,10 @@ def _fit_trace(kind):
     ds = torch.utils.data.TensorDataset(torch.randn(96, 32, generator=g), torch.randint(0, 10, (96,), generator=g))
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 10))
     loader = torch.utils.data.DataLoader(SlowDataset(ds, 2e-3) if kind == "slow" else ds, batch_size=16)
+    callbacks = [profiling.LogLossEveryStep()] if kind == "item" else []
     with tempfile.TemporaryDirectory() as tmp:
-        _, path = profiling.profile_fit(
-            model,
-            loader,
-            torch.optim.SGD(model.parameters(), lr=0.05),
-            tmp,
-            device="cpu",
-            callbacks=[profiling.LogLossEveryStep()] if kind == "item" else [],
-        )
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        _, path = profiling.profile_fit(model, loader, opt, tmp, device="cpu", callbacks=callbacks)
         return profiling.load_trace(path)
 
 
@@ -390,13 +381,12 @@ def _run_log(cls, case):
                 log.on_step_end(state)
         with at_end:
             log.on_epoch_end(state)
-    reads = [mode.n for mode in (in_step, at_end)]
     got = getattr(log, "losses", None)
     return {
         "losses": got,
         "floats": isinstance(got, list) and all(type(v) is float for v in got),
-        "host reads per step": reads[0] / state.step,
-        "at most one host read per epoch end": reads[1] <= len(case.args),
+        "host reads per step": in_step.n / state.step,
+        "at most one host read per epoch end": at_end.n <= len(case.args),
     }
 
 
@@ -471,13 +461,11 @@ def _run_std(cls, case):
     mod, ops, x = cls(ref, **({"eps": eps} if eps else {})), _Ops(), torch.randn(7, *shape, generator=g)
     with ops:
         out = mod(given := x.clone())
-    kept = [
-        b for b in mod.buffers() if b.shape != ref.shape
-    ]  # the statistics (in one buffer or two), not the reference
     return {
         "output": out,
         "reads the whole reference per call": any(s[:1] == (n,) for _, s in getattr(ops, "seen", [])),
-        "statistics in buffers": bool(kept),
+        # the statistics (in one buffer or two), not the reference
+        "statistics in buffers": any(b.shape != ref.shape for b in mod.buffers()),
         "statistics are parameters": bool(list(mod.parameters())),
         "input kept": torch.equal(given, x),
     }
@@ -550,3 +538,5 @@ check_syncs_per_step = SYNCS_PER_STEP.checker("``syncs_per_step(events)``: host 
 check_fixed_loader = FIXED_LOADER.checker("``fixed_loader(dataset, batch_size, device, seed)``: the planted order.")
 check_loss_log = LOSS_LOG.checker("``LossLog``: a fit callback keeping every step's loss, without a sync per step.")
 check_standardize = STANDARDIZE.checker("``Standardize(reference, eps=1e-5)``: the original's outputs, its stats once.")
+
+__all__ = [name for name in dir() if name.startswith("check_")]
