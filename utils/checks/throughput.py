@@ -11,7 +11,7 @@ from functools import partial
 import torch
 
 from .. import models
-from .engine import Case, Exercise, difference
+from .engine import Case, Exercise, _swap, difference
 from .engine import mistake as _m
 
 __all__ = ["check_state_bytes", "check_time_step", "check_wait_fraction", "STATE_BYTES", "TIME_STEP", "WAIT_FRACTION"]
@@ -23,6 +23,9 @@ _STATE_CASES = [
     ("adam", 0.0, torch.bfloat16, False, "Adam, in bfloat16"),
     ("adam", 0.0, torch.float32, True, "Adam, its first layer frozen"),
 ]
+_MEMORY = (
+    "parameter_bytes grad_bytes optimizer_state_bytes counted_state_bytes predict_memory _state_multiplier _nbytes"
+)
 
 
 def _run_state(answer, case: Case):
@@ -61,18 +64,7 @@ STATE_BYTES = Exercise(
     hint="params: the sum of p.numel() * p.element_size(); grads: the same over trainable parameters; optimizer state: "
     "twice that for Adam, once for SGD with momentum, zero without",
     passed="byte for byte what a real optimizer holds, for 5 models and optimizers",
-    refuse=tuple(
-        f"utils.memory.{f}"
-        for f in (
-            "parameter_bytes",
-            "grad_bytes",
-            "optimizer_state_bytes",
-            "counted_state_bytes",
-            "predict_memory",
-            "_state_multiplier",
-            "_nbytes",
-        )
-    ),
+    refuse=tuple(f"utils.memory.{f}" for f in _MEMORY.split()),
     mistakes=[
         _m(
             "it does not return a dict with the keys params, grads and optimizer_state. Try: return such a dict of "
@@ -154,24 +146,20 @@ def _clock(machine: _Machine, answer):
 
     fakes = {id(getattr(time, n)): fake(getattr(time, n), n.endswith("_ns")) for n in names}
     scopes = [vars(time), vars(timeit), getattr(answer, "__globals__", {})]
-    saved = [(scope, k, v) for scope in scopes for k, v in list(scope.items()) if id(v) in fakes]
-    defaults = [
-        f for f in (answer, timeit.Timer.__init__, timeit.timeit, timeit.repeat) if getattr(f, "__defaults__", None)
+    patches = [(scope, k, fakes[id(v)]) for scope in scopes for k, v in list(scope.items()) if id(v) in fakes]
+    patches += [
+        (f, "__defaults__", tuple(fakes.get(id(d), d) for d in f.__defaults__))
+        for f in (answer, timeit.Timer.__init__, timeit.timeit, timeit.repeat)
+        if getattr(f, "__defaults__", None)
     ]
-    saved += [(f, "__defaults__", f.__defaults__) for f in defaults]
-    for scope, k, v in saved:
-        if k == "__defaults__":
-            scope.__defaults__ = tuple(fakes.get(id(d), d) for d in v)
-        else:
-            scope[k] = fakes[id(v)]
+    saved = []
     try:
+        for holder, attr, value in patches:
+            saved.append((holder, attr, _swap(holder, attr, value)))
         yield
     finally:
-        for scope, k, v in saved:
-            if k == "__defaults__":
-                scope.__defaults__ = v
-            else:
-                scope[k] = v
+        for holder, attr, old in reversed(saved):
+            _swap(holder, attr, old)
 
 
 def _compare(got, want):  # (result, what step() saw) against the oracle's: the calls first, then the number
