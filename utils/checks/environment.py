@@ -33,47 +33,46 @@ def _correct(logits, labels):
     return (logits.argmax(dim=1) == labels).sum().item()
 
 
-# Each mistake: what is wrong, "Try:", what to do, then a variant that makes it (the tests submit it).
-_MISTAKES = [
-    (
-        "it returns the number of correct predictions, not the fraction. Try: divide the count by the number of "
-        "examples",
-        _correct,
-    ),
-    (
-        "it returns a percentage. Try: return the fraction in [0, 1], without multiplying by 100",
-        lambda logits, labels: 100 * _accuracy(logits, labels),
-    ),
-    (
-        "it returns the error rate, the fraction of WRONG predictions. Try: count the rows whose arg-max equals the "
-        "label, not those where it differs",
-        lambda logits, labels: 1 - _accuracy(logits, labels),
-    ),
-    (
-        "it divides by the number of classes instead of the number of examples. Try: the number of examples is the "
-        "length of the batch dimension (dim 0)",
-        lambda logits, labels: _correct(logits, labels) / logits.shape[1],
-    ),
-    (
-        "the arg-max seems to be taken over the batch dimension. Try: the class scores lie along dim 1: take the "
-        "arg-max over that dimension",
-        lambda logits, labels: (logits.argmax(dim=0)[: len(labels)] == labels[: logits.shape[1]]).float().mean().item(),
-    ),
-]
 ACCURACY = Exercise(
     name="accuracy",
     cases=_cases,
     oracle=_accuracy,
     hint="take each row's arg-max over the classes, compare it with the labels, then average the matches",
     passed="3 batches of different shapes",
-    mistakes=[mistake(text, variant) for text, variant in _MISTAKES]
-    + [
+    # Each mistake: what is wrong, "Try:", what to do, then a variant that makes it (the tests submit it).
+    mistakes=[
+        mistake(
+            "it returns the number of correct predictions, not the fraction. Try: divide the count by the number of "
+            "examples",
+            _correct,
+        ),
+        mistake(
+            "it returns a percentage. Try: return the fraction in [0, 1], without multiplying by 100",
+            lambda logits, labels: 100 * _accuracy(logits, labels),
+        ),
+        mistake(
+            "it returns the error rate, the fraction of WRONG predictions. Try: count the rows whose arg-max equals "
+            "the label, not those where it differs",
+            lambda logits, labels: 1 - _accuracy(logits, labels),
+        ),
+        mistake(
+            "it divides by the number of classes instead of the number of examples. Try: the number of examples is "
+            "the length of the batch dimension (dim 0)",
+            lambda logits, labels: _correct(logits, labels) / logits.shape[1],
+        ),
+        mistake(
+            "the arg-max seems to be taken over the batch dimension. Try: the class scores lie along dim 1: take the "
+            "arg-max over that dimension",
+            lambda logits, labels: (
+                (logits.argmax(dim=0)[: len(labels)] == labels[: logits.shape[1]]).float().mean().item()
+            ),
+        ),
         mistake(
             "it returns a tensor, not a Python float. Try: turn the one-element result into a number with .item()",
             lambda logits, labels: (logits.argmax(dim=1) == labels).float().mean(),
             when=lambda o: torch.is_tensor(o.got),
             mechanism=True,
-        )
+        ),
     ],
 )
 

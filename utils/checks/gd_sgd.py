@@ -634,11 +634,7 @@ DATASET_NOISE_SCALE = Exercise(
     rtol=1e-10,
     atol=1e-12,
     passed="two models, in chunks that leave a shorter last one, and 48 examples in chunks of 2",
-    refuse=(
-        "utils.gradient_noise.per_example_grads",
-        "utils.gradient_noise.noise_scale",
-        "utils.gradient_noise.dataset_noise_scale",
-    ),
+    refuse=tuple(f"utils.gradient_noise.{f}" for f in ("per_example_grads", "noise_scale", "dataset_noise_scale")),
     refuse_hint="accumulate the sums yourself, with your own per_example_grads",
     hint="keep two running totals over every chunk (the summed gradients, the summed squared entries), divide once by "
     "N at the end, then use the unbiased tr(Sigma) and |G|^2",
