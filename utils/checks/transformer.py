@@ -170,8 +170,8 @@ def _shapes_differ(got, want):
     for r, (g, w) in enumerate(zip(got, want)):
         for k in sorted(set(g) | set(w)):
             if g.get(k) != w.get(k):
-                gave = f"a {k} of shape {g[k]}" if k in g else f"no {k}"
-                expected = f"a {k} of shape {w[k]} was expected" if k in w else "none was"
+                gave = f"{k} of shape {g[k]}" if k in g else f"no {k}"
+                expected = f"shape {w[k]} was expected" if k in w else "none was"
                 return f"gave rank {r} {gave} where {expected}"
     return None
 
