@@ -61,9 +61,7 @@ def _spying(fn, name: str, spy):
 class _Sent(TorchDispatchMode):
     """The elements this rank sends point to point: c10d's send, however the answer called it."""
 
-    def __init__(self):
-        super().__init__()
-        self.elements = 0
+    elements = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.elements += sum(t.numel() for t in args[0]) if str(func).startswith("c10d.send") else 0
@@ -102,13 +100,11 @@ def _ring_blocking(tensor):  # its first step: every rank sends before any recei
 
 def _ring_no_wait(tensor):  # written out: a crash is recognised from this source (a batch, no wait)
     world, rank = dist.get_world_size(), dist.get_rank()
-    chunks = tensor.view(-1).tensor_split(world)
+    chunks, right, left = tensor.view(-1).tensor_split(world), (rank + 1) % world, (rank - 1) % world
     for s in range(2 * (world - 1)):
         i, j = (rank - s) % world, (rank - s - 1) % world
         buf = torch.empty_like(chunks[j])
-        dist.batch_isend_irecv(
-            [dist.P2POp(dist.isend, chunks[i], (rank + 1) % world), dist.P2POp(dist.irecv, buf, (rank - 1) % world)]
-        )
+        dist.batch_isend_irecv([dist.P2POp(dist.isend, chunks[i], right), dist.P2POp(dist.irecv, buf, left)])
         chunks[j].add_(buf) if s < world - 1 else chunks[j].copy_(buf)
     return tensor
 
@@ -695,10 +691,9 @@ def _save_run(fn, case):
             fn(path, model, opt, epoch, 0)
         atomic = path in [os.fspath(c.args[1]) for c in moves.call_args_list + renames.call_args_list]
         out.update(written=os.path.exists(path), atomic=atomic, left=sorted(set(os.listdir(d)) - {"ckpt.pt"}))
-        try:
+        ck = None
+        with contextlib.suppress(Exception):  # no file, or one that does not load: what the check reports
             ck = torch.load(path, weights_only=True)
-        except Exception:  # noqa: BLE001 - no file, or one that does not load: what the check reports
-            ck = None
     ck = ck if isinstance(ck, dict) else {}
     state = ck.get("model") if isinstance(ck.get("model"), dict) else {}
     keys = sorted({"model", "optimizer", "epoch"} & set(ck))  # what it must hold; more keys are allowed

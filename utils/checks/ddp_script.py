@@ -4,6 +4,7 @@ did; rank 0's saved weights are compared with one process on the same global bat
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import json
 import os
@@ -156,11 +157,8 @@ def _probe(script: str, *args: str) -> None:
 
 
 def _read(path: str, load=json.load):
-    try:
-        with open(path, "rb") as f:
-            return load(f)
-    except Exception:  # no file, or a torn one
-        return None
+    with contextlib.suppress(Exception), open(path, "rb") as f:  # None: no file, or a torn one
+        return load(f)
 
 
 class Script:
@@ -182,17 +180,16 @@ class Script:
             argv = [s for k, v in args.items() for s in (f"--{k.replace('_', '-')}", v)] + ["--ckpt", ckpt]
             argv = ["--nproc-per-node", nproc, *_PROBE, path, *argv]
             got = dict(run=f"!python -m torch.distributed.run --nproc-per-node 2 {path}", hung=False, failed=False)
+            records = lambda: [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]
             try:
                 proc = parallel.torchrun(argv, timeout=SCRIPT_TIMEOUT, env=env)
             except subprocess.TimeoutExpired:  # the records the ranks wrote say how far each got
-                return got | {"hung": True, "recs": [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]}
-            recs = [_read(os.path.join(d, f"rank{r}.json")) for r in range(nproc)]
-            got.update(out=proc.stdout or "", recs=recs, failed=proc.returncode != 0, first=None)
+                return got | {"hung": True, "recs": records()}
+            got.update(out=proc.stdout or "", recs=records(), failed=proc.returncode != 0)
             # the first failure is the lowest rank whose error is its own, not a lost connection to a rank that crashed
-            errors = {r["rank"]: r["error"] for r in recs if r and r["error"]} if got["failed"] else {}
+            errors = {r["rank"]: r["error"] for r in got["recs"] if r and r["error"]} if got["failed"] else {}
             own = {k: tb for k, tb in errors.items() if not is_peer_error(tb.splitlines()[-1])}
-            if own or errors:
-                got["first"] = min((own or errors).items())
+            got["first"] = min((own or errors).items(), default=None)
             if got["first"] and got["first"][1].splitlines()[-1].startswith("NotImplementedError"):
                 raise NotImplementedError
             ck = _read(ckpt, torch.load)
@@ -265,22 +262,21 @@ _HANG = (
     'dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29511", rank=int(os.environ["RANK"]), '
     'world_size=int(os.environ["WORLD_SIZE"]))'
 )
-# A row per mistake: "problem. Try: hint", the variant's edit of the right script, how the run shows it, and whether
-# that is looked for on every case (a run can be right for a wrong reason).
+# A row per mistake: "problem. Try: hint", the variant's edit of the right script and how the run shows it. That of
+# _MISTAKES is looked for on every case (a run can be right for a wrong reason); that of _WEIGHT_MISTAKES, only on a
+# case whose weights differ from the oracle's.
 _MISTAKES = [
     (
         "your script imports the course's utils package, which a job on a cluster does not have. Try: write it with "
         "torch.distributed and torch.nn.parallel only",
         {"init": "import utils.ddp_train"},
         _crashed_with("No module named 'utils'"),
-        True,
     ),
     (
         "DistributedDataParallel got device_ids for a model on the CPU. Try: pass device_ids only when the model is on "
         "a GPU",
         {"wrap": "lambda m: DDP(m, device_ids=[rank])"},
         _crashed_with("device_ids"),
-        True,
     ),
     (
         "the script does not join the process group (init_process_group) before it uses torch.distributed or trains. "
@@ -288,7 +284,6 @@ _MISTAKES = [
         "rest",
         {"init": "pass"},
         lambda o: _crashed_with("has not been initialized")(o) or (_ran(o) and not any(r["init"] for r in _ran(o))),
-        True,
     ),
     (
         "the script hung under torchrun: the ranks never met (an address, port, rank or world size written in the "
@@ -296,69 +291,61 @@ _MISTAKES = [
         "backend alone, and make every rank call every collective",
         {"init": _HANG},
         lambda o: o.got["hung"],
-        True,
     ),
     (
         "the model is never wrapped in DistributedDataParallel, which this script is to train with. Try: wrap the "
         "model in DistributedDataParallel once it is on its device",
         {"wrap": "lambda m: m", "inner": "model"},
         lambda o: any(not r["ddp"] for r in _ran(o)),
-        True,
     ),
     (
         "every rank trained on the whole dataset every epoch, repeating the others' work. Try: give the DataLoader a "
         "DistributedSampler with the script's seed, and batch_size // world_size examples per rank",
         {"feed": "order.tolist()", "batch": "args.batch_size"},
         lambda o: any(r["examples"] >= 512 * o.case.kwargs["epochs"] for r in _ran(o)),
-        True,
     ),
     (
         "a rank other than 0 saved a checkpoint too, so several processes wrote the same file. Try: save on rank 0 only",
         {"saver": "True"},
         lambda o: any(r["saves"] for r in _ran(o)[1:]),
-        True,
     ),
     (
         "rank 0 wrote no checkpoint at the path that --ckpt gives. Try: save the checkpoint to args.ckpt on rank 0, as "
         "the serial script does",
         {"saver": "False"},
         lambda o: _ran(o) and o.got["weights"] is None,
-        True,
     ),
     (
         "the saved weights' names start with 'module.', so you saved the DDP wrapper. Try: save the state dict of the "
         "model inside DDP (its module attribute)",
         {"inner": "model"},
         lambda o: _ran(o) and any(k.startswith("module.") for k in o.got["weights"]),
-        True,
     ),
     (
         "the script never leaves the process group. Try: call destroy_process_group at the end of main, on every rank, "
         "after a barrier",
         {"leave": "dist.barrier()"},
         lambda o: any(r["init"] and not r["left"] for r in _ran(o)),
-        True,
     ),
+]
+_WEIGHT_MISTAKES = [
     (
         "every epoch used the same order of examples: the sampler was never told the epoch. Try: call the sampler's "
         "set_epoch with the epoch number at the start of every epoch",
         {"epoch": "pass"},
         _matches(reshuffle=False),
-        False,
     ),
     (
         "the shuffle ignores --seed: it is that of seed 0, DistributedSampler's default. Try: pass the script's seed "
         "to the DistributedSampler",
         {"sampler": "DistributedSampler(data, world, rank)"},
         _matches(seed=0),
-        False,
     ),
     (
         "each rank took --batch-size examples per step, so the global batch grew with the processes. Try: --batch-size "
         "is the global batch: give each rank batch_size // world_size",
         {"batch": "args.batch_size"},
         _matches(divide=False),
-        False,
     ),
 ]
 SCRIPT = Exercise(
@@ -370,7 +357,8 @@ SCRIPT = Exercise(
     hint="compare your script with the serial one line by line: the same data, model, seed and optimizer, a "
     "DistributedSampler with the script's seed told every epoch, and batch_size // world_size examples per rank",
     passed="rank 0's weights match one process on the same global batches, on 2 and on 3 CPU processes",
-    mistakes=[mistake(t, _variant(**edit), when, mechanism=m) for t, edit, when, m in _MISTAKES],
+    mistakes=[mistake(t, _variant(**edit), when, mechanism=True) for t, edit, when in _MISTAKES]
+    + [mistake(t, _variant(**edit), when) for t, edit, when in _WEIGHT_MISTAKES],
 )
 
 
