@@ -350,17 +350,22 @@ def _swap(holder, attr, value):
 
 
 @contextlib.contextmanager
-def refusing(ex: Exercise, answer: Sequence, scopes: Sequence[dict] = ()) -> Iterator[None]:
-    """While the answer runs, what ``ex.refuse`` names raises :class:`CheckFailed` wherever the answer can reach
-    it; everything is put back afterwards."""
+def patched(patches: Sequence[tuple]) -> Iterator[None]:
+    """Each ``(holder, attribute, value)`` of ``patches`` set while the block runs; everything put back after."""
     saved = []
     try:
-        for holder, attr, value in _patches(ex, answer, scopes):
+        for holder, attr, value in patches:
             saved.append((holder, attr, _swap(holder, attr, value)))
         yield
     finally:
         for holder, attr, old in reversed(saved):
             _swap(holder, attr, old)
+
+
+def refusing(ex: Exercise, answer: Sequence, scopes: Sequence[dict] = ()) -> contextlib.AbstractContextManager:
+    """While the answer runs, what ``ex.refuse`` names raises :class:`CheckFailed` wherever the answer can reach
+    it; everything is put back afterwards."""
+    return patched(_patches(ex, answer, scopes))
 
 
 # ---------------------------------------------------------------------------------------- the answer

@@ -11,7 +11,7 @@ from functools import partial
 import torch
 
 from .. import models
-from .engine import Case, Exercise, _swap, difference
+from .engine import Case, Exercise, difference, patched
 from .engine import mistake as _m
 
 __all__ = ["check_state_bytes", "check_time_step", "check_wait_fraction", "STATE_BYTES", "TIME_STEP", "WAIT_FRACTION"]
@@ -128,8 +128,7 @@ class _Machine:
         return len(self.loads)
 
 
-@contextlib.contextmanager
-def _clock(machine: _Machine, answer):
+def _clock(machine: _Machine, answer) -> contextlib.AbstractContextManager:
     """While the answer runs, time's wall clocks, under any name (``perf_counter`` imported, timeit's default_timer,
     a default argument), read ``machine.now`` in this thread; other threads read the real ones."""
     me = threading.get_ident()
@@ -152,14 +151,7 @@ def _clock(machine: _Machine, answer):
         for f in (answer, timeit.Timer.__init__, timeit.timeit, timeit.repeat)
         if getattr(f, "__defaults__", None)
     ]
-    saved = []
-    try:
-        for holder, attr, value in patches:
-            saved.append((holder, attr, _swap(holder, attr, value)))
-        yield
-    finally:
-        for holder, attr, old in reversed(saved):
-            _swap(holder, attr, old)
+    return patched(patches)
 
 
 def _compare(got, want):  # (result, what step() saw) against the oracle's: the calls first, then the number
